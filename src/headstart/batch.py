@@ -1,0 +1,75 @@
+"""One forward's worth of work: rows from many streams, packed.
+
+The scheduler (torch-free) describes each stream's part of a step as a :class:`SeqChunk`: which
+slot, how many tokens that slot's state already holds (``start``, also the position of the first new
+token), the new token ids, and how many of its last rows need logits. A prefill chunk, a single
+decode row and (later) a verify window are all the same thing. :class:`ForwardBatch` packs a list
+of them into tensors, in order, with ``cu_seqlens``-style offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    slot: int
+    start: int
+    tokens: tuple[int, ...]
+    logit_rows: int = 1  # logits for the last N rows of this chunk (0 = none)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        assert self.tokens, "a chunk has at least one token"
+        assert self.start >= 0 and 0 <= self.logit_rows <= len(self.tokens)
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """Where one chunk's rows sit in the packed batch."""
+
+    slot: int
+    start: int  # tokens already in the slot's state
+    begin: int  # first packed row
+    end: int  # one past the last packed row
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each row in its stream
+    spans: tuple[SeqSpan, ...]
+    logit_index: torch.Tensor  # [R] packed rows whose logits are returned, in chunk order
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        logit_rows: list[int] = []
+        slots = [c.slot for c in chunks]
+        assert len(set(slots)) == len(slots), "a slot appears at most once per batch"
+        for c in chunks:
+            begin = len(ids)
+            ids.extend(c.tokens)
+            positions.extend(range(c.start, c.start + len(c.tokens)))
+            spans.append(SeqSpan(c.slot, c.start, begin, len(ids)))
+            logit_rows.extend(range(len(ids) - c.logit_rows, len(ids)))
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            spans=tuple(spans),
+            logit_index=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])

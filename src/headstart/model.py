@@ -1,0 +1,196 @@
+"""The Qwen3.5 hybrid text model, as one forward over packed rows from many streams.
+
+``Qwen35Model.forward(batch, pool)`` embeds the batch's rows, runs every decoder layer (Gated
+DeltaNet or gated full attention, then a SwiGLU MLP), reads and updates each stream's state in the
+:class:`~headstart.state.StatePool` slot named by its chunk, and returns logits only for the rows
+the chunks asked for. Projections, norms and MLPs run once over all rows; the sequence-mixing cores
+run per stream. This is the pure-PyTorch reference path (CPU, float32 by default); faster kernels
+of later stages keep its interface. The math follows HF transformers' ``modeling_qwen3_5`` (see
+``shared/docs/qwen35-architecture.md``), including where it rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from headstart.batch import ForwardBatch
+from headstart.config import FULL, ModelConfig, load_config
+from headstart.ops.attention import attend
+from headstart.ops.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from headstart.ops.short_conv import causal_conv
+from headstart.quant import QuantizedTensor
+from headstart.state import StatePool
+from headstart.weights import Weight, load_weights
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    # CPU reference: quantized weights are dequantized per call, so memory holds only the packed
+    # form; the GPU path (a later stage) consumes the packed words directly.
+    if isinstance(w, QuantizedTensor):
+        return x @ w.dequantize(x.dtype).T
+    return F.linear(x, w)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm; ``scale`` is the multiplier ``1 + w`` in fp32. Rounds once at the end."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale
+    return y.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """GDN output norm (plain weight, no +1), then ``* silu(gate)``; rounds twice, as HF does."""
+    x32 = x.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = weight.to(x.dtype) * n
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class Rotary:
+    """Partial rotate-half RoPE on the first ``rotary_dim`` dims of each head."""
+
+    inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, device: torch.device | str) -> Rotary:
+        rd = cfg.rotary_dim
+        exponent = torch.arange(0, rd, 2, dtype=torch.int64, device=device).float() / rd
+        return cls(1.0 / (cfg.rope_theta ** exponent))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rd]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = cos.shape[-1]
+        x_rot, x_pass = x[..., :rd], x[..., rd:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class Qwen35Model:
+    """Weights plus the reference forward. Build with :meth:`load` or from a weight dict."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rotary = Rotary.create(cfg, self.device)
+        # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
+        self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
+        self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> Qwen35Model:
+        cfg = load_config(model_dir)
+        return cls(cfg, load_weights(model_dir, cfg, dtype, device), dtype, device)
+
+    def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
+        return StatePool.allocate(self.cfg, num_slots, max_tokens, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
+        """Run the batch, updating its slots in ``pool``; logits ``[R, vocab]`` of the asked rows."""
+        cfg, w = self.cfg, self.w
+        for span in batch.spans:
+            if span.start + span.length > pool.max_tokens:
+                raise ValueError(
+                    f"slot {span.slot}: {span.start + span.length} tokens exceed the pool's "
+                    f"{pool.max_tokens}"
+                )
+        x = self.embed(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            if kind == FULL:
+                h = self.attention(i, h, cos, sin, batch, pool)
+            else:
+                h = self.gated_deltanet(i, h, batch, pool)
+            x = x + h
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self.mlp(p + "mlp.", h)
+        x = rms_norm(x[batch.logit_index], w["norm.weight"], cfg.rms_norm_eps)
+        return linear(x, w["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.w["embed_tokens.weight"]
+        if isinstance(table, QuantizedTensor):
+            return table.dequantize(self.dtype, rows=ids)
+        return table[ids]
+
+    def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        return linear(F.silu(linear(x, w[p + "gate_proj.weight"])) * linear(x, w[p + "up_proj.weight"]),
+                      w[p + "down_proj.weight"])
+
+    def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
+        T, hd = x.shape[0], cfg.head_dim
+        # q_proj is laid out per head as [query (hd) | gate (hd)].
+        qg = linear(x, w[p + "q_proj.weight"]).view(T, cfg.num_attention_heads, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, -1)
+        k = linear(x, w[p + "k_proj.weight"]).view(T, cfg.num_key_value_heads, hd)
+        v = linear(x, w[p + "v_proj.weight"]).view(T, cfg.num_key_value_heads, hd)
+        q = Rotary.apply(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), cos, sin)
+        k = Rotary.apply(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), cos, sin)
+
+        layer = self.state_index[i]
+        keys, values = pool.keys[layer], pool.values[layer]
+        out = torch.empty_like(q)
+        for s in batch.spans:
+            end = s.start + s.length
+            keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
+            values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
+            out[s.begin:s.end] = attend(q[s.begin:s.end], keys[s.slot, :, :end],
+                                        values[s.slot, :, :end], s.start)
+        out = out.reshape(T, -1) * torch.sigmoid(gate)
+        return linear(out, w[p + "o_proj.weight"])
+
+    def gated_deltanet(self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: StatePool
+                       ) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{i}.linear_attn."
+        T = x.shape[0]
+        Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        mixed = linear(x, w[p + "in_proj_qkv.weight"])  # [T, conv_dim] = [q | k | v]
+        z = linear(x, w[p + "in_proj_z.weight"]).view(T, Hv, Dv)
+        beta = torch.sigmoid(linear(x, w[p + "in_proj_b.weight"]))
+        a = linear(x, w[p + "in_proj_a.weight"])
+        g = -w[p + "A_log"].exp() * F.softplus(a.float() + w[p + "dt_bias"])  # log decay, fp32
+
+        layer = self.state_index[i]
+        tails, states = pool.conv[layer], pool.recurrent[layer]
+        conv_w = w[p + "conv1d.weight"]
+        core = torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
+        for s in batch.spans:
+            fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
+            tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
+            y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
+            q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+            L = s.length
+            state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot]
+            rule = recurrent_gated_delta if L == 1 else chunked_gated_delta
+            o, states[s.slot] = rule(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),
+                                     v.reshape(L, Hv, Dv), g[s.begin:s.end], beta[s.begin:s.end],
+                                     state)
+            core[s.begin:s.end] = o.to(x.dtype)
+        out = gated_rms_norm(core, z, w[p + "norm.weight"], cfg.rms_norm_eps)
+        return linear(out.reshape(T, -1), w[p + "out_proj.weight"])

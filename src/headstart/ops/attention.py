@@ -1,0 +1,27 @@
+"""Causal attention of new rows over a stream's KV rows (reference).
+
+The stream's keys and values live in a slot of the KV pool; new rows have already been written
+there, so the query at absolute position ``p`` attends to pool rows ``0..p``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, start: int) -> torch.Tensor:
+    """q: [T, nh, hd] for positions start..start+T-1; k_rows, v_rows: [nkv, start+T, hd].
+
+    Grouped-query attention (query head i reads kv head i // (nh / nkv)), scale hd^-0.5, softmax
+    in fp32. Returns [T, nh, hd] in q's dtype.
+    """
+    T, nh, hd = q.shape
+    nkv, n, _ = k_rows.shape
+    group = nh // nkv
+    qh = q.transpose(0, 1).reshape(nkv, group * T, hd)  # query heads grouped under their kv head
+    scores = (qh @ k_rows.transpose(1, 2)).float() * hd**-0.5  # [nkv, group*T, n]
+    pos = torch.arange(start, start + T, device=q.device).repeat(group)
+    future = torch.arange(n, device=q.device)[None, :] > pos[:, None]
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1).to(v_rows.dtype)
+    out = (probs @ v_rows).reshape(nh, T, hd).transpose(0, 1)
+    return out.to(q.dtype)

@@ -1,0 +1,128 @@
+"""Tiny random Qwen3.5 checkpoints built with HF transformers (the reference), saved locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from headstart.quant import quantize
+
+
+def text_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+
+    base = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=24, linear_conv_kernel_dim=4, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, eos_token_id=1, rms_norm_eps=1e-6,
+    )
+    base.update(overrides)
+    return Qwen3_5TextConfig(**base)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF initialises norms to zero/one and decays to a narrow band; spread everything out."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.5 if p.ndim == 1 else 0.15
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def causal_lm(seed: int = 0, **overrides):
+    """A random Qwen3_5ForCausalLM (float32, eval mode)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(text_config(**overrides)).float().eval()
+    randomize(model, seed)
+    return model
+
+
+def save_text_only(model, out: Path) -> Path:
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def save_wrapper(model, out: Path) -> Path:
+    """Save a text model in the official vision-language wrapper placement (tiny vision tower)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tc = model.config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=tc["hidden_size"], patch_size=2, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=16)
+    cfg = Qwen3_5Config(text_config=tc, vision_config=vision,
+                        tie_word_embeddings=tc["tie_word_embeddings"])
+    wrapper = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    state = {}
+    for k, v in model.state_dict().items():
+        state[k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k] = v
+    missing, unexpected = wrapper.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.startswith("model.visual.") for k in missing), missing
+    wrapper.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def dequantized_copy(model, bits: int, group: int):
+    """Quantize every Linear/Embedding weight (MLX rule) and put the dequantized values back.
+
+    Returns (reference model with dequantized weights, {hf name: QuantizedTensor})."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    packed = {}
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                w = module.weight
+                if w.shape[-1] % group:
+                    continue
+                qt = quantize(w.detach(), bits, group)
+                packed[name] = qt
+                w.copy_(qt.dequantize(torch.float32))
+    return ref, packed
+
+
+def save_mlx(model, packed: dict, out: Path, bits: int, group: int) -> Path:
+    """Write the MLX affine layout the way mlx-lm's converter does: language_model.model.* names,
+    uint32 weights + scales + biases, conv [C, K, 1], zero-centred norms stored as 1 + w."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        new = ("language_model." + name) if name.startswith("model.") else name
+        if name.startswith("lm_head."):
+            new = "language_model." + name
+        if module in packed:
+            qt = packed[module]
+            base = new.rsplit(".", 1)[0]
+            tensors[base + ".weight"] = qt.packed.view(torch.uint32).contiguous()
+            tensors[base + ".scales"] = qt.scales.contiguous()
+            tensors[base + ".biases"] = qt.biases.contiguous()
+            continue
+        t = t.detach().clone()
+        if name.endswith("conv1d.weight"):
+            t = t.transpose(1, 2).contiguous()  # [C, 1, K] -> [C, K, 1]
+        elif name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight",
+                            "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
+            t = t + 1.0
+        tensors[new] = t.contiguous()
+    if model.config.tie_word_embeddings:
+        tensors.pop("language_model.lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    cfg = model.config.to_dict()
+    cfg["quantization"] = {"group_size": group, "bits": bits, "mode": "affine"}
+    cfg["quantization_config"] = dict(cfg["quantization"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
