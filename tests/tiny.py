@@ -78,12 +78,14 @@ def dequantized_copy(model, bits: int, group: int):
 
     ref = copy.deepcopy(model)
     packed = {}
+    seen = set()  # a tied head shares the embedding's tensor: quantize it once
     with torch.no_grad():
         for name, module in ref.named_modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 w = module.weight
-                if w.shape[-1] % group:
+                if w.shape[-1] % group or id(w) in seen:
                     continue
+                seen.add(id(w))
                 qt = quantize(w.detach(), bits, group)
                 packed[name] = qt
                 w.copy_(qt.dequantize(torch.float32))

@@ -307,19 +307,14 @@ def _validate(cfg: ModelConfig, text: _Reader) -> None:
         if eos >= cfg.vocab_size:
             raise text.error("eos_token_id", f"{eos} is outside the vocabulary ({cfg.vocab_size})")
     if cfg.quantization is not None:
-        inputs = {
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "value_dim (linear_num_value_heads * linear_value_head_dim)": cfg.value_dim,
-            "num_attention_heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
-        }
+        # Modules whose input dim the group does not divide stay unquantized (mlx-lm's rule) and
+        # are checked tensor by tensor at load; the hidden size feeds nearly every projection.
         group = cfg.quantization.default.group_size
-        for name, dim in inputs.items():
-            if dim % group:
-                raise ConfigError(
-                    "quantization.group_size", text.file,
-                    f"{group} does not divide the input dimension {name} = {dim}",
-                )
+        if cfg.hidden_size % group:
+            raise ConfigError(
+                "quantization.group_size", text.file,
+                f"{group} does not divide hidden_size {cfg.hidden_size}",
+            )
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
