@@ -104,7 +104,7 @@ class Qwen35Model:
     def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
         return StatePool.allocate(self.cfg, num_slots, max_tokens, self.dtype, self.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
         """Run the batch, updating its slots in ``pool``; logits ``[R, vocab]`` of the asked rows."""
         cfg, w = self.cfg, self.w

@@ -1,0 +1,68 @@
+"""Finding a model folder (embedded default, local path or hub name) and loading it whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from headstart.errors import CheckpointError
+from headstart.model import Qwen35Model
+from headstart.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_dir() -> Path:
+    """The small model shipped inside the package."""
+    return Path(str(resources.files("headstart") / "default_model"))
+
+
+def resolve_model_dir(name: str | None) -> Path:
+    """None -> the embedded default; an existing folder -> itself; ``org/name`` -> a hub download."""
+    if name is None:
+        return default_model_dir()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{name}: not a folder (give the checkpoint's folder)")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise CheckpointError(
+                f"{name}: no such folder, and huggingface_hub is not installed to fetch it"
+            ) from None
+        try:
+            return Path(snapshot_download(name, allow_patterns=[
+                "*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+        except Exception as e:  # network, auth, missing repo: all reported the same way
+            raise CheckpointError(f"{name}: cannot fetch from the hub: {e}") from None
+    raise CheckpointError(f"{name}: no such folder")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: Qwen35Model
+    tokenizer: Tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = self.model.cfg.eos_token_ids
+        extra = self.tokenizer.eos_token_id
+        return ids if extra is None or extra in ids else (*ids, extra)
+
+
+def load(name: str | None = None, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
+    """Load model and tokenizer. dtype defaults to float32 on CPU and bfloat16 elsewhere."""
+    path = resolve_model_dir(name)
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    tokenizer = Tokenizer.from_dir(path)
+    model = Qwen35Model.load(path, DTYPES[dtype], device)
+    return LoadedModel(path, model, tokenizer)
