@@ -454,7 +454,9 @@ def test_logprobs_are_raw_and_top_logprobs_sorted():
         SamplingParams(temperature=1.5, top_p=0.9),  # no logprobs asked
         SamplingParams(temperature=2.0, logprobs=0),
     ]
+    before = logits.clone()
     out = SAMPLER.sample(logits, params, [make_generator(i) for i in range(4)])
+    assert torch.equal(logits, before)  # the sampler never writes to its input
     raw = torch.log_softmax(logits.float(), dim=-1)
     assert out.logprobs is not None and out.top_logprobs is not None
     for i, tok in enumerate(out.token_ids):

@@ -177,8 +177,9 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 # --------------------------------------------------------------------- pure helpers
 #
 # All helpers take a [B, V] float tensor and per-row settings (a tensor or a sequence of
-# length B), return a new tensor, and never modify their input. "Masked" means set to
-# -inf, so that softmax gives the token probability exactly 0.
+# length B) and never modify their input: they return a new tensor, or the input itself
+# when no row uses the filter. "Masked" means set to -inf, so that softmax gives the
+# token probability exactly 0.
 
 
 def _per_row(values: torch.Tensor | Sequence[float] | Sequence[int], like: torch.Tensor,
@@ -237,7 +238,14 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor | Sequence[float]) -> 
     if not bool(active.any()):
         return logits
     probs = logits.float().softmax(dim=-1)
-    sorted_probs = probs.sort(dim=-1, descending=True).values
+    # Only unmasked entries carry mass. After top-k (the common case: Qwen's defaults set
+    # both) that is a handful per row, and a top-n over them gives the same sorted prefix
+    # as a full sort of the vocabulary at a fraction of the cost.
+    live = int((torch.isfinite(logits).sum(dim=-1) * active).max())
+    if live < logits.shape[-1] // 2:
+        sorted_probs = probs.topk(max(live, 1), dim=-1).values
+    else:
+        sorted_probs = probs.sort(dim=-1, descending=True).values
     cumulative = sorted_probs.cumsum(dim=-1)
     mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
     keep_count = (mass_before < p.unsqueeze(1)).sum(dim=-1).clamp_min(1)
@@ -378,17 +386,23 @@ class Sampler:
             )
         logits = logits.float()
 
-        # Argmax for every row: it is the answer for greedy rows and is cheap; sampled
-        # rows are overwritten below. torch.argmax returns the first maximal index.
-        token_ids = logits.argmax(dim=-1)
-
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            sub = _processed_logits(logits.index_select(0, rows), [params[i] for i in sampled])
-            probs = sub.softmax(dim=-1)
-            noise = _exponential_noise([generators[i] for i in sampled], vocab, logits.device)
-            token_ids[rows] = (probs / noise).argmax(dim=-1)
+        if len(sampled) == batch:
+            # All rows sample (the common case): no gather/scatter copies needed.
+            probs = _processed_logits(logits, params).softmax(dim=-1)
+            noise = _exponential_noise(generators, vocab, logits.device)
+            token_ids = (probs / noise).argmax(dim=-1)
+        else:
+            # Argmax for every row answers the greedy ones (torch.argmax returns the
+            # first maximal index); sampled rows are overwritten.
+            token_ids = logits.argmax(dim=-1)
+            if sampled:
+                rows = torch.tensor(sampled, device=logits.device)
+                sub = logits.index_select(0, rows)
+                probs = _processed_logits(sub, [params[i] for i in sampled]).softmax(dim=-1)
+                noise = _exponential_noise([generators[i] for i in sampled], vocab,
+                                           logits.device)
+                token_ids[rows] = (probs / noise).argmax(dim=-1)
 
         result = SampleResult(token_ids=token_ids.tolist(), token_ids_tensor=token_ids)
         if any(p.logprobs is not None for p in params):
@@ -407,10 +421,14 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int,
         if gen is None:
             unseeded.append(j)
             continue
-        # Draw on the generator's own device (generators are device-bound), same size
-        # every step so the request's stream advances identically whatever the batch.
-        row = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
-        noise[j].copy_(row)
+        # The same number of draws every step, so the request's stream advances
+        # identically whatever the batch. Generators are device-bound: one on another
+        # device than the logits draws there and the row is copied over.
+        if gen.device == device:
+            noise[j].exponential_(generator=gen)
+        else:
+            row = torch.empty(vocab, dtype=torch.float32, device=gen.device)
+            noise[j].copy_(row.exponential_(generator=gen))
     if unseeded:
         rows = torch.tensor(unseeded, device=device)
         noise[rows] = torch.empty((len(unseeded), vocab), dtype=torch.float32,
@@ -422,6 +440,7 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int,
 
 def _top_logprobs(raw: torch.Tensor,
                   params: Sequence[SamplingParams]) -> list[list[tuple[int, float]]]:
+    """Top ``params[i].logprobs`` (id, logprob) pairs per row; [] for rows asking none."""
     out: list[list[tuple[int, float]]] = [[] for _ in params]
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if not wanted:
@@ -429,8 +448,8 @@ def _top_logprobs(raw: torch.Tensor,
     n = min(max(params[i].logprobs or 0 for i in wanted), raw.shape[-1])
     rows = torch.tensor(wanted, device=raw.device)
     values, ids = raw.index_select(0, rows).topk(n, dim=-1)
-    for r, (vals, toks) in zip(wanted, zip(values.tolist(), ids.tolist(), strict=True),
-                               strict=True):
+    for r, vals, toks in zip(wanted, values.tolist(), ids.tolist(), strict=True):
+        # topk's order among equal values is unspecified; make it lowest id first.
         pairs = sorted(zip(toks, vals, strict=True), key=lambda t: (-t[1], t[0]))
         out[r] = pairs[: params[r].logprobs]
     return out
