@@ -30,6 +30,7 @@ class Piece:
 class Finish:
     reason: str  # "stop" (eos, stop token or stop string), "length", or "abort"
     text: str = ""  # text held back until the end (partial characters, stop-string prefixes)
+    completion_tokens: int = 0  # sampled tokens, a final stop token included (as vLLM counts)
 
 
 class OutputStream:
@@ -53,7 +54,7 @@ class OutputStream:
         text, stopped = self.matcher.push(self.detok.push(token))
         piece = Piece(token, text, logprob, top_logprobs)
         if stopped:
-            return piece, Finish("stop")
+            return piece, Finish("stop", "", self.produced)
         if self.produced >= self.max_new_tokens:
             return piece, self.finish("length")
         return piece, None
@@ -62,5 +63,5 @@ class OutputStream:
         """Release held-back text; a stop string completed by it turns the reason into "stop"."""
         tail, stopped = self.matcher.push(self.detok.flush())
         if stopped:
-            return Finish("stop", tail)
-        return Finish(reason, tail + self.matcher.flush())
+            return Finish("stop", tail, self.produced)
+        return Finish(reason, tail + self.matcher.flush(), self.produced)

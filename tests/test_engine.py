@@ -1,0 +1,115 @@
+"""The serving engine on the embedded default model: batching, aborts, bounds."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull, wait_idle
+from headstart.generate import generate
+from headstart.loading import load
+from headstart.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load()
+
+
+@pytest.fixture
+def engine(loaded):
+    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=4, context=256,
+               max_queue=32, prefill_chunk=16, step_tokens=40)
+    e.start()
+    yield e
+    e.stop()
+
+
+class Collector:
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, (Finish, Failed)):
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [e.token_id for e in self.events if isinstance(e, Piece)]
+
+
+def alone(loaded, ids, params):
+    return [e.token_id for e in generate(loaded.model, loaded.tokenizer, ids, params,
+                                         loaded.eos_token_ids) if isinstance(e, Piece)]
+
+
+PROMPTS = ["def f(x):", "import sys\nprint(", "class A:\n    pass\n" * 3, "x", "# a comment",
+           "for i in range(10):", "while True:", "return None" * 5]
+
+
+def test_concurrent_requests_equal_alone(loaded, engine):
+    """More requests than slots, mixed prompt lengths, greedy and seeded sampling."""
+    cases = []
+    for i in range(12):
+        ids = loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + str(i))
+        params = (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=0.9, top_k=50, seed=i, max_tokens=8, ignore_eos=True))
+        cases.append((ids, params, Collector()))
+    for i, (ids, params, c) in enumerate(cases):
+        engine.submit(EngineRequest(f"r{i}", ids, params, params.max_tokens, c))
+    for ids, params, c in cases:
+        assert c.done.wait(60)
+        assert isinstance(c.events[-1], Finish) and c.events[-1].reason == "length"
+        assert c.tokens == alone(loaded, ids, params)
+    assert wait_idle(engine) and engine.stats()["free_slots"] == 4
+
+
+def test_abort_frees_the_slot_and_sends_nothing_more(loaded, engine):
+    ids = loaded.tokenizer.encode("def g():")
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    hogs = [Collector() for _ in range(4)]
+    for i, c in enumerate(hogs):
+        engine.submit(EngineRequest(f"hog{i}", ids, params, 200, c))
+    while not all(c.events for c in hogs):
+        pass
+    for i in range(4):
+        engine.abort(f"hog{i}")
+    quick = Collector()
+    engine.submit(EngineRequest("quick", ids, SamplingParams(temperature=0, max_tokens=3), 3, quick))
+    assert quick.done.wait(30)
+    assert wait_idle(engine)
+    assert engine.stats()["free_slots"] == 4
+    counts = [len(c.events) for c in hogs]
+    assert all(not isinstance(e, Finish) for c in hogs for e in c.events)
+    assert [len(c.events) for c in hogs] == counts  # nothing arrives after the abort
+
+
+def test_queue_bound_and_context_checks(loaded, engine):
+    ids = loaded.tokenizer.encode("x")
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    with pytest.raises(ValueError, match="context"):
+        engine.submit(EngineRequest("big", ids * 250, params, 100, Collector()))
+    accepted = 0
+    with pytest.raises(QueueFull):
+        for i in range(4 + 32 + 1):
+            engine.submit(EngineRequest(f"q{i}", ids, params, 100, Collector()))
+            accepted += 1
+    assert accepted == 36
+    engine.end_all()
+    assert wait_idle(engine)
+
+
+def test_broken_sink_does_not_hurt_others(loaded, engine):
+    def bad(ev):
+        raise RuntimeError("client went away")
+
+    ids = loaded.tokenizer.encode("def h():")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    good = Collector()
+    engine.submit(EngineRequest("bad", ids, params, 6, bad))
+    engine.submit(EngineRequest("good", ids, params, 6, good))
+    assert good.done.wait(30) and good.tokens == alone(loaded, ids, params)
+    assert wait_idle(engine)
