@@ -1,4 +1,4 @@
-"""The ``headstart`` command line: ``headstart run`` (``serve`` and ``bench`` come later)."""
+"""The ``headstart`` command line: ``headstart run`` and ``headstart serve``."""
 
 from __future__ import annotations
 
@@ -69,8 +69,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--min-p", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    _add_model_args(srv)
+    from headstart.server.serve import add_serve_args
+
+    add_serve_args(srv)
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            from headstart.server.serve import serve
+
+            return serve(args)
         return _run(args)
     except (HeadstartError, ValueError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)

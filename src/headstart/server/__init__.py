@@ -1,0 +1,1 @@
+"""HTTP-facing pieces of the headstart server: protocol, reasoning split, auth, logs, metrics."""

@@ -1,0 +1,378 @@
+"""HTTP routes: the OpenAI-compatible API over the engine.
+
+Each completion request becomes one engine request per (prompt, choice); engine events arrive on
+the engine thread and are handed to the request's asyncio queue. A streaming response turns them
+into SSE chunks; a client that goes away (or a handler that is cancelled) aborts every engine
+request it started, which frees their slots at once. Request parsing and response shapes live in
+``protocol``; this module only wires them to the engine, the metrics and the request log.
+Non-goal: model or engine code (this module imports neither ``model`` nor ``ops``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull
+from headstart.server import protocol as P
+from headstart.server.auth import ApiKeys
+from headstart.server.metrics import Metrics
+from headstart.server.reasoning import ReasoningSplitter
+from headstart.server.request_log import RequestLog, request_record
+from headstart.tokenizer import Tokenizer
+
+log = logging.getLogger("headstart.server")
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    context: int
+    generation_defaults: dict[str, float]
+    metrics: Metrics
+    keys: ApiKeys | None = None
+    request_log: RequestLog | None = None
+    max_tokens_cap: int | None = None  # server-wide cap on tokens generated per request
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def next_engine_id(self) -> str:
+        return f"e{next(self._ids)}"
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    index: int
+    engine_id: str
+    splitter: ReasoningSplitter | None  # chat only
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list[P.LogprobEntry] = field(default_factory=list)
+    finish: Finish | None = None
+    started: bool = False  # the first streamed chunk (with the role) was sent
+    last_token_at: float | None = None
+
+
+class _Generation:
+    """One HTTP completion request's engine requests and their events."""
+
+    def __init__(self, state: ServerState, kind: str, req: P.ChatCompletionRequest |
+                 P.CompletionRequest, prompts: list[list[int]], prompt_text: str | None) -> None:
+        self.state = state
+        self.kind = kind
+        self.req = req
+        self.prompts = prompts
+        self.id = P.new_request_id("chat" if kind == "chat" else "completion")
+        self.created = int(time.time())
+        self.started_at = time.monotonic()
+        self.ttft: float | None = None
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.choices: list[_Choice] = []
+        self.params = []
+        self.error: str | None = None
+        loop = asyncio.get_running_loop()
+        for p, ids in enumerate(prompts):
+            limit = state.context - len(ids)
+            if state.max_tokens_cap is not None:
+                limit = min(limit, state.max_tokens_cap)
+            if limit < 1:
+                field_name = "messages" if kind == "chat" else "prompt"
+                raise P.APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room "
+                                 f"in the context of {state.context} tokens", param=field_name,
+                                 code="context_length_exceeded")
+            base = P.sampling_params(req, defaults=state.generation_defaults,
+                                     max_new_tokens=limit)
+            for j in range(req.n):
+                params = base
+                if req.seed is not None and req.n > 1:  # distinct but reproducible choices
+                    from dataclasses import replace
+
+                    params = replace(base, seed=req.seed + j)
+                index = p * req.n + j
+                splitter = ReasoningSplitter.for_prompt(prompt_text) if prompt_text is not None \
+                    else None
+                self.choices.append(_Choice(index, state.next_engine_id(), splitter))
+                self.params.append((ids, params))
+
+        def sink_for(index: int):
+            def sink(event: Any) -> None:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            return sink
+
+        self._sinks = [sink_for(c.index) for c in self.choices]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.finish.completion_tokens for c in self.choices if c.finish)
+
+    def submit(self) -> None:
+        submitted = []
+        try:
+            for choice, (ids, params), sink in zip(self.choices, self.params, self._sinks,
+                                                   strict=True):
+                self.state.engine.submit(EngineRequest(choice.engine_id, ids, params,
+                                                       params.max_tokens, sink))
+                submitted.append(choice.engine_id)
+        except QueueFull as e:
+            for engine_id in submitted:
+                self.state.engine.abort(engine_id)
+            raise P.APIError(429, f"server busy: {e}; retry shortly", code="queue_full",
+                             headers={"Retry-After": "1"}) from None
+        except ValueError as e:
+            for engine_id in submitted:
+                self.state.engine.abort(engine_id)
+            raise P.APIError(400, str(e), code="context_length_exceeded") from None
+
+    def abort(self) -> None:
+        for c in self.choices:
+            if c.finish is None:
+                self.state.engine.abort(c.engine_id)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(c.finish is not None for c in self.choices)
+
+    def take(self, index: int, event: Any) -> list[dict[str, Any]]:
+        """Record an engine event; return the chunks to stream for it."""
+        c = self.choices[index]
+        now = time.monotonic()
+        if isinstance(event, Failed):
+            self.error = event.message
+            return []
+        chunks: list[dict[str, Any]] = []
+        if isinstance(event, Piece):
+            if self.ttft is None:
+                self.ttft = now - self.started_at
+                self.state.metrics.first_token(self.ttft)
+            elif c.last_token_at is not None:
+                self.state.metrics.token(now - c.last_token_at)
+            c.last_token_at = now
+            entry = None
+            if event.logprob is not None and self.params[index][1].logprobs is not None:
+                entry = (event.token_id, event.logprob, event.top_logprobs or [])
+                c.logprobs.append(entry)
+            chunks += self._text_chunks(c, event.text, entry, None)
+        elif isinstance(event, Finish):
+            c.finish = event
+            chunks += self._text_chunks(c, event.text, None, event.reason)
+        return chunks
+
+    def _text_chunks(self, c: _Choice, text: str, entry: P.LogprobEntry | None,
+                     finish_reason: str | None) -> list[dict[str, Any]]:
+        as_ids = self.req.return_tokens_as_token_ids
+        tok = self.state.tokenizer
+        if self.kind == "chat":
+            assert c.splitter is not None
+            reasoning, content = c.splitter.push(text)
+            if finish_reason is not None:
+                r2, c2 = c.splitter.flush()
+                reasoning, content = reasoning + r2, content + c2
+            c.reasoning.append(reasoning)
+            c.text.append(content)
+            logprobs = P.chat_logprobs(tok, [entry], as_token_ids=as_ids) if entry else None
+            if not (reasoning or content or logprobs or finish_reason or not c.started):
+                return []
+            role, c.started = not c.started, True
+            return [P.chat_chunk(request_id=self.id, model=self.state.model_name,
+                                 index=c.index, created=self.created, role=role,
+                                 content=content or None, reasoning=reasoning or None,
+                                 finish_reason=finish_reason, logprobs=logprobs)]
+        offset = sum(len(t) for t in c.text)
+        c.text.append(text)
+        logprobs = (P.completion_logprobs(tok, [entry], as_token_ids=as_ids, text_offset=offset)
+                    if entry else None)
+        if not (text or logprobs or finish_reason):
+            return []
+        return [P.completion_chunk(request_id=self.id, model=self.state.model_name,
+                                   index=c.index, text=text, created=self.created,
+                                   finish_reason=finish_reason, logprobs=logprobs)]
+
+    def usage(self) -> dict[str, Any]:
+        return P.usage_info(self.prompt_tokens, self.completion_tokens, 0)
+
+    def full_response(self) -> dict[str, Any]:
+        tok, as_ids = self.state.tokenizer, self.req.return_tokens_as_token_ids
+        choices = []
+        for c in self.choices:
+            assert c.finish is not None
+            if self.kind == "chat":
+                reasoning = "".join(c.reasoning)
+                choices.append(P.chat_choice(
+                    c.index, content="".join(c.text), reasoning=reasoning or None,
+                    finish_reason=c.finish.reason,
+                    logprobs=P.chat_logprobs(tok, c.logprobs, as_token_ids=as_ids)
+                    if self.req.num_logprobs is not None else None))
+            else:
+                choices.append(P.completion_choice(
+                    c.index, text="".join(c.text), finish_reason=c.finish.reason,
+                    logprobs=P.completion_logprobs(tok, c.logprobs, as_token_ids=as_ids)
+                    if self.req.num_logprobs is not None else None))
+        build = P.chat_completion_response if self.kind == "chat" else P.completion_response
+        return build(request_id=self.id, model=self.state.model_name, choices=choices,
+                     usage=self.usage(), created=self.created)
+
+    def record(self, status: int, error: str | None = None) -> None:
+        state = self.state
+        reasons = [c.finish.reason if c.finish else "abort" for c in self.choices]
+        duration = time.monotonic() - self.started_at
+        state.metrics.request_finished(
+            status=status, finish_reason=reasons[0] if len(reasons) == 1 else "multi",
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            duration_s=duration, was_running=False)
+        if state.request_log is not None:
+            state.request_log.write(request_record(
+                id=self.id, endpoint=f"/v1/{'chat/' if self.kind == 'chat' else ''}completions",
+                status=status, prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens, cached_tokens=0, ttft_s=self.ttft,
+                duration_s=duration, finish_reason=reasons[0] if len(reasons) == 1 else reasons,
+                error=error, n=len(self.choices), stream=bool(self.req.stream)))
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="headstart", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.headstart = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if path.startswith("/v1/") and state.keys is not None \
+                and not state.keys.check(request.headers.get("authorization")):
+            state.metrics.error("authentication_error")
+            return _error_response(P.APIError(
+                401, "a valid API key is required (Authorization: Bearer KEY)",
+                code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, e: P.APIError) -> JSONResponse:
+        state.metrics.error(e.type)
+        return _error_response(e)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        state.metrics.error("server_error")
+        return _error_response(P.APIError(500, f"internal error: {type(e).__name__}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        stats = state.engine.stats()
+        body = {"status": "draining" if state.draining else "ok", "slots": stats["slots"],
+                "free_slots": stats["free_slots"], "running": stats["running"],
+                "waiting": stats["waiting"]}
+        return JSONResponse(body, status_code=503 if state.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = state.engine.stats()
+        state.metrics.set_load(stats["running"], stats["waiting"])
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "headstart", "max_model_len": state.context}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = P.parse_chat_request(await request.body())
+        _check_model(state, req.model)
+        text = P.chat_prompt_text(state.tokenizer, req)
+        ids = state.tokenizer.encode(text)
+        return await _complete(state, request, "chat", req, [ids], text)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = P.parse_completion_request(await request.body())
+        _check_model(state, req.model)
+        prompts = P.completion_prompts(state.tokenizer, req)
+        return await _complete(state, request, "completion", req, prompts, None)
+
+    return app
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if state.draining:
+        raise P.APIError(503, "the server is shutting down", type="service_unavailable")
+    if name is not None and name != state.model_name:
+        raise P.APIError(404, f"model '{name}' does not exist; this server serves "
+                         f"'{state.model_name}'", param="model", code="model_not_found")
+
+
+async def _complete(state: ServerState, request: Request, kind: str,
+                    req: P.ChatCompletionRequest | P.CompletionRequest,
+                    prompts: list[list[int]], prompt_text: str | None) -> Response:
+    gen = _Generation(state, kind, req, prompts, prompt_text)
+    gen.submit()
+    if req.stream:
+        return StreamingResponse(_stream(gen), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while not gen.done:
+            try:
+                index, event = await asyncio.wait_for(gen.queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    gen.abort()
+                    gen.record(499, "client_disconnected")
+                    return Response(status_code=499)
+                continue
+            gen.take(index, event)
+    except BaseException:
+        gen.abort()
+        gen.record(499, "cancelled")
+        raise
+    if gen.error is not None:
+        gen.abort()
+        gen.record(500, "server_error")
+        raise P.APIError(500, gen.error)
+    gen.record(200)
+    return JSONResponse(gen.full_response())
+
+
+async def _stream(gen: _Generation) -> AsyncIterator[bytes]:
+    status, error = 200, None
+    try:
+        while not gen.done:
+            index, event = await gen.queue.get()
+            for chunk in gen.take(index, event):
+                yield P.sse(chunk)
+        if gen.error is not None:
+            status, error = 500, "server_error"
+            yield P.sse(P.APIError(500, gen.error).body())
+        elif gen.req.include_usage:
+            object_type = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+            yield P.sse(P.usage_chunk(request_id=gen.id, model=gen.state.model_name,
+                                      object_type=object_type, usage=gen.usage(),
+                                      created=gen.created))
+        yield P.SSE_DONE
+    except BaseException:  # client gone (cancelled) or anything else: free the slots now
+        status, error = 499, "client_disconnected"
+        raise
+    finally:
+        gen.abort()
+        gen.record(status, error)
