@@ -95,3 +95,43 @@ def test_quantize_dequantize_error_bounded():
     err = (dequantize(qt.packed, qt.scales, qt.biases, 4, 64) - w).abs()
     step = qt.scales.float().repeat_interleave(64, dim=1)
     assert (err <= step * 0.51 + 1e-2).all()
+
+
+def test_batched_step_equals_per_stream_recurrence():
+    from headstart.ops.gated_delta import gated_delta_step
+
+    streams = [gdn_inputs(1, 2, 6, 8, 12, seed=s) for s in range(5)]
+    o, s = gated_delta_step(*(torch.cat([x[i] for x in streams]) if i < 5 else
+                              torch.stack([x[5] for x in streams]) for i in range(6)))
+    for n, inputs in enumerate(streams):
+        o_ref, s_ref = recurrent_gated_delta(*inputs)
+        assert torch.allclose(o[n], o_ref[0], atol=1e-5)
+        assert torch.allclose(s[n], s_ref, atol=1e-5)
+
+
+def test_conv_step_equals_conv():
+    from headstart.ops.short_conv import causal_conv_step
+
+    g = torch.Generator().manual_seed(4)
+    x, tails, w = torch.randn(3, 6, generator=g), torch.randn(3, 6, 3, generator=g), \
+        torch.randn(6, 4, generator=g)
+    y, new = causal_conv_step(x, tails, w)
+    for n in range(3):
+        y_ref, t_ref = causal_conv(x[n:n + 1], tails[n], w)
+        assert torch.allclose(y[n], y_ref[0], atol=1e-6) and torch.equal(new[n], t_ref)
+
+
+def test_attend_decode_equals_attend():
+    from headstart.ops.attention import attend_decode
+
+    g = torch.Generator().manual_seed(5)
+    n, nh, nkv, hd, L = 4, 6, 2, 8, 9
+    q = torch.randn(n, nh, hd, generator=g)
+    k = torch.randn(n, nkv, L, hd, generator=g)
+    v = torch.randn(n, nkv, L, hd, generator=g)
+    lengths = torch.tensor([1, 9, 4, 6])
+    out = attend_decode(q, k, v, lengths)
+    for i in range(n):
+        m = int(lengths[i])
+        ref = attend(q[i:i + 1], k[i, :, :m], v[i, :, :m], m - 1)
+        assert torch.allclose(out[i], ref[0], atol=1e-5)

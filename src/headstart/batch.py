@@ -43,11 +43,24 @@ class SeqSpan:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """The single-row chunks of a batch, gathered so the mixers can run them as one batch."""
+
+    rows: torch.Tensor  # [n] packed row of each
+    slots: torch.Tensor  # [n] its slot
+    positions: torch.Tensor  # [n] its position (== tokens already in the slot)
+    fresh: torch.Tensor  # [n] bool: position 0, the slot's old state must be ignored
+    max_len: int  # largest position + 1
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each row in its stream
     spans: tuple[SeqSpan, ...]
     logit_index: torch.Tensor  # [R] packed rows whose logits are returned, in chunk order
+    decode: DecodeRows | None  # spans of one row, batched
+    multi_row: tuple[SeqSpan, ...]  # spans of several rows (prefill chunks), run one by one
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:
@@ -63,11 +76,24 @@ class ForwardBatch:
             positions.extend(range(c.start, c.start + len(c.tokens)))
             spans.append(SeqSpan(c.slot, c.start, begin, len(ids)))
             logit_rows.extend(range(len(ids) - c.logit_rows, len(ids)))
+        singles = [s for s in spans if s.length == 1]
+        decode = None
+        if singles:
+            def t(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=device)
+
+            decode = DecodeRows(
+                rows=t([s.begin for s in singles]), slots=t([s.slot for s in singles]),
+                positions=t([s.start for s in singles]),
+                fresh=torch.tensor([s.start == 0 for s in singles], device=device),
+                max_len=max(s.start for s in singles) + 1)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             spans=tuple(spans),
             logit_index=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+            decode=decode,
+            multi_row=tuple(s for s in spans if s.length > 1),
         )
 
     @property

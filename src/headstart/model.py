@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
-from headstart.ops.attention import attend
-from headstart.ops.gated_delta import chunked_gated_delta, recurrent_gated_delta
-from headstart.ops.short_conv import causal_conv
+from headstart.ops.attention import attend, attend_decode
+from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
+from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
 from headstart.state import StatePool
 from headstart.weights import Weight, load_weights
@@ -155,7 +155,13 @@ class Qwen35Model:
         layer = self.state_index[i]
         keys, values = pool.keys[layer], pool.values[layer]
         out = torch.empty_like(q)
-        for s in batch.spans:
+        d = batch.decode
+        if d is not None:  # one row per stream: write the rows, attend in one batch
+            keys[d.slots, :, d.positions] = k[d.rows]
+            values[d.slots, :, d.positions] = v[d.rows]
+            out[d.rows] = attend_decode(q[d.rows], keys[d.slots, :, :d.max_len],
+                                        values[d.slots, :, :d.max_len], d.positions + 1)
+        for s in batch.multi_row:
             end = s.start + s.length
             keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
             values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
@@ -180,15 +186,27 @@ class Qwen35Model:
         tails, states = pool.conv[layer], pool.recurrent[layer]
         conv_w = w[p + "conv1d.weight"]
         core = torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
-        for s in batch.spans:
+        d = batch.decode
+        if d is not None:  # one row per stream: the step form, batched over streams
+            # A new stream starts from zero tail and state, whatever its slot held (even NaN).
+            fresh = d.fresh[:, None, None]
+            tail = torch.where(fresh, 0.0, tails[d.slots])
+            y, tails[d.slots] = causal_conv_step(mixed[d.rows], tail, conv_w)
+            q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+            n = q.shape[0]
+            state = torch.where(fresh[..., None], 0.0, states[d.slots])
+            o, states[d.slots] = gated_delta_step(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
+                                                  v.reshape(n, Hv, Dv), g[d.rows], beta[d.rows],
+                                                  state)
+            core[d.rows] = o.to(x.dtype)
+        for s in batch.multi_row:
             fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
             tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
             y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             L = s.length
             state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot]
-            rule = recurrent_gated_delta if L == 1 else chunked_gated_delta
-            o, states[s.slot] = rule(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),
+            o, states[s.slot] = chunked_gated_delta(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),
                                      v.reshape(L, Hv, Dv), g[s.begin:s.end], beta[s.begin:s.end],
                                      state)
             core[s.begin:s.end] = o.to(x.dtype)

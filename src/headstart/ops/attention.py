@@ -25,3 +25,20 @@ def attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, start: i
     probs = scores.masked_fill(future, float("-inf")).softmax(-1).to(v_rows.dtype)
     out = (probs @ v_rows).reshape(nh, T, hd).transpose(0, 1)
     return out.to(q.dtype)
+
+
+def attend_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                  lengths: torch.Tensor) -> torch.Tensor:
+    """One query row per stream, n streams at once (batched decode).
+
+    q: [n, nh, hd]; k_rows, v_rows: [n, nkv, L, hd] (rows past each stream's length are
+    ignored); lengths: [n] rows to attend to, the query's own row included. Returns [n, nh, hd].
+    """
+    n, nh, hd = q.shape
+    nkv, L = k_rows.shape[1], k_rows.shape[2]
+    qh = q.view(n, nkv, nh // nkv, hd)
+    scores = (qh @ k_rows.transpose(2, 3)).float() * hd**-0.5  # [n, nkv, group, L]
+    beyond = torch.arange(L, device=q.device)[None, :] >= lengths[:, None]  # [n, L]
+    probs = scores.masked_fill(beyond[:, None, None, :], float("-inf")).softmax(-1)
+    out = probs.to(v_rows.dtype) @ v_rows  # [n, nkv, group, hd]
+    return out.reshape(n, nh, hd).to(q.dtype)

@@ -90,3 +90,25 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         S = S * c[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
     out = out.reshape(H, n * chunk, -1)[:, :T]
     return out.transpose(0, 1), S
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step for n independent streams at once (batched decode).
+
+    q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; state: [n, Hv, Dk, Dv] fp32.
+    Returns (o [n, Hv, Dv] fp32, new state [n, Hv, Dk, Dv] fp32). Same math as one step of
+    :func:`recurrent_gated_delta` for each stream.
+    """
+    r = v.shape[1] // q.shape[1]
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if r > 1:
+        q = q.repeat_interleave(r, dim=1)
+        k = k.repeat_interleave(r, dim=1)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    S = state.float() * g.exp()[..., None, None]
+    kv_mem = torch.einsum("nhkv,nhk->nhv", S, k)
+    delta = (v - kv_mem) * beta[..., None]
+    S = S + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("nhkv,nhk->nhv", S, q), S

@@ -19,3 +19,12 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor
     y = F.conv1d(window.unsqueeze(0), weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])[0]
     new_tail = window[:, -tail.shape[1]:]
     return F.silu(y[:, -T:]).transpose(0, 1), new_tail
+
+
+def causal_conv_step(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new row for n streams at once. x: [n, C]; tails: [n, C, K-1]; weight: [C, K].
+    Returns (silu(conv) [n, C], new tails [n, C, K-1])."""
+    window = torch.cat([tails.to(x.dtype), x[:, :, None]], dim=2)  # [n, C, K]
+    y = (window * weight.to(x.dtype)).sum(-1)
+    return F.silu(y), window[:, :, 1:]

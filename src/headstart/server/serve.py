@@ -28,7 +28,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8888)
     p.add_argument("--parallel", type=int, default=None,
-                   help="concurrent streams (slots); default 16 on GPU, 4 on CPU")
+                   help="concurrent streams (slots); default 16 (on CPU too: measured best, see BENCHMARKS.md)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per stream, prompt included (default: min(32768, model max))")
     p.add_argument("--max-queue", type=int, default=256,
@@ -71,8 +71,7 @@ def serve(args: argparse.Namespace) -> int:
     keys = ApiKeys(args.api_key_file) if args.api_key_file else None  # refuse before loading
     loaded = load(args.model, args.device, args.dtype)
     cfg = loaded.model.cfg
-    on_gpu = args.device != "cpu"
-    parallel = args.parallel or (16 if on_gpu else 4)
+    parallel = args.parallel or 16
     context = args.context or min(32768, cfg.max_position_embeddings)
     if parallel < 1 or context < 2:
         raise HeadstartError("--parallel must be >= 1 and --context >= 2")
