@@ -20,6 +20,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
+from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.model import Qwen35Model
@@ -46,6 +47,9 @@ class EngineRequest:
     params: SamplingParams
     max_new_tokens: int
     sink: Callable[[Event], None]  # called on the engine thread; must not block
+    # Prompt positions worth a snapshot besides the end (e.g. right after the last
+    # "<|im_start|>assistant\n", where the next turn of the conversation diverges).
+    snapshot_at: tuple[int, ...] = ()
 
 
 @dataclass
@@ -59,7 +63,8 @@ class _Live:
 class Engine:
     def __init__(self, model: Qwen35Model, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  num_slots: int, context: int, max_queue: int = 256, prefill_chunk: int = 512,
-                 step_tokens: int = 2048) -> None:
+                 step_tokens: int = 2048, cache_bytes: int = 0, cache_max_tokens: int = 0,
+                 cache_interval: int = 1024) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -69,6 +74,9 @@ class Engine:
         self.pool = model.new_state_pool(num_slots, context)
         self.scheduler = Scheduler(num_slots, max_queue, prefill_chunk, step_tokens)
         self.sampler = Sampler()
+        self.cache = PromptCacheIndex(cache_bytes, cache_max_tokens)
+        self.cache_interval = cache_interval
+        self.fail_restores = 0  # test hook: make the next N restores raise
         self._live: dict[str, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
         self._commands: list[tuple[str, object]] = []
@@ -120,15 +128,27 @@ class Engine:
         return self._active
 
     def stats(self) -> dict[str, int]:
-        s = self.scheduler
+        s, c = self.scheduler, self.cache
         return {"running": s.num_running, "waiting": s.num_waiting, "slots": self.num_slots,
-                "free_slots": len(s.free_slots), "active": self._active, "steps": self.steps}
+                "free_slots": len(s.free_slots), "active": self._active, "steps": self.steps,
+                "cache_entries": len(c.entries), "cache_bytes": c.bytes_held,
+                "cache_budget_bytes": c.budget_bytes, "cache_hits": c.stats.hits,
+                "cache_misses": c.stats.misses, "cache_restored_tokens": c.stats.restored_tokens,
+                "cache_evictions": c.stats.evictions, "cache_failed_restores":
+                c.stats.failed_restores}
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
             self._apply_commands()
-            work = self.scheduler.schedule()
+            try:
+                self._admit()
+            except Exception as e:
+                log.exception("admission failed")
+                for live in [lv for lv in self._live.values() if lv.seq.slot is not None
+                             and lv.seq.computed == len(lv.seq.prompt) and not lv.seq.output]:
+                    self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
+            work = self.scheduler.plan()
             if not work:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -152,7 +172,8 @@ class Engine:
             if kind == "add":
                 req = arg
                 assert isinstance(req, EngineRequest)
-                seq = Seq(req.id, list(req.prompt_ids), req.max_new_tokens)
+                seq = Seq(req.id, list(req.prompt_ids), req.max_new_tokens,
+                          boundaries=self._boundaries(req))
                 out = OutputStream(self.tokenizer, req.params, self.eos_token_ids,
                                    req.max_new_tokens)
                 live = _Live(req, seq, out, make_generator(req.params.seed))
@@ -167,15 +188,96 @@ class Engine:
                 for live in list(self._live.values()):
                     self._end(live, live.out.finish(str(arg)))
 
+    def _boundaries(self, req: EngineRequest) -> tuple[int, ...]:
+        """Where this prompt's prefill must pause for a snapshot (the end is always one)."""
+        if not self.cache.enabled:
+            return ()
+        n = len(req.prompt_ids)
+        fixed = range(self.cache_interval, n, self.cache_interval) if self.cache_interval else ()
+        return tuple(sorted({p for p in (*req.snapshot_at, *fixed) if 0 < p < n}))
+
+    # -- prompt cache ----------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Give slots to waiting requests; restore cached prompt state into them; requests whose
+        whole prompt was restored get their first token from the cached logits, no forward."""
+        exact: list[tuple[_Live, torch.Tensor]] = []
+        for seq in self.scheduler.admit():
+            live = self._live[seq.id]
+            if self.cache.enabled:
+                logits = self._restore(live)
+                if logits is not None:
+                    exact.append((live, logits))
+        if exact:
+            # A copy: sampling masks rows in place, and cached logits are immutable.
+            logits = torch.stack([lg for _, lg in exact]).clone()
+            self._sample_and_deliver([lv for lv, _ in exact], logits)
+
+    def _restore(self, live: _Live) -> torch.Tensor | None:
+        seq, cache = live.seq, self.cache
+        prompt = seq.prompt
+        entry = cache.lookup(prompt)
+        if entry is not None and entry.length == len(prompt) and entry.payload.logits is None:
+            cache.stats.hits -= 1  # counted again by the second lookup
+            entry = cache.lookup(prompt, max_length=len(prompt) - 1)
+        if entry is None:
+            return None
+        snap: Snapshot = entry.payload
+        try:
+            if self.fail_restores:
+                self.fail_restores -= 1
+                raise RuntimeError("injected restore failure")
+            snap.restore(self.pool, seq.slot)
+        except Exception:
+            # Abandon the restore whole: position 0 makes the forward ignore whatever the slot
+            # now holds, and the prompt is prefilled from scratch.
+            log.exception("prompt-cache restore failed for %s; prefilling instead", seq.id)
+            cache.stats.failed_restores += 1
+            cache.discard(entry.tokens)
+            seq.computed = seq.cached = 0
+            return None
+        seq.computed = seq.cached = entry.length
+        cache.stats.restored_tokens += entry.length
+        return snap.logits if entry.length == len(prompt) else None
+
+    def _snapshot_bytes(self, length: int, with_logits: bool) -> int:
+        p = self.pool
+        fixed = (p.conv[:, 0].numel() * p.conv.element_size()
+                 + p.recurrent[:, 0].numel() * p.recurrent.element_size())
+        per_token = 2 * p.keys[:, 0, :, 0].numel() * p.keys.element_size()
+        logits = self.model.cfg.vocab_size * 4 if with_logits else 0
+        return fixed + per_token * length + logits
+
+    def _take_snapshots(self, work: list[Work], logits: torch.Tensor) -> None:
+        """After a forward: snapshot every sequence that just reached one of its boundaries or
+        the end of its prompt (with that row's logits)."""
+        row = 0
+        for w in work:
+            seq = w.seq
+            end = w.start + len(w.tokens)
+            at_end = end == len(seq.prompt) and w.samples and not seq.output
+            logit_row = logits[row] if w.samples else None
+            row += int(w.samples)
+            if not (at_end or end in seq.boundaries) or end > len(seq.prompt):
+                continue
+            key = seq.prompt[:end]
+            if self.cache.contains(key) or not self.cache.admits(
+                    end, self._snapshot_bytes(end, at_end)):
+                continue
+            snap = Snapshot.take(self.pool, seq.slot, end, logit_row.float() if at_end else None)
+            self.cache.insert(key, snap.nbytes(), snap)
+
     def _step(self, work: list[Work]) -> None:
         chunks = [SeqChunk(w.seq.slot, w.start, w.tokens, int(w.samples)) for w in work]
         logits = self.model.forward(ForwardBatch.build(chunks, self.model.device), self.pool)
         self.scheduler.step_done(work)
+        if self.cache.enabled:
+            self._take_snapshots(work, logits)
         sampled = [w for w in work if w.samples]
-        if not sampled:
-            return
+        if sampled:
+            self._sample_and_deliver([self._live[w.seq.id] for w in sampled], logits)
+
+    def _sample_and_deliver(self, lives: list[_Live], logits: torch.Tensor) -> None:
         logits[:, self.tokenizer.vocab_size:] = float("-inf")  # embedding-table padding rows
-        lives = [self._live[w.seq.id] for w in sampled]
         result = self.sampler.sample(logits, [lv.req.params for lv in lives],
                                      [lv.rng for lv in lives])
         for i, live in enumerate(lives):
@@ -205,6 +307,8 @@ class Engine:
         if self._live.pop(live.req.id, None) is None:
             return
         self.scheduler.finish(live.seq)
+        if isinstance(final, Finish):
+            final.cached_tokens = live.seq.cached
         with self._lock:
             self._active -= 1
         if final is not None:

@@ -31,6 +31,7 @@ class Finish:
     reason: str  # "stop" (eos, stop token or stop string), "length", or "abort"
     text: str = ""  # text held back until the end (partial characters, stop-string prefixes)
     completion_tokens: int = 0  # sampled tokens, a final stop token included (as vLLM counts)
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache (set by the engine)
 
 
 class OutputStream:

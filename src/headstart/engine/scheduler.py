@@ -36,6 +36,8 @@ class Sequence:
     slot: int | None = None
     computed: int = 0  # tokens whose effect is in the slot's state
     output: list[int] = field(default_factory=list)
+    boundaries: tuple[int, ...] = ()  # prompt positions where a prefill chunk must end
+    cached: int = 0  # prompt tokens restored from the prompt cache instead of computed
 
     @property
     def prefilling(self) -> bool:
@@ -77,17 +79,32 @@ class Scheduler:
 
     def schedule(self) -> list[Work]:
         """Admit what fits, then plan one step. Empty when there is nothing to do."""
+        self.admit()
+        return self.plan()
+
+    def admit(self) -> list[Sequence]:
+        """Give free slots to waiting sequences (FIFO); returns the newly admitted ones, whose
+        ``computed`` the caller may still raise (prompt-cache restore) before :meth:`plan`."""
+        admitted = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> list[Work]:
+        """One step's work: every decoding sequence's pending row, then prompt chunks within the
+        token budget, each chunk ending at the next boundary (where a snapshot will be taken)."""
         work: list[Work] = []
         budget = self.step_tokens
         for seq in self.running:  # decode rows first: one pending token each
             if not seq.prefilling:
-                total = len(seq.prompt) + len(seq.output)
-                assert total - seq.computed == 1, "a decoding sequence has one pending token"
+                pending = len(seq.prompt) + len(seq.output) - seq.computed
+                assert pending in (0, 1), "a decoding sequence has at most one pending token"
+                if not pending:  # restored whole; its first token comes from cached logits
+                    continue
                 work.append(Work(seq, seq.computed, (seq.output[-1],), samples=True))
                 budget -= 1
         for seq in self.running:
@@ -96,9 +113,10 @@ class Scheduler:
             if seq.prefilling:
                 n = min(len(seq.prompt) - seq.computed, self.prefill_chunk, budget)
                 end = seq.computed + n
+                end = min([end] + [b for b in seq.boundaries if seq.computed < b < end])
                 work.append(Work(seq, seq.computed, tuple(seq.prompt[seq.computed:end]),
                                  samples=end == len(seq.prompt)))
-                budget -= n
+                budget -= end - seq.computed
         return work
 
     def step_done(self, work: list[Work]) -> None:

@@ -40,5 +40,8 @@ def attend_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     scores = (qh @ k_rows.transpose(2, 3)).float() * hd**-0.5  # [n, nkv, group, L]
     beyond = torch.arange(L, device=q.device)[None, :] >= lengths[:, None]  # [n, L]
     probs = scores.masked_fill(beyond[:, None, None, :], float("-inf")).softmax(-1)
+    # Rows past a stream's length hold whatever an earlier stream left there (even NaN, and
+    # 0 * NaN is NaN), so they are zeroed rather than trusted to be finite.
+    v_rows = v_rows.masked_fill(beyond[:, None, :, None], 0)
     out = probs.to(v_rows.dtype) @ v_rows  # [n, nkv, group, hd]
     return out.reshape(n, nh, hd).to(q.dtype)

@@ -70,7 +70,8 @@ class _Generation:
     """One HTTP completion request's engine requests and their events."""
 
     def __init__(self, state: ServerState, kind: str, req: P.ChatCompletionRequest |
-                 P.CompletionRequest, prompts: list[list[int]], prompt_text: str | None) -> None:
+                 P.CompletionRequest, prompts: list[list[int]], prompt_text: str | None,
+                 snapshot_at: tuple[int, ...] = ()) -> None:
         self.state = state
         self.kind = kind
         self.req = req
@@ -82,6 +83,7 @@ class _Generation:
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.choices: list[_Choice] = []
         self.params = []
+        self.snapshot_at = snapshot_at
         self.error: str | None = None
         loop = asyncio.get_running_loop()
         for p, ids in enumerate(prompts):
@@ -122,13 +124,21 @@ class _Generation:
     def completion_tokens(self) -> int:
         return sum(c.finish.completion_tokens for c in self.choices if c.finish)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Per prompt, the most any of its choices restored from the prompt cache."""
+        n = self.req.n
+        return sum(max((c.finish.cached_tokens if c.finish else 0)
+                       for c in self.choices[p * n:(p + 1) * n]) for p in range(len(self.prompts)))
+
     def submit(self) -> None:
         submitted = []
         try:
             for choice, (ids, params), sink in zip(self.choices, self.params, self._sinks,
                                                    strict=True):
                 self.state.engine.submit(EngineRequest(choice.engine_id, ids, params,
-                                                       params.max_tokens, sink))
+                                                       params.max_tokens, sink,
+                                                       self.snapshot_at))
                 submitted.append(choice.engine_id)
         except QueueFull as e:
             for engine_id in submitted:
@@ -205,7 +215,7 @@ class _Generation:
                                    finish_reason=finish_reason, logprobs=logprobs)]
 
     def usage(self) -> dict[str, Any]:
-        return P.usage_info(self.prompt_tokens, self.completion_tokens, 0)
+        return P.usage_info(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def full_response(self) -> dict[str, Any]:
         tok, as_ids = self.state.tokenizer, self.req.return_tokens_as_token_ids
@@ -235,12 +245,13 @@ class _Generation:
         state.metrics.request_finished(
             status=status, finish_reason=reasons[0] if len(reasons) == 1 else "multi",
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            duration_s=duration, was_running=False)
+            cached_tokens=self.cached_tokens, duration_s=duration, was_running=False)
         if state.request_log is not None:
             state.request_log.write(request_record(
                 id=self.id, endpoint=f"/v1/{'chat/' if self.kind == 'chat' else ''}completions",
                 status=status, prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens, cached_tokens=0, ttft_s=self.ttft,
+                completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
+                ttft_s=self.ttft,
                 duration_s=duration, finish_reason=reasons[0] if len(reasons) == 1 else reasons,
                 error=error, n=len(self.choices), stream=bool(self.req.stream)))
 
@@ -303,7 +314,8 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
         _check_model(state, req.model)
         text = P.chat_prompt_text(state.tokenizer, req)
         ids = state.tokenizer.encode(text)
-        return await _complete(state, request, "chat", req, [ids], text)
+        return await _complete(state, request, "chat", req, [ids], text,
+                               _turn_boundary(state.tokenizer, text, ids))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -323,10 +335,30 @@ def _check_model(state: ServerState, name: str | None) -> None:
                          f"'{state.model_name}'", param="model", code="model_not_found")
 
 
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+
+
+def _turn_boundary(tokenizer: Tokenizer, text: str, ids: list[int]) -> tuple[int, ...]:
+    """The token position right after the generation prompt's ``<|im_start|>assistant\n``.
+
+    The next turn of this conversation renders the same text up to there and then the answer
+    (the thinking prefix is dropped from history), so a snapshot there is what the next turn
+    can reuse. Confirmed by re-encoding: only a position where the tokenization splits cleanly.
+    """
+    at = text.rfind(ASSISTANT_HEADER)
+    if at < 0:
+        return ()
+    head = tokenizer.encode(text[:at + len(ASSISTANT_HEADER)])
+    if len(head) < len(ids) and ids[:len(head)] == head:
+        return (len(head),)
+    return ()
+
+
 async def _complete(state: ServerState, request: Request, kind: str,
                     req: P.ChatCompletionRequest | P.CompletionRequest,
-                    prompts: list[list[int]], prompt_text: str | None) -> Response:
-    gen = _Generation(state, kind, req, prompts, prompt_text)
+                    prompts: list[list[int]], prompt_text: str | None,
+                    snapshot_at: tuple[int, ...] = ()) -> Response:
+    gen = _Generation(state, kind, req, prompts, prompt_text, snapshot_at)
     gen.submit()
     if req.stream:
         return StreamingResponse(_stream(gen), media_type="text/event-stream",

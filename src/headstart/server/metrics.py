@@ -13,6 +13,9 @@ per-key labels (unbounded label values would blow up the series count).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -21,6 +24,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "TTFT_BUCKETS", "Metrics"]
 
@@ -81,6 +86,10 @@ class Metrics:
             registry=r)
         self.slots_total.set(slots)
 
+    def watch_prompt_cache(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        """Export the engine's prompt-cache counters, read from ``stats()`` at scrape time."""
+        self.registry.register(_PromptCacheCollector(stats))
+
     def set_slots(self, slots: int) -> None:
         """Set the number of concurrent sequence slots."""
         self.slots_total.set(slots)
@@ -130,3 +139,36 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for ``GET /metrics``."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PromptCacheCollector(Collector):
+    """Prompt-cache figures owned by the engine thread, read when /metrics is scraped."""
+
+    _COUNTERS = {
+        "cache_hits": ("headstart_prompt_cache_hits", "Prompt-cache lookups that found a prefix."),
+        "cache_misses": ("headstart_prompt_cache_misses", "Prompt-cache lookups that found none."),
+        "cache_restored_tokens": ("headstart_prompt_cache_restored_tokens",
+                                  "Prompt tokens restored from snapshots."),
+        "cache_evictions": ("headstart_prompt_cache_evictions",
+                            "Snapshots evicted to stay within the byte budget."),
+        "cache_failed_restores": ("headstart_prompt_cache_failed_restores",
+                                  "Restores abandoned for a full prefill."),
+    }
+    _GAUGES = {
+        "cache_bytes": ("headstart_prompt_cache_bytes", "Bytes held by snapshots."),
+        "cache_budget_bytes": ("headstart_prompt_cache_budget_bytes", "Snapshot byte budget."),
+        "cache_entries": ("headstart_prompt_cache_entries", "Snapshots held."),
+    }
+
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        for key, (name, doc) in self._COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        for key, (name, doc) in self._GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))

@@ -40,6 +40,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None, help="append one JSON line per request here")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model folder's name)")
+    p.add_argument("--prompt-cache-mib", type=int, default=2048,
+                   help="byte budget of the prompt-state cache in MiB (0 disables it)")
+    p.add_argument("--prompt-cache-max-tokens", type=int, default=0,
+                   help="longest prefix one snapshot may hold (0: no cap)")
+    p.add_argument("--prompt-cache-interval", type=int, default=1024,
+                   help="also snapshot long prompts every N tokens (0: only at turn ends)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running streams get to finish on SIGTERM")
 
@@ -76,8 +82,12 @@ def serve(args: argparse.Namespace) -> int:
     if parallel < 1 or context < 2:
         raise HeadstartError("--parallel must be >= 1 and --context >= 2")
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=parallel,
-                    context=context, max_queue=args.max_queue)
+                    context=context, max_queue=args.max_queue,
+                    cache_bytes=max(0, args.prompt_cache_mib) << 20,
+                    cache_max_tokens=args.prompt_cache_max_tokens,
+                    cache_interval=args.prompt_cache_interval)
     metrics = Metrics(slots=parallel)
+    metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model
                                       and not Path(args.model).exists() else
                                       (Path(args.model).name if args.model else "headstart-default"))

@@ -1,0 +1,158 @@
+"""Prompt-state cache: complete stream states at token boundaries, kept and restored.
+
+A Gated DeltaNet state cannot be rewound, so a prefix can only be reused from a snapshot taken
+exactly where that prefix ends. A :class:`Snapshot` holds everything a stream's slot holds at such
+a boundary: conv tails and recurrent states of every GDN layer, the KV rows of every attention
+layer up to the boundary, and, when the boundary is the end of a prompt, the raw logits of the
+first token (so an exact repeat needs no forward at all). Snapshots are immutable: they are filled
+by copying out of a slot and restored by copying into one, and no running stream ever aliases
+their tensors.
+
+:class:`PromptCacheIndex` is the bookkeeping (torch-free): entries keyed by their token prefix,
+longest-prefix lookup confirmed token by token (a dict keyed by the prefix tuple compares every
+token on a hash match), a byte budget with least-recently-used eviction, an optional cap on tokens
+per entry, and counters for the metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from headstart.state import StatePool
+
+
+@dataclass
+class CacheEntry:
+    tokens: tuple[int, ...]
+    nbytes: int
+    payload: Any  # a Snapshot in the engine; anything in bookkeeping tests
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    evictions: int = 0
+    inserts: int = 0
+    failed_restores: int = 0
+
+
+@dataclass
+class PromptCacheIndex:
+    budget_bytes: int
+    max_tokens: int = 0  # 0: no cap on tokens per entry
+    entries: OrderedDict[tuple[int, ...], CacheEntry] = field(default_factory=OrderedDict)
+    lengths: Counter[int] = field(default_factory=Counter)  # entry lengths, for lookup
+    bytes_held: int = 0
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def lookup(self, tokens: Sequence[int], max_length: int | None = None) -> CacheEntry | None:
+        """The entry with the longest prefix of ``tokens`` (at most ``max_length`` long), marked
+        as recently used; None on a miss. Counts a hit or a miss."""
+        limit = len(tokens) if max_length is None else min(max_length, len(tokens))
+        for length in sorted((n for n in self.lengths if n <= limit), reverse=True):
+            entry = self.entries.get(tuple(tokens[:length]))
+            if entry is not None:
+                self.entries.move_to_end(entry.tokens)
+                self.stats.hits += 1
+                return entry
+        self.stats.misses += 1
+        return None
+
+    def contains(self, tokens: Sequence[int]) -> bool:
+        return tuple(tokens) in self.entries
+
+    def admits(self, length: int, nbytes: int) -> bool:
+        return (self.enabled and nbytes <= self.budget_bytes
+                and (self.max_tokens <= 0 or length <= self.max_tokens))
+
+    def insert(self, tokens: Sequence[int], nbytes: int, payload: Any) -> list[CacheEntry]:
+        """Add (or refresh) an entry, evicting least recently used ones to stay within budget.
+        Returns the evicted entries. An entry the budget or the token cap refuses is not stored."""
+        key = tuple(tokens)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        if not self.admits(len(key), nbytes):
+            return []
+        evicted = []
+        while self.bytes_held + nbytes > self.budget_bytes and self.entries:
+            evicted.append(self._remove(next(iter(self.entries))))
+        self.entries[key] = CacheEntry(key, nbytes, payload)
+        self.lengths[len(key)] += 1
+        self.bytes_held += nbytes
+        self.stats.inserts += 1
+        self.stats.evictions += len(evicted)
+        return evicted
+
+    def _remove(self, key: tuple[int, ...]) -> CacheEntry:
+        entry = self.entries.pop(key)
+        self.lengths[len(key)] -= 1
+        if not self.lengths[len(key)]:
+            del self.lengths[len(key)]
+        self.bytes_held -= entry.nbytes
+        return entry
+
+    def discard(self, tokens: Sequence[int]) -> None:
+        if tuple(tokens) in self.entries:
+            self._remove(tuple(tokens))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A slot's state after ``length`` tokens (see the module docstring)."""
+
+    length: int
+    conv: torch.Tensor  # [linear layers, conv_dim, K-1]
+    recurrent: torch.Tensor  # [linear layers, Hv, Dk, Dv] fp32
+    keys: torch.Tensor  # [attention layers, nkv, length, hd]
+    values: torch.Tensor  # [attention layers, nkv, length, hd]
+    logits: torch.Tensor | None  # [vocab] raw logits of the next token, end-of-prompt only
+
+    @classmethod
+    def take(cls, pool: StatePool, slot: int, length: int,
+             logits: torch.Tensor | None = None) -> Snapshot:
+        return cls(length, pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone(),
+                   pool.keys[:, slot, :, :length].clone(), pool.values[:, slot, :, :length].clone(),
+                   None if logits is None else logits.detach().clone())
+
+    def restore(self, pool: StatePool, slot: int) -> None:
+        """Overwrite everything the slot's stream reads at positions < length."""
+        if (self.conv.shape != pool.conv[:, slot].shape
+                or self.recurrent.shape != pool.recurrent[:, slot].shape
+                or self.keys.shape[:2] != pool.keys.shape[:1] + pool.keys.shape[2:3]
+                or self.length > pool.max_tokens):
+            raise ValueError("snapshot does not fit this state pool")
+        pool.conv[:, slot].copy_(self.conv)
+        pool.recurrent[:, slot].copy_(self.recurrent)
+        pool.keys[:, slot, :, :self.length].copy_(self.keys)
+        pool.values[:, slot, :, :self.length].copy_(self.values)
+
+    def nbytes(self) -> int:
+        parts = [self.conv, self.recurrent, self.keys, self.values]
+        if self.logits is not None:
+            parts.append(self.logits)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def fingerprint(self) -> str:
+        """A hash of every byte (tests use it to prove snapshots are never written)."""
+        h = hashlib.sha256()
+        for t in (self.conv, self.recurrent, self.keys, self.values, self.logits):
+            if t is not None:
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()

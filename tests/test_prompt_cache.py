@@ -1,0 +1,231 @@
+"""Prompt-state cache: bookkeeping (torch-free) and the engine restoring snapshots exactly."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, wait_idle
+from headstart.engine.prompt_cache import PromptCacheIndex
+from headstart.loading import load
+from headstart.sampling import SamplingParams
+
+# -- bookkeeping ---------------------------------------------------------------------------
+
+
+def test_longest_prefix_is_confirmed_token_by_token():
+    idx = PromptCacheIndex(budget_bytes=1000)
+    idx.insert([1, 2, 3], 10, "a")
+    idx.insert([1, 2, 3, 4, 5], 10, "b")
+    idx.insert([9, 9], 10, "c")
+    assert idx.lookup([1, 2, 3, 4, 5, 6]).payload == "b"
+    assert idx.lookup([1, 2, 3, 4, 7]).payload == "a"
+    assert idx.lookup([1, 2, 3, 4, 5], max_length=4).payload == "a"
+    assert idx.lookup([1, 2, 4]) is None and idx.lookup([9]) is None
+    assert (idx.stats.hits, idx.stats.misses) == (3, 2)
+
+
+def test_budget_evicts_least_recently_used():
+    idx = PromptCacheIndex(budget_bytes=100)
+    for i in range(4):
+        idx.insert([i], 30, i)  # 4 x 30 > 100: the first goes
+    assert not idx.contains([0]) and idx.bytes_held == 90
+    idx.lookup([1])  # 1 is now the most recently used
+    idx.insert([7], 30, 7)
+    assert idx.contains([1]) and not idx.contains([2]) and idx.bytes_held <= 100
+    assert idx.stats.evictions == 2
+    assert idx.insert([8], 101, 8) == [] and not idx.contains([8])  # larger than the budget
+
+
+def test_token_cap_and_disabled():
+    idx = PromptCacheIndex(budget_bytes=100, max_tokens=3)
+    idx.insert([1, 2, 3, 4], 1, "x")
+    assert not idx.contains([1, 2, 3, 4])
+    off = PromptCacheIndex(budget_bytes=0)
+    off.insert([1], 1, "x")
+    assert not off.enabled and not off.contains([1])
+
+
+# -- the engine ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load()
+
+
+def make_engine(loaded, cache_mib=64, cache_bytes=None, **kw):
+    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=4, context=512,
+               prefill_chunk=32, step_tokens=64,
+               cache_bytes=cache_mib << 20 if cache_bytes is None else cache_bytes, **kw)
+    e.start()
+    return e
+
+
+class Collector:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, (Finish, Failed)):
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [e.token_id for e in self.events if isinstance(e, Piece)]
+
+    @property
+    def finish(self):
+        return self.events[-1]
+
+
+def ask(engine, ids, params, rid, snapshot_at=()):
+    c = Collector()
+    engine.submit(EngineRequest(rid, list(ids), params, params.max_tokens, c, snapshot_at))
+    assert c.done.wait(60)
+    assert isinstance(c.finish, Finish)
+    return c
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompt(loaded, text):
+    return loaded.tokenizer.encode(text)
+
+
+def test_exact_repeat_restores_everything_and_skips_the_forward(loaded):
+    ids = prompt(loaded, "def fibonacci(n):\n    '''Return the n-th number.'''\n")
+    cold = make_engine(loaded, cache_mib=0)
+    try:
+        want = ask(cold, ids, GREEDY, "cold").tokens
+    finally:
+        cold.stop()
+    e = make_engine(loaded)
+    try:
+        first = ask(e, ids, GREEDY, "a")
+        assert first.tokens == want and first.finish.cached_tokens == 0
+        steps = e.steps
+        one = ask(e, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), "b")
+        assert one.finish.cached_tokens == len(ids) and one.tokens == want[:1]
+        assert e.steps == steps  # the first token came from cached logits: no forward
+        again = ask(e, ids, GREEDY, "c")
+        assert again.tokens == want and again.finish.cached_tokens == len(ids)
+    finally:
+        e.stop()
+
+
+def test_partial_hit_from_a_boundary_snapshot(loaded):
+    head = prompt(loaded, "<|im_start|>user\nWrite a sort.<|im_end|>\n<|im_start|>assistant\n")
+    ids = head + prompt(loaded, "<think>\n")
+    other = head + prompt(loaded, "Sure, here it is")
+    cold = make_engine(loaded, cache_mib=0)
+    try:
+        want = ask(cold, other, GREEDY, "cold").tokens
+    finally:
+        cold.stop()
+    e = make_engine(loaded)
+    try:
+        ask(e, ids, GREEDY, "turn1", snapshot_at=(len(head),))
+        got = ask(e, other, GREEDY, "turn2")
+        assert got.finish.cached_tokens == len(head) and got.tokens == want
+    finally:
+        e.stop()
+
+
+def test_long_prompt_snapshots_at_fixed_interval(loaded):
+    ids = prompt(loaded, "x = [i * i for i in range(10)]\n" * 20)
+    assert len(ids) > 100
+    e = make_engine(loaded, cache_interval=40)
+    try:
+        ask(e, ids, GREEDY, "long")
+        lengths = sorted(len(k) for k in e.cache.entries)
+        assert lengths == [n for n in range(40, len(ids), 40)] + [len(ids)]
+        variant = ids[:-3] + prompt(loaded, "pass")
+        cold = make_engine(loaded, cache_mib=0)
+        try:
+            want = ask(cold, variant, GREEDY, "cold").tokens
+        finally:
+            cold.stop()
+        got = ask(e, variant, GREEDY, "variant")
+        assert got.finish.cached_tokens == (len(ids) - 3) // 40 * 40 and got.tokens == want
+    finally:
+        e.stop()
+
+
+def test_concurrent_restores_leave_the_snapshot_unchanged(loaded):
+    ids = prompt(loaded, "import json\n\ndef load(path):\n")
+    e = make_engine(loaded)
+    try:
+        ask(e, ids, GREEDY, "seed")
+        (entry,) = [v for k, v in e.cache.entries.items() if len(k) == len(ids)]
+        before = entry.payload.fingerprint()
+        cs = []
+        for i, params in enumerate([
+                SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=20, ignore_eos=True),
+                SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=20, ignore_eos=True)]):
+            c = Collector()
+            e.submit(EngineRequest(f"r{i}", ids, params, 20, c))
+            cs.append(c)
+        for c in cs:
+            assert c.done.wait(60) and c.finish.cached_tokens == len(ids)
+        assert entry.payload.fingerprint() == before
+    finally:
+        e.stop()
+
+
+def test_restore_overwrites_poisoned_buffers(loaded):
+    ids = prompt(loaded, "class Stack:\n    def push(self, x):\n")
+    e = make_engine(loaded)
+    try:
+        want = ask(e, ids, GREEDY, "warm").tokens
+        assert wait_idle(e)
+        for t in (e.pool.conv, e.pool.recurrent, e.pool.keys, e.pool.values):
+            t.fill_(math.nan)
+        got = ask(e, ids, GREEDY, "poisoned")
+        assert got.finish.cached_tokens == len(ids) and got.tokens == want
+    finally:
+        e.stop()
+
+
+def test_failed_restore_falls_back_to_prefill(loaded):
+    ids = prompt(loaded, "for item in items:\n    print(item)\n")
+    e = make_engine(loaded)
+    try:
+        want = ask(e, ids, GREEDY, "warm").tokens
+        for t in (e.pool.conv, e.pool.recurrent, e.pool.keys, e.pool.values):
+            t.fill_(math.nan)
+        e.fail_restores = 1
+        got = ask(e, ids, GREEDY, "failing")
+        assert got.tokens == want and got.finish.cached_tokens == 0
+        assert e.cache.stats.failed_restores == 1
+    finally:
+        e.stop()
+
+
+def test_filling_past_the_budget_keeps_bytes_within_it(loaded):
+    prompts = [prompt(loaded, f"value_{i} = compute({i})\n") for i in range(10)]
+    probe = make_engine(loaded, cache_interval=0)
+    try:
+        ask(probe, prompts[0], SamplingParams(temperature=0, max_tokens=1), "probe")
+        one = probe.cache.bytes_held
+    finally:
+        probe.stop()
+    e = make_engine(loaded, cache_bytes=int(3.5 * one), cache_interval=0)
+    try:
+        for i, ids in enumerate(prompts):
+            ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"r{i}")
+            assert e.cache.bytes_held <= e.cache.budget_bytes
+            if i == 2:  # touch the first prompt: it becomes the most recently used
+                assert ask(e, prompts[0], SamplingParams(temperature=0, max_tokens=1),
+                           "touch").finish.cached_tokens == len(prompts[0])
+            if i == 3:  # least recently used went first: prompt 1, not the older prompt 0
+                assert e.cache.contains(prompts[0]) and not e.cache.contains(prompts[1])
+        assert len(e.cache.entries) == 3 and e.cache.stats.evictions == 7
+        assert [e.cache.contains(p) for p in prompts] == [False] * 7 + [True] * 3
+    finally:
+        e.stop()
