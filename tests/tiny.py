@@ -128,3 +128,46 @@ def save_mlx(model, packed: dict, out: Path, bits: int, group: int) -> Path:
     cfg["quantization_config"] = dict(cfg["quantization"])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,
+                 taps=None, mask_token_id: int = 3, seed: int = 0, heads: int = 4,
+                 kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96,
+                 causal: bool | None = None) -> Path:
+    """A random DFlash drafter for ``target_config`` in the DFlash checkpoint format."""
+    import json
+
+    from safetensors.torch import save_file
+
+    H = target_config.hidden_size
+    L = target_config.num_hidden_layers
+    taps = list(taps if taps is not None else range(min(L - 1, 2)))
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+        "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "max_position_embeddings": 4096, "vocab_size": target_config.vocab_size,
+        "tie_word_embeddings": False, "num_target_layers": L,
+        "layer_types": ["full_attention"] * layers,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps,
+                          "block_size": block},
+    }
+    if causal is not None:
+        cfg["is_causal"] = causal
+    from headstart.drafter import DrafterConfig, drafter_shapes
+
+    dc = DrafterConfig(H, intermediate, layers, heads, kv_heads, head_dim, 1e-6, 1e6, block,
+                       mask_token_id, tuple(taps), (False,) * layers, (0,) * layers)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in drafter_shapes(dc).items():
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        tensors[name] = t.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -21,6 +21,7 @@ class SeqChunk:
     start: int
     tokens: tuple[int, ...]
     logit_rows: int = 1  # logits for the last N rows of this chunk (0 = none)
+    record: bool = False  # keep what is needed to roll the GDN state back to any row (verify)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
@@ -36,6 +37,7 @@ class SeqSpan:
     start: int  # tokens already in the slot's state
     begin: int  # first packed row
     end: int  # one past the last packed row
+    record: bool = False
 
     @property
     def length(self) -> int:
@@ -74,9 +76,9 @@ class ForwardBatch:
             begin = len(ids)
             ids.extend(c.tokens)
             positions.extend(range(c.start, c.start + len(c.tokens)))
-            spans.append(SeqSpan(c.slot, c.start, begin, len(ids)))
+            spans.append(SeqSpan(c.slot, c.start, begin, len(ids), c.record))
             logit_rows.extend(range(len(ids) - c.logit_rows, len(ids)))
-        singles = [s for s in spans if s.length == 1]
+        singles = [s for s in spans if s.length == 1 and not s.record]
         decode = None
         if singles:
             def t(values: list[int]) -> torch.Tensor:
@@ -93,7 +95,7 @@ class ForwardBatch:
             spans=tuple(spans),
             logit_index=torch.tensor(logit_rows, dtype=torch.int64, device=device),
             decode=decode,
-            multi_row=tuple(s for s in spans if s.length > 1),
+            multi_row=tuple(s for s in spans if s.length > 1 or s.record),
         )
 
     @property

@@ -11,7 +11,8 @@ of later stages keep its interface. The math follows HF transformers' ``modeling
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
 from headstart.ops.attention import attend, attend_decode
-from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
+from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, recurrent_gated_delta
 from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
 from headstart.state import StatePool
@@ -81,6 +82,20 @@ class Rotary:
         return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+@dataclass
+class GDNRecord:
+    """One span's GDN inputs per layer: (initial tail, initial state, pre-conv rows, g, beta)."""
+
+    layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [R, vocab]
+    taps: torch.Tensor | None  # [T, len(taps) * hidden]
+    records: dict[int, GDNRecord]  # by slot
+
+
 class Qwen35Model:
     """Weights plus the reference forward. Build with :meth:`load` or from a weight dict."""
 
@@ -107,7 +122,17 @@ class Qwen35Model:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
         """Run the batch, updating its slots in ``pool``; logits ``[R, vocab]`` of the asked rows."""
+        return self.forward_ex(batch, pool).logits
+
+    @torch.no_grad()
+    def forward_ex(self, batch: ForwardBatch, pool: StatePool, taps: Sequence[int] = ()
+                   ) -> ForwardOutput:
+        """:meth:`forward`, plus the residual stream after each layer in ``taps`` for every row
+        (the drafter's context features), and a :class:`GDNRecord` per span marked ``record``
+        (to roll its GDN state back to any of its rows, see :meth:`rollback`)."""
         cfg, w = self.cfg, self.w
+        records: dict[int, GDNRecord] = {s.slot: GDNRecord() for s in batch.spans if s.record}
+        tapped: list[torch.Tensor] = []
         for span in batch.spans:
             if span.start + span.length > pool.max_tokens:
                 raise ValueError(
@@ -122,12 +147,42 @@ class Qwen35Model:
             if kind == FULL:
                 h = self.attention(i, h, cos, sin, batch, pool)
             else:
-                h = self.gated_deltanet(i, h, batch, pool)
+                h = self.gated_deltanet(i, h, batch, pool, records)
             x = x + h
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self.mlp(p + "mlp.", h)
-        x = rms_norm(x[batch.logit_index], w["norm.weight"], cfg.rms_norm_eps)
-        return linear(x, w["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+            if i in taps:
+                tapped.append(x)
+        if taps:
+            assert len(tapped) == len(taps), "tap ids must be distinct layer indices"
+        h = rms_norm(x[batch.logit_index], w["norm.weight"], cfg.rms_norm_eps)
+        return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None,
+                             records)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        return linear(h, w["embed_tokens.weight" if self.cfg.tie_word_embeddings
+                           else "lm_head.weight"])
+
+    @torch.no_grad()
+    def rollback(self, pool: StatePool, slot: int, record: GDNRecord, keep: int) -> None:
+        """Set the slot's GDN state to what it was after the first ``keep`` rows of the recorded
+        span, by replaying the recurrence over those rows from the recorded initial state.
+
+        Attention KV rows need nothing: rows past the kept ones are simply never read (the next
+        chunk starts at their position and overwrites them)."""
+        cfg = self.cfg
+        Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        for i, (tail, state, mixed, g, beta) in record.layers.items():
+            layer = self.state_index[i]
+            conv_w = self.w[f"layers.{i}.linear_attn.conv1d.weight"]
+            y, pool.conv[layer, slot] = causal_conv(mixed[:keep], tail, conv_w)
+            q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+            rule = recurrent_gated_delta if keep == 1 else chunked_gated_delta
+            _, pool.recurrent[layer, slot] = rule(
+                q.reshape(keep, Hk, Dk), k.reshape(keep, Hk, Dk), v.reshape(keep, Hv, Dv),
+                g[:keep], beta[:keep], state)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.w["embed_tokens.weight"]
@@ -170,8 +225,8 @@ class Qwen35Model:
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return linear(out, w[p + "o_proj.weight"])
 
-    def gated_deltanet(self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: StatePool
-                       ) -> torch.Tensor:
+    def gated_deltanet(self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: StatePool,
+                       records: dict[int, GDNRecord] | None = None) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.linear_attn."
         T = x.shape[0]
         Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -202,10 +257,15 @@ class Qwen35Model:
         for s in batch.multi_row:
             fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
             tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
+            if s.record:  # the slot's tail is overwritten below; keep the initial one
+                tail = tail.clone()
             y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             L = s.length
             state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot]
+            if s.record and records is not None:  # inputs to replay any prefix of this span
+                records[s.slot].layers[i] = (tail, state.clone(), mixed[s.begin:s.end],
+                                             g[s.begin:s.end], beta[s.begin:s.end])
             o, states[s.slot] = chunked_gated_delta(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),
                                      v.reshape(L, Hv, Dv), g[s.begin:s.end], beta[s.begin:s.end],
                                      state)

@@ -21,8 +21,10 @@ import torch
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
 from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot
+from headstart.engine.speculative import verify
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
+from headstart.drafter import DFlashDrafter
 from headstart.model import Qwen35Model
 from headstart.sampling import Sampler, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
@@ -50,6 +52,7 @@ class EngineRequest:
     # Prompt positions worth a snapshot besides the end (e.g. right after the last
     # "<|im_start|>assistant\n", where the next turn of the conversation diverges).
     snapshot_at: tuple[int, ...] = ()
+    draft: bool = True  # speculative decoding when the engine has a drafter ("draft": false)
 
 
 @dataclass
@@ -58,13 +61,29 @@ class _Live:
     seq: Seq
     out: OutputStream
     rng: torch.Generator | None
+    draft: bool = False  # this stream drafts (the engine has a drafter and the request allows)
+    # Target features (tapped hidden states) of committed rows not yet in the drafter's ring,
+    # for positions features_start .. ; capped to the ring's window.
+    features: torch.Tensor | None = None
+    features_start: int = 0
+
+    def add_features(self, rows: torch.Tensor, start: int, window: int) -> None:
+        if self.features is None or self.features.shape[0] == 0:
+            self.features, self.features_start = rows, start
+        else:
+            assert self.features_start + self.features.shape[0] == start
+            self.features = torch.cat([self.features, rows])
+        if self.features.shape[0] > window:
+            self.features_start += self.features.shape[0] - window
+            self.features = self.features[-window:]
 
 
 class Engine:
     def __init__(self, model: Qwen35Model, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  num_slots: int, context: int, max_queue: int = 256, prefill_chunk: int = 512,
                  step_tokens: int = 2048, cache_bytes: int = 0, cache_max_tokens: int = 0,
-                 cache_interval: int = 1024) -> None:
+                 cache_interval: int = 1024, drafter: DFlashDrafter | None = None,
+                 draft_block: int | None = None, draft_window: int = 4096) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -77,6 +96,12 @@ class Engine:
         self.cache = PromptCacheIndex(cache_bytes, cache_max_tokens)
         self.cache_interval = cache_interval
         self.fail_restores = 0  # test hook: make the next N restores raise
+        self.drafter = drafter
+        self.taps: tuple[int, ...] = drafter.cfg.target_layer_ids if drafter else ()
+        self.draft_block = draft_block or (drafter.cfg.block_size if drafter else 0)
+        self.draft_window = draft_window
+        self.dpool = drafter.new_pool(num_slots, draft_window) if drafter else None
+        self.spec = {"rounds": 0, "drafted": 0, "accepted": 0}
         self._live: dict[str, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
         self._commands: list[tuple[str, object]] = []
@@ -135,7 +160,8 @@ class Engine:
                 "cache_budget_bytes": c.budget_bytes, "cache_hits": c.stats.hits,
                 "cache_misses": c.stats.misses, "cache_restored_tokens": c.stats.restored_tokens,
                 "cache_evictions": c.stats.evictions, "cache_failed_restores":
-                c.stats.failed_restores}
+                c.stats.failed_restores, "spec_rounds": self.spec["rounds"],
+                "spec_drafted": self.spec["drafted"], "spec_accepted": self.spec["accepted"]}
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -176,7 +202,8 @@ class Engine:
                           boundaries=self._boundaries(req))
                 out = OutputStream(self.tokenizer, req.params, self.eos_token_ids,
                                    req.max_new_tokens)
-                live = _Live(req, seq, out, make_generator(req.params.seed))
+                live = _Live(req, seq, out, make_generator(req.params.seed),
+                             draft=self.drafter is not None and req.draft)
                 self._live[req.id] = live
                 # Admission is bounded in submit(); here the queue always has room.
                 self.scheduler.waiting.append(seq)
@@ -203,6 +230,8 @@ class Engine:
         exact: list[tuple[_Live, torch.Tensor]] = []
         for seq in self.scheduler.admit():
             live = self._live[seq.id]
+            if self.dpool is not None:
+                self.dpool.reset(seq.slot)
             if self.cache.enabled:
                 logits = self._restore(live)
                 if logits is not None:
@@ -237,6 +266,9 @@ class Engine:
             return None
         seq.computed = seq.cached = entry.length
         cache.stats.restored_tokens += entry.length
+        if live.draft and snap.draft_features is not None:
+            live.features = snap.draft_features.clone()
+            live.features_start = entry.length - snap.draft_features.shape[0]
         return snap.logits if entry.length == len(prompt) else None
 
     def _snapshot_bytes(self, length: int, with_logits: bool) -> int:
@@ -247,34 +279,128 @@ class Engine:
         logits = self.model.cfg.vocab_size * 4 if with_logits else 0
         return fixed + per_token * length + logits
 
-    def _take_snapshots(self, work: list[Work], logits: torch.Tensor) -> None:
-        """After a forward: snapshot every sequence that just reached one of its boundaries or
-        the end of its prompt (with that row's logits)."""
-        row = 0
-        for w in work:
+    def _take_snapshots(self, work: list[Work], logits: torch.Tensor,
+                        last_rows: list[int]) -> None:
+        """After a forward (and the features bookkeeping): snapshot every sequence that just
+        reached one of its boundaries or the end of its prompt (with that row's logits)."""
+        for w, row in zip(work, last_rows, strict=True):
             seq = w.seq
             end = w.start + len(w.tokens)
+            if end > len(seq.prompt) or w.start >= len(seq.prompt):
+                continue
             at_end = end == len(seq.prompt) and w.samples and not seq.output
-            logit_row = logits[row] if w.samples else None
-            row += int(w.samples)
-            if not (at_end or end in seq.boundaries) or end > len(seq.prompt):
+            logit_row = logits[row] if at_end else None
+            if not (at_end or end in seq.boundaries):
                 continue
             key = seq.prompt[:end]
             if self.cache.contains(key) or not self.cache.admits(
                     end, self._snapshot_bytes(end, at_end)):
                 continue
-            snap = Snapshot.take(self.pool, seq.slot, end, logit_row.float() if at_end else None)
+            live = self._live[seq.id]
+            feats = None
+            if live.features is not None and live.features_start + live.features.shape[0] == end:
+                feats = live.features
+            snap = Snapshot.take(self.pool, seq.slot, end,
+                                 logit_row.float() if logit_row is not None else None, feats)
             self.cache.insert(key, snap.nbytes(), snap)
 
+    def _propose(self, work: list[Work]) -> dict[int, list[int]]:
+        """Draft blocks for the decoding rows of drafting streams; returns drafts by work index.
+        Each stream's pending context features go into its ring first."""
+        assert self.drafter is not None and self.dpool is not None
+        picked: list[tuple[int, _Live, int]] = []
+        for j, w in enumerate(work):
+            live = self._live[w.seq.id]
+            if not (live.draft and w.samples and len(w.tokens) == 1 and not w.seq.prefilling):
+                continue
+            room = min(live.out.max_new_tokens - live.out.produced,
+                       self.context - w.start)  # tokens this stream may still emit / hold
+            b = min(self.draft_block, room)
+            if b >= 2:
+                picked.append((j, live, b))
+        if not picked:
+            return {}
+        for _, live, _ in picked:
+            if live.features is not None and live.features.shape[0]:
+                self.drafter.add_context(self.dpool, live.seq.slot, live.features,
+                                         live.features_start)
+                live.features_start += live.features.shape[0]
+                live.features = live.features[:0]
+        block = max(b for _, _, b in picked)
+        logits = self.drafter.propose_logits(
+            self.dpool, [lv.seq.slot for _, lv, _ in picked], [work[j].tokens[0] for j, _, _ in picked],
+            [work[j].start for j, _, _ in picked], block)
+        logits[..., self.tokenizer.vocab_size:] = float("-inf")
+        proposals = logits.argmax(-1).tolist()
+        return {j: proposals[k][:b - 1] for k, (j, _, b) in enumerate(picked)}
+
     def _step(self, work: list[Work]) -> None:
-        chunks = [SeqChunk(w.seq.slot, w.start, w.tokens, int(w.samples)) for w in work]
-        logits = self.model.forward(ForwardBatch.build(chunks, self.model.device), self.pool)
-        self.scheduler.step_done(work)
+        drafts = self._propose(work) if self.drafter is not None else {}
+        for j, d in drafts.items():
+            w = work[j]
+            work[j] = Work(w.seq, w.start, w.tokens + tuple(d), samples=True)
+        chunks = [SeqChunk(w.seq.slot, w.start, w.tokens,
+                           len(w.tokens) if j in drafts else int(w.samples), record=j in drafts)
+                  for j, w in enumerate(work)]
+        out = self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
+                                    self.taps if any(self._live[w.seq.id].draft for w in work)
+                                    else ())
+        logits = out.logits
+        self.scheduler.step_done([w for j, w in enumerate(work) if j not in drafts])
+        # Row bookkeeping: the last logits row of each work item, and its packed rows.
+        last_rows, row, begin = [], 0, 0
+        spans = []
+        for c in chunks:
+            row += c.logit_rows
+            last_rows.append(row - 1)
+            spans.append((begin, begin + len(c.tokens)))
+            begin += len(c.tokens)
+        for j, w in enumerate(work):  # features of committed prompt/decode rows
+            live = self._live[w.seq.id]
+            if live.draft and out.taps is not None and j not in drafts:
+                b0, b1 = spans[j]
+                live.add_features(out.taps[b0:b1], w.start, self.draft_window)
         if self.cache.enabled:
-            self._take_snapshots(work, logits)
-        sampled = [w for w in work if w.samples]
-        if sampled:
-            self._sample_and_deliver([self._live[w.seq.id] for w in sampled], logits)
+            self._take_snapshots(work, logits, last_rows)
+        plain = [j for j, w in enumerate(work) if w.samples and j not in drafts]
+        if plain:
+            self._sample_and_deliver([self._live[work[j].seq.id] for j in plain],
+                                     logits[[last_rows[j] for j in plain]])
+        for j, d in drafts.items():
+            live = self._live.get(work[j].seq.id)
+            if live is not None:
+                first = last_rows[j] - len(d)
+                self._settle_round(live, work[j], d, logits[first:last_rows[j] + 1],
+                                   out.taps[spans[j][0]:spans[j][1]] if out.taps is not None
+                                   else None, out.records[live.seq.slot])
+
+    def _settle_round(self, live: _Live, w: Work, drafts: list[int], logits: torch.Tensor,
+                      taps: torch.Tensor | None, record) -> None:
+        """Accept a verified block: deliver its tokens, roll the GDN state back to the last
+        accepted row, and queue the committed rows' features for the drafter."""
+        logits[:, self.tokenizer.vocab_size:] = float("-inf")
+        verdict = verify(logits, drafts, live.req.params, live.rng, self.sampler)
+        self.spec["rounds"] += 1
+        self.spec["drafted"] += len(drafts)
+        self.spec["accepted"] += verdict.accepted
+        seq = live.seq
+        emitted = []
+        for token, lp, top in zip(verdict.tokens, verdict.logprobs, verdict.top_logprobs,
+                                  strict=True):
+            piece, finish = live.out.add(token, lp, top)
+            emitted.append(token)
+            if piece is not None and not self._deliver(live, piece):
+                return
+            if finish is not None:
+                self._end(live, finish)
+                return
+        keep = len(emitted)  # rows 0 .. a of the window are committed
+        if keep < len(w.tokens):
+            self.model.rollback(self.pool, seq.slot, record, keep)
+        seq.output.extend(emitted)
+        seq.computed = w.start + keep
+        if taps is not None:
+            live.add_features(taps[:keep], w.start, self.draft_window)
 
     def _sample_and_deliver(self, lives: list[_Live], logits: torch.Tensor) -> None:
         logits[:, self.tokenizer.vocab_size:] = float("-inf")  # embedding-table padding rows

@@ -123,13 +123,17 @@ class Snapshot:
     keys: torch.Tensor  # [attention layers, nkv, length, hd]
     values: torch.Tensor  # [attention layers, nkv, length, hd]
     logits: torch.Tensor | None  # [vocab] raw logits of the next token, end-of-prompt only
+    # The drafter's state: target features of the newest rows before ``length`` (its context
+    # ring is rebuilt from them), None without a drafter.
+    draft_features: torch.Tensor | None = None
 
     @classmethod
-    def take(cls, pool: StatePool, slot: int, length: int,
-             logits: torch.Tensor | None = None) -> Snapshot:
+    def take(cls, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
+             draft_features: torch.Tensor | None = None) -> Snapshot:
         return cls(length, pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone(),
                    pool.keys[:, slot, :, :length].clone(), pool.values[:, slot, :, :length].clone(),
-                   None if logits is None else logits.detach().clone())
+                   None if logits is None else logits.detach().clone(),
+                   None if draft_features is None else draft_features.detach().clone())
 
     def restore(self, pool: StatePool, slot: int) -> None:
         """Overwrite everything the slot's stream reads at positions < length."""
@@ -145,14 +149,14 @@ class Snapshot:
 
     def nbytes(self) -> int:
         parts = [self.conv, self.recurrent, self.keys, self.values]
-        if self.logits is not None:
-            parts.append(self.logits)
+        parts += [t for t in (self.logits, self.draft_features) if t is not None]
         return sum(t.numel() * t.element_size() for t in parts)
 
     def fingerprint(self) -> str:
         """A hash of every byte (tests use it to prove snapshots are never written)."""
         h = hashlib.sha256()
-        for t in (self.conv, self.recurrent, self.keys, self.values, self.logits):
+        for t in (self.conv, self.recurrent, self.keys, self.values, self.logits,
+                  self.draft_features):
             if t is not None:
                 h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

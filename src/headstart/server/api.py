@@ -138,7 +138,7 @@ class _Generation:
                                                    strict=True):
                 self.state.engine.submit(EngineRequest(choice.engine_id, ids, params,
                                                        params.max_tokens, sink,
-                                                       self.snapshot_at))
+                                                       self.snapshot_at, self.req.draft))
                 submitted.append(choice.engine_id)
         except QueueFull as e:
             for engine_id in submitted:

@@ -153,6 +153,9 @@ class _PromptCacheCollector(Collector):
                             "Snapshots evicted to stay within the byte budget."),
         "cache_failed_restores": ("headstart_prompt_cache_failed_restores",
                                   "Restores abandoned for a full prefill."),
+        "spec_rounds": ("headstart_spec_decode_rounds", "Verify windows run."),
+        "spec_drafted": ("headstart_spec_decode_draft_tokens", "Draft tokens proposed."),
+        "spec_accepted": ("headstart_spec_decode_accepted_tokens", "Draft tokens accepted."),
     }
     _GAUGES = {
         "cache_bytes": ("headstart_prompt_cache_bytes", "Bytes held by snapshots."),
@@ -172,3 +175,9 @@ class _PromptCacheCollector(Collector):
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
         for key, (name, doc) in self._GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
+        rounds = stats.get("spec_rounds", 0)
+        # Tokens emitted per verify window: accepted drafts plus the target's own token.
+        yield GaugeMetricFamily(
+            "headstart_spec_decode_mean_accepted_length",
+            "Mean tokens emitted per verify window (accepted drafts + 1); 0 before any.",
+            value=(stats.get("spec_accepted", 0) / rounds + 1) if rounds else 0.0)

@@ -217,7 +217,7 @@ class _CommonRequest(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False
-    draft: StrictBool = False  # accepted for forward compatibility; unused for now
+    draft: StrictBool = True  # speculative decoding when the server has a drafter; false opts out
 
     @pydantic.field_validator("stop", mode="before")
     @classmethod

@@ -46,6 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="longest prefix one snapshot may hold (0: no cap)")
     p.add_argument("--prompt-cache-interval", type=int, default=1024,
                    help="also snapshot long prompts every N tokens (0: only at turn ends)")
+    p.add_argument("--drafter", default=None,
+                   help="DFlash drafter checkpoint folder: speculative decoding on")
+    p.add_argument("--draft-block", type=int, default=None,
+                   help="tokens per verify window, anchor included (default: the drafter's)")
+    p.add_argument("--draft-window", type=int, default=4096,
+                   help="target rows of context the drafter keeps per stream")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running streams get to finish on SIGTERM")
 
@@ -81,11 +87,17 @@ def serve(args: argparse.Namespace) -> int:
     context = args.context or min(32768, cfg.max_position_embeddings)
     if parallel < 1 or context < 2:
         raise HeadstartError("--parallel must be >= 1 and --context >= 2")
+    drafter = None
+    if args.drafter:
+        from headstart.drafter import DFlashDrafter
+
+        drafter = DFlashDrafter.load(args.drafter, loaded.model)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=parallel,
                     context=context, max_queue=args.max_queue,
                     cache_bytes=max(0, args.prompt_cache_mib) << 20,
                     cache_max_tokens=args.prompt_cache_max_tokens,
-                    cache_interval=args.prompt_cache_interval)
+                    cache_interval=args.prompt_cache_interval, drafter=drafter,
+                    draft_block=args.draft_block, draft_window=args.draft_window)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model

@@ -1,0 +1,298 @@
+"""The DFlash block drafter: config, checkpoint, context ring and one-forward block proposals.
+
+A DFlash drafter (``../shared/docs/dflash.md``) is a small Qwen3-style stack that proposes the
+``B - 1`` tokens after an anchor in one non-causal forward. The target's hidden states at the
+tapped layers, fused by ``fc`` + ``hidden_norm``, enter every drafter layer as extra keys/values
+(context); queries come only from the block ``[anchor, MASK x (B-1)]``. It shares the target's
+embedding and LM head. Per stream, the context keys/values live in a ring of the newest
+``window`` rows of a preallocated :class:`DrafterPool` slot (long prompts keep the newest rows).
+
+Checkpoint: ``config.json`` (Qwen3 fields + ``dflash_config``: ``mask_token_id``,
+``target_layer_ids``, ``block_size``) and safetensors with ``fc.weight``, ``hidden_norm.weight``,
+``norm.weight`` and ``layers.{i}.{input_layernorm,post_attention_layernorm,self_attn.{q,k,v,o}_proj,
+self_attn.{q,k}_norm,mlp.{gate,up,down}_proj}.weight``. Drafter norms are plain RMSNorm.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from headstart.errors import CheckpointError, ConfigError
+from headstart.model import Qwen35Model, linear, rotate_half
+from headstart.weights import safetensors_files
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    causal: tuple[bool, ...]  # per layer: causal within the block
+    sliding_window: tuple[int, ...]  # per layer: 0 = full attention over the context
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's rule when the list is absent: evenly spaced from layer 1 to L-3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+def load_drafter_config(path: Path, target_layers: int, target_hidden: int,
+                        target_vocab: int) -> DrafterConfig:
+    file = str(path / "config.json")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError("(file)", file, "file not found") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError("(file)", file, f"cannot be read: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("(file)", file, "must hold a JSON object")
+    dc = raw.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise ConfigError("dflash_config", file, "must be an object")
+
+    def integer(src: dict, key: str, where: str, default: int | None = None) -> int:
+        v = src.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(where + key, file, f"must be a positive integer, got {v!r}")
+        return v
+
+    layers = integer(raw, "num_hidden_layers", "")
+    hidden = integer(raw, "hidden_size", "")
+    if hidden != target_hidden:
+        raise ConfigError("hidden_size", file, f"{hidden} differs from the target's {target_hidden}")
+    heads, kv = integer(raw, "num_attention_heads", ""), integer(raw, "num_key_value_heads", "")
+    if heads % kv:
+        raise ConfigError("num_key_value_heads", file, f"{kv} does not divide {heads}")
+    head_dim = integer(raw, "head_dim", "", hidden // heads)
+    ids = dc.get("target_layer_ids")
+    if ids is None:
+        ids = default_target_layer_ids(integer(raw, "num_target_layers", "", target_layers),
+                                       layers)
+    if (not isinstance(ids, (list, tuple)) or not ids
+            or not all(isinstance(i, int) and 0 <= i < target_layers for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise ConfigError("dflash_config.target_layer_ids", file,
+                          f"must be distinct layer indices below {target_layers}, got {ids!r}")
+    mask = dc.get("mask_token_id")
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target_vocab:
+        raise ConfigError("dflash_config.mask_token_id", file,
+                          f"must be a token id below {target_vocab}, got {mask!r}")
+    block = dc.get("block_size", raw.get("block_size", 16))
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise ConfigError("dflash_config.block_size", file, f"must be >= 2, got {block!r}")
+    rope = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", rope.get("rope_theta", 1e6) if isinstance(rope, dict) else 1e6)
+    types = raw.get("layer_types") or ["full_attention"] * layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError("layer_types", file, f"must list {layers} layer types")
+    window = raw.get("sliding_window") or 0
+    # Causality, in the order the reference loaders resolve it (dflash.md 1.5).
+    if "is_causal" in raw:
+        causal = [bool(raw["is_causal"])] * layers
+    elif "causal" in dc:
+        causal = [bool(dc["causal"])] * layers
+    else:
+        causal = [t == "sliding_attention" for t in types]
+    return DrafterConfig(
+        hidden_size=hidden, intermediate_size=integer(raw, "intermediate_size", ""),
+        num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        block_size=block, mask_token_id=mask, target_layer_ids=tuple(ids),
+        causal=tuple(causal),
+        sliding_window=tuple(int(window) if t == "sliding_attention" else 0 for t in types),
+    )
+
+
+def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    H, m = cfg.hidden_size, len(cfg.target_layer_ids)
+    nh, nkv, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (H, m * H), "hidden_norm.weight": (H,),
+                                          "norm.weight": (H,)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
+            p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
+        })
+    return shapes
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain RMSNorm (the drafter's; no +1)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@dataclass
+class DrafterPool:
+    """Per slot: the newest ``window`` context keys/values (post-RoPE) of every drafter layer."""
+
+    keys: torch.Tensor  # [layers, slots, nkv, window, hd]
+    values: torch.Tensor
+    positions: torch.Tensor  # [slots, window] absolute position of each ring row (-1 = empty)
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[3]
+
+    def reset(self, slot: int) -> None:
+        self.positions[slot] = -1
+
+
+class DFlashDrafter:
+    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor],
+                 target: Qwen35Model) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.target = target
+        self.device = target.device
+        self.dtype = target.dtype
+        hd = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device)
+                                                  .float() / hd))
+        self.forwards = 0  # proposal forwards run (tests check first-token-first with it)
+
+    @classmethod
+    def load(cls, path: str | Path, target: Qwen35Model) -> DFlashDrafter:
+        from safetensors import safe_open
+
+        path = Path(path)
+        tc = target.cfg
+        cfg = load_drafter_config(path, tc.num_hidden_layers, tc.hidden_size, tc.vocab_size)
+        raw: dict[str, torch.Tensor] = {}
+        for f in safetensors_files(path):
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for k in st.keys():
+                        raw[k] = st.get_tensor(k)
+            except Exception as e:
+                raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from None
+        weights = {}
+        for name, shape in drafter_shapes(cfg).items():
+            if name not in raw:
+                raise CheckpointError(f"{path}: drafter tensor '{name}' is missing")
+            if tuple(raw[name].shape) != shape:
+                raise CheckpointError(f"{path}: drafter tensor '{name}' has shape "
+                                      f"{tuple(raw[name].shape)}, config implies {shape}")
+            t = raw[name]
+            weights[name] = (t.float() if name.endswith("norm.weight") else t.to(target.dtype)
+                             ).to(target.device)
+        return cls(cfg, weights, target)
+
+    def new_pool(self, num_slots: int, window: int) -> DrafterPool:
+        c = self.cfg
+        shape = (c.num_layers, num_slots, c.num_kv_heads, window, c.head_dim)
+        return DrafterPool(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.full((num_slots, window), -1, dtype=torch.int64,
+                                      device=self.device))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE over the whole head (the drafter's own, not the target's)."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        while cos.dim() < x.dim():
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return x * cos + rotate_half(x) * sin
+
+    @torch.no_grad()
+    def add_context(self, pool: DrafterPool, slot: int, features: torch.Tensor,
+                    start: int) -> None:
+        """Write context rows for positions ``start .. start+n-1`` (``features``: the target's
+        tapped hidden states ``[n, m*H]``) into the slot's ring, keeping the newest rows."""
+        c, w = self.cfg, self.w
+        window = pool.window
+        if features.shape[0] > window:
+            start += features.shape[0] - window
+            features = features[-window:]
+        n = features.shape[0]
+        if n == 0:
+            return
+        u = _norm(linear(features.to(self.dtype), w["fc.weight"]), w["hidden_norm.weight"],
+                  c.rms_norm_eps)
+        positions = torch.arange(start, start + n, device=self.device)
+        rows = positions % window
+        for i in range(c.num_layers):
+            p = f"layers.{i}.self_attn."
+            k = linear(u, w[p + "k_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
+            k = self._rope(_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps), positions)
+            v = linear(u, w[p + "v_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
+            pool.keys[i, slot][:, rows] = k.transpose(0, 1)
+            pool.values[i, slot][:, rows] = v.transpose(0, 1)
+        pool.positions[slot, rows] = positions
+
+    @torch.no_grad()
+    def propose_logits(self, pool: DrafterPool, slots: Sequence[int], anchors: Sequence[int],
+                       positions: Sequence[int], block: int) -> torch.Tensor:
+        """Logits ``[n, block-1, vocab]`` for the tokens after each anchor (anchor at
+        ``positions[j]``, context already in the ring)."""
+        c, w = self.cfg, self.w
+        n, B = len(slots), block
+        self.forwards += 1
+        dev = self.device
+        ids = torch.full((n, B), c.mask_token_id, dtype=torch.int64, device=dev)
+        ids[:, 0] = torch.tensor(list(anchors), device=dev)
+        x = self.target.embed(ids.view(-1)).view(n, B, -1)
+        pos = torch.tensor(list(positions), device=dev)[:, None] + torch.arange(B, device=dev)
+        slot_t = torch.tensor(list(slots), device=dev)
+        ctx_pos = pool.positions[slot_t]  # [n, W]
+        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            a = _norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = linear(a, w[p + "self_attn.q_proj.weight"]).view(n, B, nh, hd)
+            q = self._rope(_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), pos)
+            kb = linear(a, w[p + "self_attn.k_proj.weight"]).view(n, B, nkv, hd)
+            kb = self._rope(_norm(kb, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps), pos)
+            vb = linear(a, w[p + "self_attn.v_proj.weight"]).view(n, B, nkv, hd)
+            keys = torch.cat([pool.keys[i][slot_t], kb.transpose(1, 2)], dim=2)  # [n,nkv,W+B,hd]
+            values = torch.cat([pool.values[i][slot_t], vb.transpose(1, 2)], dim=2)
+            key_pos = torch.cat([ctx_pos, pos], dim=1)  # [n, W+B]
+            valid = key_pos[:, None, :] >= 0  # [n, 1, W+B]
+            valid = valid & (key_pos[:, None, :] < pos[:, :1, None])  # context: before the block
+            block_cols = torch.zeros_like(valid)
+            block_cols[..., ctx_pos.shape[1]:] = True
+            if c.causal[i]:
+                block_ok = key_pos[:, None, :] <= pos[:, :, None]
+            else:
+                block_ok = torch.ones(n, B, key_pos.shape[1], dtype=torch.bool, device=dev)
+            allowed = torch.where(block_cols, block_ok, valid.expand(n, B, -1))
+            if c.sliding_window[i]:
+                allowed &= (pos[:, :, None] - key_pos[:, None, :]) < c.sliding_window[i]
+            qh = q.permute(0, 2, 1, 3).reshape(n, nkv, (nh // nkv) * B, hd)
+            scores = (qh @ keys.transpose(2, 3)).float() * hd ** -0.5  # [n, nkv, g*B, W+B]
+            mask = allowed.repeat(1, nh // nkv, 1)[:, None]  # [n, 1, g*B, W+B]
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            # Empty ring rows may hold anything (NaN included): zero them, 0 * NaN is NaN.
+            readable = valid[:, 0] | block_cols[:, 0]
+            values = values.masked_fill(~readable[:, None, :, None], 0)
+            o = (probs.to(values.dtype) @ values).view(n, nh, B, hd).permute(0, 2, 1, 3)
+            x = x + linear(o.reshape(n, B, nh * hd), w[p + "self_attn.o_proj.weight"])
+            h = _norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x = x + linear(F.silu(linear(h, w[p + "mlp.gate_proj.weight"]))
+                           * linear(h, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
+        z = _norm(x[:, 1:], w["norm.weight"], c.rms_norm_eps)
+        return self.target.lm_head(z.reshape(n * (B - 1), -1)).view(n, B - 1, -1)

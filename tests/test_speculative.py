@@ -1,0 +1,230 @@
+"""Speculative decoding with a DFlash drafter: exactness, rollback, lossless sampling, ordering."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tiny
+from headstart.batch import ForwardBatch, SeqChunk
+from headstart.drafter import DFlashDrafter
+from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, wait_idle
+from headstart.engine.speculative import verify
+from headstart.generate import greedy_tokens
+from headstart.model import Qwen35Model
+from headstart.sampling import Sampler, SamplingParams, sampling_probs
+from headstart.tokenizer import Tokenizer
+from headstart.loading import default_model_dir
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    ref = tiny.causal_lm(seed=31, linear_num_value_heads=4, linear_value_head_dim=24)
+    d = tmp_path_factory.mktemp("spec")
+    model = Qwen35Model.load(tiny.save_text_only(ref, d / "target"))
+    model.drafter_dir = tiny.save_drafter(d / "drafter", ref.config, taps=[0, 2], block=6)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer, cut to the tiny models' 160 ids (detokenization only)."""
+    t = Tokenizer.from_dir(default_model_dir())
+    t_vocab = 160
+
+    class Small(type(t)):
+        @property
+        def vocab_size(self):
+            return t_vocab
+
+    t.__class__ = Small
+    return t
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes exactly the target's greedy continuation (every draft should be accepted)."""
+
+    def __init__(self, real: DFlashDrafter):
+        self.__dict__.update(real.__dict__)
+        self.engine = None
+
+    def propose_logits(self, pool, slots, anchors, positions, block):
+        self.forwards += 1
+        seqs = {s.slot: s for s in self.engine.scheduler.running}
+        out = torch.full((len(slots), block - 1, self.target.cfg.vocab_size), -1e9)
+        for n, slot in enumerate(slots):
+            seq = seqs[slot]
+            history = seq.prompt + seq.output
+            cont = greedy_tokens(self.target, history, block - 1)
+            for j, t in enumerate(cont):
+                out[n, j, t] = 0.0
+        return out
+
+
+def engine_for(target, tokenizer, drafter=None, **kw):
+    e = Engine(target, tokenizer, (), num_slots=4, context=256, prefill_chunk=16,
+               step_tokens=48, drafter=drafter, **kw)
+    e.start()
+    return e
+
+
+class Collector:
+    def __init__(self, drafter=None, on_first=None):
+        self.events, self.done = [], threading.Event()
+        self.drafter, self.on_first = drafter, on_first
+        self.forwards_at_first = None
+
+    def __call__(self, ev):
+        if isinstance(ev, Piece) and self.forwards_at_first is None:
+            self.forwards_at_first = self.drafter.forwards if self.drafter else 0
+            if self.on_first:
+                self.on_first()
+        self.events.append(ev)
+        if isinstance(ev, (Finish, Failed)):
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [e.token_id for e in self.events if isinstance(e, Piece)]
+
+
+PROMPTS = [[(7 * i + 3 * j) % 150 + 5 for j in range(n)] for i, n in
+           enumerate([3, 9, 17, 30, 5, 41, 12, 24])]
+
+
+def run_all(engine, params, prompts=PROMPTS, draft=True):
+    cs = []
+    for i, ids in enumerate(prompts):
+        c = Collector()
+        engine.submit(EngineRequest(f"r{i}", ids, params, params.max_tokens, c, draft=draft))
+        cs.append(c)
+    for c in cs:
+        assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+    return [c.tokens for c in cs]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target, tokenizer):
+    e = engine_for(target, tokenizer)
+    try:
+        return run_all(e, GREEDY)
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_greedy_with_drafter_equals_without(target, tokenizer, plain_greedy, kind):
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    if kind == "oracle":
+        drafter = OracleDrafter(drafter)
+    e = engine_for(target, tokenizer, drafter)
+    if kind == "oracle":
+        drafter.engine = e
+    try:
+        assert run_all(e, GREEDY) == plain_greedy
+        spec = e.stats()
+        assert spec["spec_rounds"] > 0
+        if kind == "oracle":
+            assert spec["spec_accepted"] == spec["spec_drafted"]
+        else:
+            assert spec["spec_accepted"] < spec["spec_drafted"] / 2
+    finally:
+        e.stop()
+
+
+def test_draft_opt_out(target, tokenizer, plain_greedy):
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    e = engine_for(target, tokenizer, drafter)
+    try:
+        assert run_all(e, GREEDY, draft=False) == plain_greedy
+        assert drafter.forwards == 0
+    finally:
+        e.stop()
+
+
+def test_rollback_equals_plain_steps(target):
+    """A recorded verify window rolled back to k rows == prefilling only those k rows."""
+    ids = PROMPTS[5]
+    window = [11, 22, 33, 44, 55, 66]
+    for keep in range(1, len(window) + 1):
+        a = target.new_state_pool(1, 128)
+        target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), a)
+        out = target.forward_ex(ForwardBatch.build([SeqChunk(0, len(ids), window, len(window),
+                                                             record=True)]), a)
+        target.rollback(a, 0, out.records[0], keep)
+        b = target.new_state_pool(1, 128)
+        target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), b)
+        for t in range(keep):
+            target.forward(ForwardBatch.build([SeqChunk(0, len(ids) + t, (window[t],))]), b)
+        assert (a.conv - b.conv).abs().max() <= 1e-5
+        assert (a.recurrent - b.recurrent).abs().max() <= 1e-4
+        # And decoding on from there agrees.
+        nxt = len(ids) + keep
+        la = target.forward(ForwardBatch.build([SeqChunk(0, nxt, (99,))]), a)
+        lb = target.forward(ForwardBatch.build([SeqChunk(0, nxt, (99,))]), b)
+        assert (la - lb).abs().max() <= 1e-4
+
+
+def test_first_token_is_delivered_before_any_draft(target, tokenizer):
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    e = engine_for(target, tokenizer, drafter)
+    try:
+        c = Collector(drafter)
+        e.submit(EngineRequest("a", PROMPTS[3], GREEDY, 24, c))
+        assert c.done.wait(60)
+        assert c.forwards_at_first == 0 and drafter.forwards > 0
+        # Cancelled on its first token: the slot is freed and no draft is ever computed.
+        before = drafter.forwards
+        c2 = Collector(drafter, on_first=lambda: e.abort("b"))
+        e.submit(EngineRequest("b", PROMPTS[4], GREEDY, 24, c2))
+        assert wait_idle(e)
+        assert len(c2.events) == 1 and drafter.forwards == before
+        assert e.stats()["free_slots"] == 4
+    finally:
+        e.stop()
+
+
+def test_sampling_with_drafts_is_lossless():
+    """Emitted tokens follow the target distribution whatever the drafts: the first token is
+    distributed as p_0, and the second (given the first equals d_1) as p_1."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0]])
+    params = SamplingParams(temperature=0.8, top_k=3, seed=None, max_tokens=3)
+    p = sampling_probs(logits, [params] * 3)
+    drafts = [0, 1]
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(5)
+    first = torch.zeros(4)
+    second = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        v = verify(logits.clone(), drafts, params, gen, sampler)
+        first[v.tokens[0]] += 1
+        if v.tokens[0] == drafts[0]:
+            second[v.tokens[1]] += 1
+    for counts, probs in ((first, p[0]), (second, p[1])):
+        total = counts.sum()
+        expected = probs * total
+        live = expected > 0
+        assert counts[~live].sum() == 0
+        chi2 = ((counts[live] - expected[live]) ** 2 / expected[live]).sum()
+        assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_prompt_cache_keeps_drafter_features(target, tokenizer, plain_greedy):
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    e = engine_for(target, tokenizer, drafter, cache_bytes=16 << 20)
+    try:
+        first = run_all(e, GREEDY, prompts=PROMPTS[:2])
+        again = run_all(e, GREEDY, prompts=PROMPTS[:2])
+        assert first == again == plain_greedy[:2]
+        snaps = [entry.payload for entry in e.cache.entries.values()]
+        assert snaps and all(s.draft_features is not None for s in snaps)
+        assert e.cache.stats.hits >= 2
+    finally:
+        e.stop()
