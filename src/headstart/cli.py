@@ -1,4 +1,4 @@
-"""The ``headstart`` command line: ``headstart run`` and ``headstart serve``."""
+"""The ``headstart`` command line: ``headstart run``, ``serve`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -74,12 +74,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from headstart.server.serve import add_serve_args
 
     add_serve_args(srv)
+    bench = sub.add_parser("bench", help="benchmark servers (TTFT, decode, bursts) into a "
+                                         "checkable receipt; 'bench check RECEIPT' verifies one")
+    from headstart.bench.command import add_bench_args
+
+    add_bench_args(bench)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             from headstart.server.serve import serve
 
             return serve(args)
+        if args.command == "bench":
+            from headstart.bench.command import main as bench_main
+
+            return bench_main(args, None if argv is None else ["headstart", *argv])
         return _run(args)
     except (HeadstartError, ValueError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)

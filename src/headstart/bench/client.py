@@ -1,0 +1,148 @@
+"""Send streamed requests and time them on the client's clock.
+
+Job: one request -> one raw row (send, first and last non-empty delta, ``[DONE]``, usage,
+output fingerprint); one burst -> N such requests started together. Every timestamp is
+``time.perf_counter()`` taken as close to the wire as httpx allows, minus the run's ``t0``.
+
+Works against any OpenAI-compatible server: it reads ``choices[].delta.content``,
+``reasoning_content``/``reasoning`` (chat) or ``choices[].text`` (completions), the final
+``usage`` chunk, and, when asked for, token strings from streamed ``logprobs``.
+
+Non-goals: deciding what to send (``workload.py``) or when (``runner.py``); aggregation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from headstart.bench.rows import Row, derive
+
+
+@dataclass
+class Output:
+    """What a request produced, kept apart from the rows so fingerprints can be explained."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tokens: list[str] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"content": "".join(self.content),
+                               "reasoning": "".join(self.reasoning)}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+        return out
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.as_json(), sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _take_tokens(choice: dict[str, Any], out: Output) -> None:
+    lp = choice.get("logprobs")
+    if not lp:
+        return
+    out.tokens = out.tokens if out.tokens is not None else []
+    if isinstance(lp.get("content"), list):          # chat: [{"token": ...}, ...]
+        out.tokens.extend(str(e.get("token")) for e in lp["content"])
+    elif isinstance(lp.get("tokens"), list):         # completions: ["...", ...]
+        out.tokens.extend(str(t) for t in lp["tokens"])
+
+
+def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
+    """(content, reasoning) text of one streamed choice, chat or completions."""
+    delta = choice.get("delta")
+    if delta is None:
+        return choice.get("text") or "", ""
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+    return delta.get("content") or "", reasoning
+
+
+async def measure(client: httpx.AsyncClient, url: str, payload: bytes, t0: float,
+                  headers: dict[str, str]) -> tuple[Row, Output]:
+    """Send one streamed request; return its raw row fields (no identity fields) and output.
+
+    Never raises for HTTP or stream problems: they land in the row's ``status``/``error`` so a
+    failed request is recorded (and then fails ``bench check``) instead of vanishing.
+    """
+    out = Output()
+    row: Row = {"t_first": None, "t_last": None, "t_done": None, "prompt_tokens": None,
+                "completion_tokens": None, "cached_tokens": None, "n_deltas": 0,
+                "finish_reason": "", "status": 0, "error": ""}
+    send = time.perf_counter()
+    try:
+        async with client.stream("POST", url, content=payload, headers=headers) as r:
+            row["status"] = r.status_code
+            if r.status_code != 200:
+                body = (await r.aread()).decode(errors="replace")
+                row["error"] = f"HTTP {r.status_code}: {body[:300]}"
+            else:
+                await _read_stream(r, row, out)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    if not row["error"] and row["t_done"] is None:
+        row["error"] = "stream ended without data: [DONE]"
+    row["t_send"] = send - t0
+    for k in ("t_first", "t_last", "t_done"):
+        if row[k] is not None:
+            row[k] -= t0
+    row["fingerprint"] = out.fingerprint()
+    row.update(derive(row))
+    return row, out
+
+
+async def _read_stream(r: httpx.Response, row: Row, out: Output) -> None:
+    async for line in r.aiter_lines():
+        now = time.perf_counter()  # before parsing: the time the bytes arrived
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            row["t_done"] = now
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            err = chunk["error"]
+            row["error"] = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            continue
+        usage = chunk.get("usage")
+        if usage:
+            row["prompt_tokens"] = usage.get("prompt_tokens")
+            row["completion_tokens"] = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            row["cached_tokens"] = details.get("cached_tokens")
+        for choice in chunk.get("choices") or ():
+            content, reasoning = _pieces(choice)
+            _take_tokens(choice, out)
+            if choice.get("finish_reason"):
+                row["finish_reason"] = str(choice["finish_reason"])
+            if content or reasoning:
+                out.content.append(content)
+                out.reasoning.append(reasoning)
+                row["n_deltas"] += 1
+                if row["t_first"] is None:
+                    row["t_first"] = now
+                row["t_last"] = now
+
+
+async def burst(client: httpx.AsyncClient, url: str, body: dict[str, Any], streams: int,
+                t0: float, headers: dict[str, str],
+                on_done: Callable[[], None] | None = None) -> list[tuple[Row, Output]]:
+    """``streams`` identical requests started together; results in stream order."""
+    payload = json.dumps(body).encode()  # encode once so no stream waits on another's JSON
+
+    async def one() -> tuple[Row, Output]:
+        result = await measure(client, url, payload, t0, headers)
+        if on_done is not None:
+            on_done()
+        return result
+
+    return list(await asyncio.gather(*(one() for _ in range(streams))))

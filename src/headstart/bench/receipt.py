@@ -1,0 +1,79 @@
+"""The receipt: a folder that holds everything a bench run measured and how.
+
+Layout (every file but the manifest is listed in the manifest with its sha256)::
+
+    manifest.json   schema, row counts, sha256 and size of every other file
+    config.json     the run: arms, orders, workload (prompt texts), sampling, launches
+    env.json        machine, GPU/driver/CUDA, packages, git commit, model and client hashes
+    requests.csv    raw per-request rows (rows.SCHEMA), floats written exactly
+    requests.json   the same rows as JSON
+    outputs.json    fingerprint -> output text (and token strings), to explain disagreements
+    summary.json    summaries recomputed from requests.json (``bench check`` redoes this)
+    table.txt       the printed table
+    ttft.png        TTFT per arm and stream count (absent without matplotlib)
+    logs/ARM-oK.log each command arm's server output, per order
+
+Job: write that folder, and read its pieces back for ``check``. Non-goals: judging it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from headstart.bench import rows as R
+from headstart.bench.env import sha256_file
+from headstart.bench.plot import plot_ttft
+from headstart.bench.summary import format_table, summarize
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+REQUIRED = ("config.json", "env.json", "requests.csv", "requests.json", "outputs.json",
+            "summary.json", "table.txt")
+
+
+def run_title(config: dict[str, Any]) -> str:
+    """The line above the table, from the config alone (so check can rebuild the table)."""
+    s = config["sampling"]
+    arms = ", ".join(a["name"] for a in config["arms"])
+    return (f"headstart bench {config['run_id']}: arms {arms}; {config['orders']} orders; "
+            f"{len(config['prompts'])} prompts; streams {'/'.join(map(str, config['streams']))}"
+            f" x {config['bursts']} bursts; {s['max_tokens']} tokens; "
+            f"temperature {s['temperature']}; seed {s['seed']}; thinking {s['thinking']}")
+
+
+def _dump(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, ensure_ascii=False, sort_keys=False) + "\n")
+
+
+def write_receipt(folder: Path, config: dict[str, Any], env: dict[str, Any],
+                  rows: list[R.Row], outputs: dict[str, Any], plot: bool = True) -> dict:
+    """Write the receipt (see the module docstring); returns the summary."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _dump(folder / "config.json", config)
+    _dump(folder / "env.json", env)
+    (folder / "requests.csv").write_text(R.to_csv(rows))
+    (folder / "requests.json").write_text(R.to_json(rows))
+    _dump(folder / "outputs.json", outputs)
+    # Summarise what was written, not what is in memory: exactly what check will recompute.
+    stored = R.from_json((folder / "requests.json").read_text())
+    summary = summarize(stored, config)
+    _dump(folder / "summary.json", summary)
+    (folder / "table.txt").write_text(format_table(summary, run_title(config)))
+    if plot:
+        plot_ttft(stored, summary["arms"], folder / "ttft.png")
+    write_manifest(folder, len(rows))
+    return summary
+
+
+def write_manifest(folder: Path, n_rows: int) -> None:
+    files = {str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    _dump(folder / MANIFEST, {"schema": SCHEMA_VERSION, "tool": "headstart bench",
+                              "rows": {"requests.csv": n_rows, "requests.json": n_rows},
+                              "files": files})
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text())

@@ -1,0 +1,172 @@
+"""Run the bench: every arm in every order, the workload against each, then the receipt.
+
+Job: for each order (arms as given, then reversed, alternating), for each arm: start a fresh
+server process (command arms) or use the URL, send each prompt's cold request and its bursts
+(``workload.schedule``), and collect the rows; then record the environment, write the
+receipt, check it, and print the table last. A progress bar on stderr counts requests.
+
+Non-goals: measuring (``client.py``), summarising (``summary.py``), judging (``check.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from headstart.bench import env as envmod
+from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, \
+    wait_ready
+from headstart.bench.check import check_receipt
+from headstart.bench.client import burst
+from headstart.bench.receipt import run_title, write_receipt
+from headstart.bench.rows import Row
+from headstart.bench.summary import format_table
+from headstart.bench.workload import Prompt, Sampling, request_body, request_sha, salt_for, \
+    schedule
+
+
+@dataclass
+class Plan:
+    """Everything a run needs, already validated."""
+
+    arms: list[ArmSpec]
+    prompts: list[Prompt]
+    sampling: Sampling
+    streams: list[int]
+    bursts: int
+    orders: int
+    agree: str
+    salt: str                      # auto | always | never
+    out: Path
+    ready_timeout: float = 600.0
+    request_timeout: float = 600.0
+    model_name: str | None = None  # sent as "model"; default: the server's /v1/models id
+    api_key: str | None = None     # never written to the receipt
+    hash_models: bool = True
+    plot: bool = True
+    progress: bool = True
+
+    @property
+    def salted(self) -> bool:
+        # A URL arm's server lives across orders, so without a salt its "cold" request in
+        # order 1 would hit what order 0 cached. Salting every arm keeps bodies identical
+        # across arms within an order, so their outputs stay comparable.
+        return self.salt == "always" or (self.salt == "auto" and
+                                         any(a.url is not None for a in self.arms))
+
+    def requests_per_arm(self) -> int:
+        return len(self.prompts) * sum(s for _, s, _ in schedule(self.streams, self.bursts))
+
+
+class _Sink:
+    """Collects rows and distinct outputs of one run."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.outputs: dict[str, Any] = {}
+
+
+async def _workload(plan: Plan, run_id: str, arm: str, order: int, slot: int, url: str,
+                    model: str | None, t0: float, bar: tqdm, sink: _Sink) -> None:
+    headers = {"Content-Type": "application/json", **_headers(plan)}
+    width = max(plan.streams) + 4
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    async with httpx.AsyncClient(timeout=plan.request_timeout, limits=limits) as client:
+        for prompt in plan.prompts:
+            salt = salt_for(run_id, order, prompt.id) if plan.salted else None
+            body = request_body(prompt, plan.sampling, salt)
+            sha = request_sha(body)
+            if model is not None:
+                body = {"model": model, **body}
+            for phase, streams, rep in schedule(plan.streams, plan.bursts):
+                results = await burst(client, url + prompt.endpoint, body, streams, t0,
+                                      headers, on_done=lambda: bar.update(1))
+                for i, (row, output) in enumerate(results):
+                    sink.rows.append({"arm": arm, "order": order, "slot": slot,
+                                      "prompt_id": prompt.id, "phase": phase,
+                                      "streams": streams, "rep": rep, "stream": i,
+                                      "request_sha": sha, **row})
+                    sink.outputs.setdefault(row["fingerprint"], output.as_json())
+
+
+def _headers(plan: Plan) -> dict[str, str]:
+    return {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+
+
+def _run_arm(plan: Plan, run_id: str, spec: ArmSpec, order: int, slot: int, t0: float,
+             bar: tqdm, sink: _Sink) -> dict[str, Any]:
+    """One arm in one order; returns its launch record."""
+    bar.set_description(f"{spec.name} (order {order})")
+    bar.set_postfix_str("starting" if spec.command else "connecting")
+    started = time.perf_counter()
+    proc = None
+    if spec.command is not None:
+        proc = ArmProcess(spec, plan.out / "logs" / f"{spec.name}-o{order}.log")
+        url = proc.url
+    else:
+        assert spec.url is not None
+        url = spec.url
+    launch: dict[str, Any] = {"arm": spec.name, "order": order, "slot": slot, "url": url,
+                              "argv": proc.argv if proc else None,
+                              "log": str(proc.log_path.relative_to(plan.out)) if proc else None}
+    try:
+        if proc is not None:
+            proc.wait_ready(plan.ready_timeout)
+        else:
+            wait_ready(url, plan.ready_timeout)
+        launch["ready_s"] = time.perf_counter() - started
+        info = server_info(url, _headers(plan))
+        model = plan.model_name or model_id(info)
+        launch.update(server=info, model=model)
+        bar.set_postfix_str("")
+        asyncio.run(_workload(plan, run_id, spec.name, order, slot, url, model, t0, bar, sink))
+    finally:
+        if proc is not None:
+            bar.set_postfix_str("stopping")
+            launch["exit_status"] = proc.stop()
+    return launch
+
+
+def run(plan: Plan, argv: list[str]) -> int:
+    """Run the bench and write the receipt; 0 if ``bench check`` passes on it, else 1."""
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    names = [a.name for a in plan.arms]
+    orders = arm_orders(names, plan.orders)
+    by_name = {a.name: a for a in plan.arms}
+    # Before any server starts: hashing large model files must not overlap a measurement.
+    env = envmod.collect({a.name: a.command for a in plan.arms}, plan.hash_models)
+    config: dict[str, Any] = {
+        "schema": 1, "run_id": run_id, "argv": argv,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "arms": [a.as_json() for a in plan.arms], "orders": plan.orders,
+        "order_list": orders, "streams": plan.streams, "bursts": plan.bursts,
+        "sampling": asdict(plan.sampling), "agree": plan.agree, "salt": plan.salt,
+        "salted": plan.salted, "prompts": [p.as_json() for p in plan.prompts],
+        "launches": [],
+    }
+    sink = _Sink()
+    total = plan.requests_per_arm() * len(names) * plan.orders
+    t0 = time.perf_counter()
+    with tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True,
+              disable=not plan.progress) as bar:
+        for k, order in enumerate(orders):
+            for slot, name in enumerate(order):
+                config["launches"].append(
+                    _run_arm(plan, run_id, by_name[name], k, slot, t0, bar, sink))
+    summary = write_receipt(plan.out, config, env, sink.rows, sink.outputs, plot=plan.plot)
+    report = check_receipt(plan.out)
+    print(report.text(), file=sys.stderr)
+    print(f"receipt: {plan.out}", file=sys.stderr)
+    sys.stderr.flush()
+    print(format_table(summary, run_title(config)), end="")  # last, on stdout
+    return 0 if report.ok else 1
