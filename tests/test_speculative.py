@@ -106,6 +106,8 @@ def run_all(engine, params, prompts=PROMPTS, draft=True):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=16, ignore_eos=True)
+          for i in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +119,28 @@ def plain_greedy(target, tokenizer):
         e.stop()
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
 @pytest.mark.parametrize("kind", ["random", "oracle"])
-def test_greedy_with_drafter_equals_without(target, tokenizer, plain_greedy, kind):
+def test_greedy_with_drafter_equals_without(target, tokenizer, plain_greedy, kind, mode):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
     if kind == "oracle":
         drafter = OracleDrafter(drafter)
-    e = engine_for(target, tokenizer, drafter)
+    e = engine_for(target, tokenizer, drafter, spec_mode=mode)
     if kind == "oracle":
         drafter.engine = e
     try:
         assert run_all(e, GREEDY) == plain_greedy
         spec = e.stats()
         assert spec["spec_rounds"] > 0
-        if kind == "oracle":
+        if mode == "tree":
+            assert spec["spec_tree_rounds"] == spec["spec_rounds"]
+        if mode == "chain":
+            assert spec["spec_tree_rounds"] == 0
+        if kind == "oracle" and mode == "chain":
             assert spec["spec_accepted"] == spec["spec_drafted"]
+        elif kind == "oracle":  # the greedy spine is always accepted whole
+            per_round = spec["spec_accepted"] / spec["spec_rounds"]
+            assert per_round >= (6 - 1) * 0.8
         else:
             assert spec["spec_accepted"] < spec["spec_drafted"] / 2
     finally:
@@ -226,5 +236,102 @@ def test_prompt_cache_keeps_drafter_features(target, tokenizer, plain_greedy):
         snaps = [entry.payload for entry in e.cache.entries.values()]
         assert snaps and all(s.draft_features is not None for s in snaps)
         assert e.cache.stats.hits >= 2
+    finally:
+        e.stop()
+
+
+def test_tree_window_rows_equal_their_paths_and_commit_equals_steps(target):
+    """Each tree row's logits == running its root-to-node path as a plain sequence; committing
+    a path leaves the slot exactly as plain steps through that path would."""
+    ids = PROMPTS[3]
+    s = len(ids)
+    #        0(anchor)
+    #       /    \\
+    #      1      2
+    #     / \\     |
+    #    3   4    5
+    #    |
+    #    6
+    tokens = [17, 40, 41, 50, 51, 52, 60]
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    pool = target.new_state_pool(2, 128)
+    target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), pool)
+    out = target.forward_ex(ForwardBatch.build([SeqChunk(0, s, tokens, len(tokens),
+                                                         parents=parents)]), pool)
+
+    def path_to(node):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        return path[::-1]
+
+    for node in range(len(tokens)):
+        path = path_to(node)
+        ref = target.new_state_pool(1, 128)
+        target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), ref)
+        logits = target.forward(ForwardBatch.build([SeqChunk(0, s, [tokens[j] for j in path],
+                                                             len(path))]), ref)
+        assert (out.logits[node] - logits[-1]).abs().max() <= 1e-4
+    # Commit the path 0-1-3-6 and compare with plain steps through it.
+    path = path_to(6)
+    target.commit_tree(pool, 0, s, out.records[0], path)
+    ref = target.new_state_pool(2, 128)
+    target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), ref)
+    for j, node in enumerate(path):
+        target.forward(ForwardBatch.build([SeqChunk(0, s + j, (tokens[node],))]), ref)
+    assert (pool.recurrent[:, 0] - ref.recurrent[:, 0]).abs().max() <= 1e-4
+    assert (pool.conv[:, 0] - ref.conv[:, 0]).abs().max() <= 1e-5
+    n = s + len(path)
+    assert (pool.keys[:, 0, :, :n] - ref.keys[:, 0, :, :n]).abs().max() <= 1e-5
+    la = target.forward(ForwardBatch.build([SeqChunk(0, n, (99,))]), pool)
+    lb = target.forward(ForwardBatch.build([SeqChunk(0, n, (99,))]), ref)
+    assert (la - lb).abs().max() <= 1e-4
+
+
+def test_tree_building_keeps_the_greedy_spine_and_the_budget():
+    from headstart.engine.speculative import build_tree
+
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
+    d = build_tree(lp, width=3, budget=12)
+    assert len(d.tokens) == 12 and all(p < i + 1 for i, p in enumerate(d.parents))
+    spine = [int(t) for t in lp.argmax(-1)]
+    assert list(d.tokens[:5]) == spine and list(d.parents[:5]) == [0, 1, 2, 3, 4]
+    # Siblings are distinct tokens.
+    seen = {}
+    for tok, parent in zip(d.tokens, d.parents):
+        assert tok not in seen.setdefault(parent, set())
+        seen[parent].add(tok)
+
+
+def test_tree_sampling_is_lossless():
+    """Tree walk with sampling: the first emitted token follows p_0 whatever the children."""
+    from headstart.engine.speculative import Draft, verify_tree
+
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0],
+                           [0.5, 0.5, 0.5, 0.5]])
+    params = SamplingParams(temperature=0.9, max_tokens=4)
+    p = sampling_probs(logits, [params] * 4)
+    draft = Draft((0, 3, 1), (0, 0, 1))  # rows 1 and 2 children of the anchor, row 3 of row 1
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        v, path = verify_tree(logits.clone(), draft, params, gen, Sampler())
+        counts[v.tokens[0]] += 1
+        assert len(path) == len(v.tokens)
+    expected = p[0] * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 16.3
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_seeded_sampling_with_drafter_is_reproducible(target, tokenizer, mode):
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    e = engine_for(target, tokenizer, drafter, spec_mode=mode)
+    try:
+        a = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
+        b = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
+        assert a == b and all(len(t) == 16 for r in a for t in r)
     finally:
         e.stop()

@@ -22,9 +22,17 @@ class SeqChunk:
     tokens: tuple[int, ...]
     logit_rows: int = 1  # logits for the last N rows of this chunk (0 = none)
     record: bool = False  # keep what is needed to roll the GDN state back to any row (verify)
+    # A token tree instead of a sequence (tree verify windows): parents[i] < i is row i's parent
+    # row (-1 for the root, row 0). Row i sits at position start + depth(i) and sees the
+    # stream's committed rows plus its own ancestors.
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
+        if self.parents is not None:
+            object.__setattr__(self, "parents", tuple(self.parents))
+            assert len(self.parents) == len(self.tokens) and self.parents[0] == -1
+            assert all(0 <= p < i for i, p in enumerate(self.parents) if i), "parents precede"
         assert self.tokens, "a chunk has at least one token"
         assert self.start >= 0 and 0 <= self.logit_rows <= len(self.tokens)
 
@@ -38,6 +46,15 @@ class SeqSpan:
     begin: int  # first packed row
     end: int  # one past the last packed row
     record: bool = False
+    parents: tuple[int, ...] | None = None
+
+    def depths(self) -> list[int]:
+        if self.parents is None:
+            return list(range(self.length))
+        d = [0] * self.length
+        for i in range(1, self.length):
+            d[i] = d[self.parents[i]] + 1
+        return d
 
     @property
     def length(self) -> int:
@@ -52,7 +69,17 @@ class DecodeRows:
     slots: torch.Tensor  # [n] its slot
     positions: torch.Tensor  # [n] its position (== tokens already in the slot)
     fresh: torch.Tensor  # [n] bool: position 0, the slot's old state must be ignored
-    max_len: int  # largest position + 1
+
+
+@dataclass(frozen=True)
+class MultiRows:
+    """The multi-row spans (prefill chunks, verify windows), packed for a varlen kernel."""
+
+    rows: torch.Tensor  # [Tm] packed row index of each of their rows, span after span
+    cu_seqlens: torch.Tensor  # [N+1] int32 offsets into ``rows``
+    cu_seqlens_cpu: torch.Tensor  # the same, on the host
+    slots: torch.Tensor  # [N]
+    fresh: torch.Tensor  # [N] bool: starts at position 0
 
 
 @dataclass(frozen=True)
@@ -62,7 +89,9 @@ class ForwardBatch:
     spans: tuple[SeqSpan, ...]
     logit_index: torch.Tensor  # [R] packed rows whose logits are returned, in chunk order
     decode: DecodeRows | None  # spans of one row, batched
-    multi_row: tuple[SeqSpan, ...]  # spans of several rows (prefill chunks), run one by one
+    multi_row: tuple[SeqSpan, ...]  # spans of several rows (prefill chunks, verify windows)
+    multi: MultiRows | None = None
+    trees: tuple[SeqSpan, ...] = ()  # tree verify windows, run one by one (reference ops)
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:
@@ -75,10 +104,11 @@ class ForwardBatch:
         for c in chunks:
             begin = len(ids)
             ids.extend(c.tokens)
-            positions.extend(range(c.start, c.start + len(c.tokens)))
-            spans.append(SeqSpan(c.slot, c.start, begin, len(ids), c.record))
+            span = SeqSpan(c.slot, c.start, begin, begin + len(c.tokens), c.record, c.parents)
+            positions.extend(c.start + d for d in span.depths())
+            spans.append(span)
             logit_rows.extend(range(len(ids) - c.logit_rows, len(ids)))
-        singles = [s for s in spans if s.length == 1 and not s.record]
+        singles = [s for s in spans if s.length == 1 and not s.record and s.parents is None]
         decode = None
         if singles:
             def t(values: list[int]) -> torch.Tensor:
@@ -87,15 +117,29 @@ class ForwardBatch:
             decode = DecodeRows(
                 rows=t([s.begin for s in singles]), slots=t([s.slot for s in singles]),
                 positions=t([s.start for s in singles]),
-                fresh=torch.tensor([s.start == 0 for s in singles], device=device),
-                max_len=max(s.start for s in singles) + 1)
+                fresh=torch.tensor([s.start == 0 for s in singles], device=device))
+        multi_spans = tuple(s for s in spans if (s.length > 1 or s.record) and s.parents is None)
+        multi = None
+        if multi_spans:
+            cu = [0]
+            for s in multi_spans:
+                cu.append(cu[-1] + s.length)
+            cu_cpu = torch.tensor(cu, dtype=torch.int32)
+            multi = MultiRows(
+                rows=torch.cat([torch.arange(s.begin, s.end) for s in multi_spans]).to(device),
+                cu_seqlens=cu_cpu.to(device), cu_seqlens_cpu=cu_cpu,
+                slots=torch.tensor([s.slot for s in multi_spans], dtype=torch.int64,
+                                   device=device),
+                fresh=torch.tensor([s.start == 0 for s in multi_spans], device=device))
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             spans=tuple(spans),
             logit_index=torch.tensor(logit_rows, dtype=torch.int64, device=device),
             decode=decode,
-            multi_row=tuple(s for s in spans if s.length > 1 or s.record),
+            multi_row=multi_spans,
+            multi=multi,
+            trees=tuple(s for s in spans if s.parents is not None),
         )
 
     @property

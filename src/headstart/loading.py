@@ -57,12 +57,14 @@ class LoadedModel:
         return ids if extra is None or extra in ids else (*ids, extra)
 
 
-def load(name: str | None = None, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
-    """Load model and tokenizer. dtype defaults to float32 on CPU and bfloat16 elsewhere."""
+def load(name: str | None = None, device: str = "cpu", dtype: str | None = None,
+         kernels: str = "auto") -> LoadedModel:
+    """Load model and tokenizer. dtype defaults to float32 on CPU and bfloat16 elsewhere;
+    kernels: "auto" (GPU kernels on CUDA when available), "reference" or "gpu"."""
     path = resolve_model_dir(name)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tokenizer = Tokenizer.from_dir(path)
-    model = Qwen35Model.load(path, DTYPES[dtype], device)
+    model = Qwen35Model.load(path, DTYPES[dtype], device, kernels)
     return LoadedModel(path, model, tokenizer)

@@ -20,17 +20,20 @@ import torch.nn.functional as F
 
 from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
-from headstart.ops.attention import attend, attend_decode
+from headstart.kernels import Kernels, select_kernels
 from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, recurrent_gated_delta
+from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
 from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
 from headstart.state import StatePool
 from headstart.weights import Weight, load_weights
 
 
-def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight | PreparedQuant) -> torch.Tensor:
+    if isinstance(w, PreparedQuant):  # GPU: the fused kernel reads the packed words directly
+        return quant_matmul(x, w)
     # CPU reference: quantized weights are dequantized per call, so memory holds only the packed
-    # form; the GPU path (a later stage) consumes the packed words directly.
+    # form.
     if isinstance(w, QuantizedTensor):
         return x @ w.dequantize(x.dtype).T
     return F.linear(x, w)
@@ -82,11 +85,62 @@ class Rotary:
         return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+def ancestry(parents: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: row i may see row j iff j is i or one of its ancestors."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        seen[i] |= seen[parents[i]]
+    return seen
+
+
+def attend_tree(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, start: int,
+                sees: torch.Tensor) -> torch.Tensor:
+    """q: [N, nh, hd] tree rows; k_rows, v_rows: [nkv, start+N, hd]; sees: [N, N] ancestry."""
+    N, nh, hd = q.shape
+    nkv = k_rows.shape[0]
+    group = nh // nkv
+    qh = q.transpose(0, 1).reshape(nkv, group * N, hd)
+    scores = (qh @ k_rows.transpose(1, 2)).float() * hd ** -0.5  # [nkv, group*N, start+N]
+    allowed = torch.cat([torch.ones(N, start, dtype=torch.bool), sees], dim=1).to(q.device)
+    probs = scores.masked_fill(~allowed.repeat(group, 1), float("-inf")).softmax(-1)
+    out = (probs.to(v_rows.dtype) @ v_rows).reshape(nh, N, hd).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+def tree_gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     parents: Sequence[int], tail: torch.Tensor, state: torch.Tensor,
+                     conv_w: torch.Tensor, cfg: ModelConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDN over a token tree: every node continues from its parent's conv tail and state.
+
+    mixed: [N, C] pre-conv rows; tail: [C, K-1] and state: [Hv, Dk, Dv] of the committed prefix.
+    Returns (o [N, Hv, Dv], node states [N, Hv, Dk, Dv] fp32, node tails [N, C, K-1])."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    N = mixed.shape[0]
+    out = torch.empty(N, Hv, Dv, dtype=torch.float32, device=mixed.device)
+    states = torch.empty((N,) + tuple(state.shape), dtype=torch.float32, device=mixed.device)
+    tails = torch.empty((N,) + tuple(tail.shape), dtype=tail.dtype, device=mixed.device)
+    for i in range(N):
+        p = parents[i]
+        before_tail = tail if p < 0 else tails[p]
+        before_state = state if p < 0 else states[p]
+        y, tails[i] = causal_conv_step(mixed[i:i + 1], before_tail[None], conv_w)
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        o, new_state = gated_delta_step(q.view(1, Hk, Dk), k.view(1, Hk, Dk), v.view(1, Hv, Dv),
+                                        g[i:i + 1], beta[i:i + 1], before_state[None].float())
+        out[i], states[i] = o[0], new_state[0]
+    return out, states, tails
+
+
 @dataclass
 class GDNRecord:
     """One span's GDN inputs per layer: (initial tail, initial state, pre-conv rows, g, beta)."""
 
     layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # Tree windows instead: per layer, every node's (state [N,Hv,Dk,Dv], tail [N,C,K-1]).
+    tree: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,11 +154,18 @@ class Qwen35Model:
     """Weights plus the reference forward. Build with :meth:`load` or from a weight dict."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Weight],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kernels: Kernels | str = "auto") -> None:
         self.cfg = cfg
-        self.w = weights
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kernels = kernels if isinstance(kernels, Kernels) else select_kernels(device, kernels)
+        # Linear weights in the form the kernels consume; the embedding table stays as loaded
+        # (rows are looked up), and a tied head gets its own prepared copy.
+        self.w = {k: (t if k == "embed_tokens.weight" else self.kernels.prepare(t))
+                  for k, t in weights.items()}
+        self.head = self.w["lm_head.weight"] if not cfg.tie_word_embeddings else \
+            self.kernels.prepare(weights["embed_tokens.weight"])
         self.rotary = Rotary.create(cfg, self.device)
         # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
         self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
@@ -112,9 +173,9 @@ class Qwen35Model:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu") -> Qwen35Model:
+             device: torch.device | str = "cpu", kernels: Kernels | str = "auto") -> Qwen35Model:
         cfg = load_config(model_dir)
-        return cls(cfg, load_weights(model_dir, cfg, dtype, device), dtype, device)
+        return cls(cfg, load_weights(model_dir, cfg, dtype, device), dtype, device, kernels)
 
     def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
         return StatePool.allocate(self.cfg, num_slots, max_tokens, self.dtype, self.device)
@@ -131,7 +192,8 @@ class Qwen35Model:
         (the drafter's context features), and a :class:`GDNRecord` per span marked ``record``
         (to roll its GDN state back to any of its rows, see :meth:`rollback`)."""
         cfg, w = self.cfg, self.w
-        records: dict[int, GDNRecord] = {s.slot: GDNRecord() for s in batch.spans if s.record}
+        records: dict[int, GDNRecord] = {s.slot: GDNRecord() for s in batch.spans
+                                         if s.record or s.parents is not None}
         tapped: list[torch.Tensor] = []
         for span in batch.spans:
             if span.start + span.length > pool.max_tokens:
@@ -160,9 +222,23 @@ class Qwen35Model:
                              records)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        return linear(h, w["embed_tokens.weight" if self.cfg.tie_word_embeddings
-                           else "lm_head.weight"])
+        return linear(h, self.head)
+
+    @torch.no_grad()
+    def commit_tree(self, pool: StatePool, slot: int, start: int, record: GDNRecord,
+                    path: Sequence[int]) -> None:
+        """After a tree window: make the slot hold the state after the accepted ``path`` (row
+        indices from the root): that node's GDN state and conv tail, and the path's KV rows
+        moved to consecutive positions ``start ..``."""
+        node = path[-1]
+        for i, (states, tails) in record.tree.items():
+            layer = self.state_index[i]
+            pool.recurrent[layer, slot] = states[node]
+            pool.conv[layer, slot] = tails[node]
+        idx = torch.tensor([start + p for p in path], device=pool.keys.device)
+        n = len(path)
+        pool.keys[:, slot, :, start:start + n] = pool.keys[:, slot, :, idx].clone()
+        pool.values[:, slot, :, start:start + n] = pool.values[:, slot, :, idx].clone()
 
     @torch.no_grad()
     def rollback(self, pool: StatePool, slot: int, record: GDNRecord, keep: int) -> None:
@@ -211,17 +287,24 @@ class Qwen35Model:
         keys, values = pool.keys[layer], pool.values[layer]
         out = torch.empty_like(q)
         d = batch.decode
-        if d is not None:  # one row per stream: write the rows, attend in one batch
+        if d is not None:  # one row per stream: write the rows, attend from the pool in place
             keys[d.slots, :, d.positions] = k[d.rows]
             values[d.slots, :, d.positions] = v[d.rows]
-            out[d.rows] = attend_decode(q[d.rows], keys[d.slots, :, :d.max_len],
-                                        values[d.slots, :, :d.max_len], d.positions + 1)
+            out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
+                                                   d.positions + 1)
         for s in batch.multi_row:
             end = s.start + s.length
             keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
             values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
-            out[s.begin:s.end] = attend(q[s.begin:s.end], keys[s.slot, :, :end],
-                                        values[s.slot, :, :end], s.start)
+            out[s.begin:s.end] = self.kernels.attn_span(q[s.begin:s.end], keys[s.slot, :, :end],
+                                                        values[s.slot, :, :end], s.start)
+        for s in batch.trees:  # token tree: each row sees the committed rows and its ancestors
+            end = s.start + s.length
+            keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
+            values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
+            out[s.begin:s.end] = attend_tree(q[s.begin:s.end], keys[s.slot, :, :end],
+                                             values[s.slot, :, :end], s.start,
+                                             ancestry(s.parents))
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return linear(out, w[p + "o_proj.weight"])
 
@@ -244,31 +327,41 @@ class Qwen35Model:
         d = batch.decode
         if d is not None:  # one row per stream: the step form, batched over streams
             # A new stream starts from zero tail and state, whatever its slot held (even NaN).
-            fresh = d.fresh[:, None, None]
-            tail = torch.where(fresh, 0.0, tails[d.slots])
+            tail = torch.where(d.fresh[:, None, None], 0.0, tails[d.slots])
             y, tails[d.slots] = causal_conv_step(mixed[d.rows], tail, conv_w)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             n = q.shape[0]
-            state = torch.where(fresh[..., None], 0.0, states[d.slots])
-            o, states[d.slots] = gated_delta_step(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
-                                                  v.reshape(n, Hv, Dv), g[d.rows], beta[d.rows],
-                                                  state)
+            o = self.kernels.gdn_decode(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
+                                        v.reshape(n, Hv, Dv), g[d.rows], beta[d.rows], d.slots,
+                                        d.fresh, states)
             core[d.rows] = o.to(x.dtype)
-        for s in batch.multi_row:
-            fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
-            tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
-            if s.record:  # the slot's tail is overwritten below; keep the initial one
-                tail = tail.clone()
-            y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
+        m = batch.multi
+        if m is not None:  # multi-row spans: conv per span, then one varlen recurrence
+            ys = []
+            for s in batch.multi_row:
+                fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
+                tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
+                if s.record:  # inputs to replay any prefix of this span (rollback)
+                    tail = tail.clone()
+                    state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot].clone()
+                    records[s.slot].layers[i] = (tail, state, mixed[s.begin:s.end],
+                                                 g[s.begin:s.end], beta[s.begin:s.end])
+                y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
+                ys.append(y)
+            y = torch.cat(ys)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-            L = s.length
-            state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot]
-            if s.record and records is not None:  # inputs to replay any prefix of this span
-                records[s.slot].layers[i] = (tail, state.clone(), mixed[s.begin:s.end],
-                                             g[s.begin:s.end], beta[s.begin:s.end])
-            o, states[s.slot] = chunked_gated_delta(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),
-                                     v.reshape(L, Hv, Dv), g[s.begin:s.end], beta[s.begin:s.end],
-                                     state)
+            L = y.shape[0]
+            o = self.kernels.gdn_spans(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),
+                                       v.reshape(L, Hv, Dv), g[m.rows], beta[m.rows],
+                                       m.cu_seqlens, m.slots, m.fresh, states, m.cu_seqlens_cpu)
+            core[m.rows] = o.to(x.dtype)
+        for s in batch.trees:
+            o, node_states, node_tails = tree_gated_delta(
+                mixed[s.begin:s.end], g[s.begin:s.end], beta[s.begin:s.end], s.parents,
+                torch.zeros_like(tails[s.slot]) if s.start == 0 else tails[s.slot],
+                torch.zeros_like(states[s.slot]) if s.start == 0 else states[s.slot], conv_w, cfg)
             core[s.begin:s.end] = o.to(x.dtype)
+            if records is not None and s.slot in records:
+                records[s.slot].tree[i] = (node_states, node_tails)
         out = gated_rms_norm(core, z, w[p + "norm.weight"], cfg.rms_norm_eps)
         return linear(out.reshape(T, -1), w[p + "out_proj.weight"])

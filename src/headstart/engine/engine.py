@@ -21,7 +21,7 @@ import torch
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
 from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot
-from headstart.engine.speculative import verify
+from headstart.engine.speculative import Draft, SpecPlanner, build_tree, verify, verify_tree
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.drafter import DFlashDrafter
@@ -68,6 +68,7 @@ class _Live:
     features_start: int = 0
 
     def add_features(self, rows: torch.Tensor, start: int, window: int) -> None:
+        rows = rows[-window:].clone()  # may be a view of a graph's static output
         if self.features is None or self.features.shape[0] == 0:
             self.features, self.features_start = rows, start
         else:
@@ -83,14 +84,19 @@ class Engine:
                  num_slots: int, context: int, max_queue: int = 256, prefill_chunk: int = 512,
                  step_tokens: int = 2048, cache_bytes: int = 0, cache_max_tokens: int = 0,
                  cache_interval: int = 1024, drafter: DFlashDrafter | None = None,
-                 draft_block: int | None = None, draft_window: int = 4096) -> None:
+                 draft_block: int | None = None, draft_window: int = 4096,
+                 graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
+                 tree_budget: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_slots = num_slots
         self.context = context
         self.max_queue = max_queue
-        self.pool = model.new_state_pool(num_slots, context)
+        if graphs is None:
+            graphs = model.kernels.graphs and model.device.type == "cuda"
+        # With graphs, one extra slot takes the padding rows of partly filled buckets.
+        self.pool = model.new_state_pool(num_slots + int(graphs), context)
         self.scheduler = Scheduler(num_slots, max_queue, prefill_chunk, step_tokens)
         self.sampler = Sampler()
         self.cache = PromptCacheIndex(cache_bytes, cache_max_tokens)
@@ -101,7 +107,20 @@ class Engine:
         self.draft_block = draft_block or (drafter.cfg.block_size if drafter else 0)
         self.draft_window = draft_window
         self.dpool = drafter.new_pool(num_slots, draft_window) if drafter else None
-        self.spec = {"rounds": 0, "drafted": 0, "accepted": 0}
+        self.spec = {"rounds": 0, "drafted": 0, "accepted": 0, "tree_rounds": 0}
+        assert spec_mode in ("chain", "tree", "auto")
+        self.spec_mode = spec_mode
+        self.tree_width = tree_width
+        self.tree_budget = tree_budget or 2 * max(1, self.draft_block - 1)
+        self.planner: SpecPlanner | None = None
+        if drafter is not None and self.draft_block >= 2:
+            self.planner = self._measure_windows(slot=0)
+        self.graphs = None
+        if graphs:
+            from headstart.engine.cuda_graph import DecodeGraphs
+
+            self._warm_up(scratch=num_slots)
+            self.graphs = DecodeGraphs(model, self.pool, num_slots, num_slots, self.taps)
         self._live: dict[str, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
         self._commands: list[tuple[str, object]] = []
@@ -161,7 +180,54 @@ class Engine:
                 "cache_misses": c.stats.misses, "cache_restored_tokens": c.stats.restored_tokens,
                 "cache_evictions": c.stats.evictions, "cache_failed_restores":
                 c.stats.failed_restores, "spec_rounds": self.spec["rounds"],
-                "spec_drafted": self.spec["drafted"], "spec_accepted": self.spec["accepted"]}
+                "spec_drafted": self.spec["drafted"], "spec_accepted": self.spec["accepted"],
+                "spec_tree_rounds": self.spec["tree_rounds"]}
+
+    def _measure_windows(self, slot: int) -> SpecPlanner:
+        """Time verify windows (chains of 2..block rows, and a tree of the node budget) on an
+        idle slot; the planner weighs expected accepted tokens against these costs."""
+        def timed(chunk: SeqChunk) -> float:
+            batch = ForwardBatch.build([chunk], self.model.device)
+            best = float("inf")
+            for _ in range(3):
+                self._sync()
+                t0 = time.perf_counter()
+                self.model.forward_ex(batch, self.pool, self.taps)
+                self._sync()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        costs = {1: timed(SeqChunk(slot, 1, (0,), 1))}
+        for rows in range(2, self.draft_block + 1):
+            costs[rows] = timed(SeqChunk(slot, 1, (0,) * rows, rows, record=True))
+        n = self.tree_budget + 1
+        tree = timed(SeqChunk(slot, 1, (0,) * n, n, parents=(-1, *range(n - 1))))
+        return SpecPlanner(self.draft_block, costs, tree)
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _warm_up(self, scratch: int) -> None:
+        """Run each eager path once on the scratch slot so the first request pays no kernel
+        compilation or autotuning: prefill chunks of a few sizes and (with a drafter) a
+        recorded verify window and a draft."""
+        sizes = sorted({min(n, self.context - 1) for n in (7, 64, self.scheduler.prefill_chunk)})
+        for n in sizes:
+            self.model.forward_ex(ForwardBatch.build([SeqChunk(scratch, 0, (0,) * n, 1)],
+                                                     self.model.device), self.pool, self.taps)
+        if self.drafter is not None and self.draft_block >= 2:
+            b = self.draft_block
+            chunk = SeqChunk(scratch, 1, (0,) * b, b, record=True)
+            out = self.model.forward_ex(ForwardBatch.build([chunk], self.model.device),
+                                        self.pool, self.taps)
+            self.model.rollback(self.pool, scratch, out.records[scratch], 1)
+            dpool = self.drafter.new_pool(1, 8)
+            self.drafter.add_context(dpool, 0, out.taps, 0)
+            self.drafter.propose_logits(dpool, [0], [0], [b], b)
+            self.drafter.forwards = 0
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -304,7 +370,7 @@ class Engine:
                                  logit_row.float() if logit_row is not None else None, feats)
             self.cache.insert(key, snap.nbytes(), snap)
 
-    def _propose(self, work: list[Work]) -> dict[int, list[int]]:
+    def _propose(self, work: list[Work]) -> dict[int, Draft]:
         """Draft blocks for the decoding rows of drafting streams; returns drafts by work index.
         Each stream's pending context features go into its ring first."""
         assert self.drafter is not None and self.dpool is not None
@@ -332,19 +398,44 @@ class Engine:
             [work[j].start for j, _, _ in picked], block)
         logits[..., self.tokenizer.vocab_size:] = float("-inf")
         proposals = logits.argmax(-1).tolist()
-        return {j: proposals[k][:b - 1] for k, (j, _, b) in enumerate(picked)}
+        drafts: dict[int, Draft] = {}
+        for k, (j, _, b) in enumerate(picked):
+            mode, depth = self._plan(b)
+            if mode == "tree":
+                room = self.context - work[j].start - 1
+                drafts[j] = build_tree(torch.log_softmax(logits[k, :b - 1].float(), -1),
+                                       self.tree_width, min(self.tree_budget, room))
+            else:
+                drafts[j] = Draft(tuple(proposals[k][:depth]))
+        return drafts
+
+    def _plan(self, b: int) -> tuple[str, int]:
+        """Chain depth or tree for a stream that may emit up to ``b`` tokens this round."""
+        if self.spec_mode == "chain" or self.planner is None:
+            return "chain", b - 1
+        if self.spec_mode == "tree":
+            return "tree", b - 1
+        return self.planner.choose(b)
 
     def _step(self, work: list[Work]) -> None:
         drafts = self._propose(work) if self.drafter is not None else {}
         for j, d in drafts.items():
             w = work[j]
-            work[j] = Work(w.seq, w.start, w.tokens + tuple(d), samples=True)
+            work[j] = Work(w.seq, w.start, w.tokens + d.tokens, samples=True)
         chunks = [SeqChunk(w.seq.slot, w.start, w.tokens,
-                           len(w.tokens) if j in drafts else int(w.samples), record=j in drafts)
+                           len(w.tokens) if j in drafts else int(w.samples),
+                           record=j in drafts and drafts[j].parents is None,
+                           parents=drafts[j].window_parents if j in drafts else None)
                   for j, w in enumerate(work)]
-        out = self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
-                                    self.taps if any(self._live[w.seq.id].draft for w in work)
-                                    else ())
+        g = self.graphs
+        if (g is not None and not drafts and len(work) <= self.num_slots
+                and all(len(w.tokens) == 1 and w.start > 0 and w.samples for w in work)):
+            out = g.run([w.tokens[0] for w in work], [w.start for w in work],
+                        [w.seq.slot for w in work])
+        else:
+            out = self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
+                                        self.taps if any(self._live[w.seq.id].draft for w in work)
+                                        else ())
         logits = out.logits
         self.scheduler.step_done([w for j, w in enumerate(work) if j not in drafts])
         # Row bookkeeping: the last logits row of each work item, and its packed rows.
@@ -369,19 +460,29 @@ class Engine:
         for j, d in drafts.items():
             live = self._live.get(work[j].seq.id)
             if live is not None:
-                first = last_rows[j] - len(d)
+                first = last_rows[j] - len(d.tokens)
                 self._settle_round(live, work[j], d, logits[first:last_rows[j] + 1],
                                    out.taps[spans[j][0]:spans[j][1]] if out.taps is not None
                                    else None, out.records[live.seq.slot])
 
-    def _settle_round(self, live: _Live, w: Work, drafts: list[int], logits: torch.Tensor,
+    def _settle_round(self, live: _Live, w: Work, draft: Draft, logits: torch.Tensor,
                       taps: torch.Tensor | None, record) -> None:
-        """Accept a verified block: deliver its tokens, roll the GDN state back to the last
-        accepted row, and queue the committed rows' features for the drafter."""
+        """Accept a verified window: deliver its tokens, set the GDN state to the last accepted
+        row (chains replay the kept rows; trees copy the node's state and move its path's KV
+        rows into place), and queue the committed rows' features for the drafter."""
         logits[:, self.tokenizer.vocab_size:] = float("-inf")
-        verdict = verify(logits, drafts, live.req.params, live.rng, self.sampler)
+        if draft.parents is None:
+            verdict = verify(logits, list(draft.tokens), live.req.params, live.rng, self.sampler)
+            path = list(range(len(verdict.tokens)))
+            if self.planner is not None:
+                self.planner.observe_chain(len(draft.tokens), verdict.accepted)
+        else:
+            verdict, path = verify_tree(logits, draft, live.req.params, live.rng, self.sampler)
+            self.spec["tree_rounds"] += 1
+            if self.planner is not None:
+                self.planner.observe_tree(len(verdict.tokens))
         self.spec["rounds"] += 1
-        self.spec["drafted"] += len(drafts)
+        self.spec["drafted"] += len(draft.tokens)
         self.spec["accepted"] += verdict.accepted
         seq = live.seq
         emitted = []
@@ -394,13 +495,15 @@ class Engine:
             if finish is not None:
                 self._end(live, finish)
                 return
-        keep = len(emitted)  # rows 0 .. a of the window are committed
-        if keep < len(w.tokens):
+        keep = len(emitted)  # the path's rows (anchor + accepted drafts) are committed
+        if draft.parents is not None:
+            self.model.commit_tree(self.pool, seq.slot, w.start, record, path)
+        elif keep < len(w.tokens):
             self.model.rollback(self.pool, seq.slot, record, keep)
         seq.output.extend(emitted)
         seq.computed = w.start + keep
         if taps is not None:
-            live.add_features(taps[:keep], w.start, self.draft_window)
+            live.add_features(taps[path], w.start, self.draft_window)
 
     def _sample_and_deliver(self, lives: list[_Live], logits: torch.Tensor) -> None:
         logits[:, self.tokenizer.vocab_size:] = float("-inf")  # embedding-table padding rows

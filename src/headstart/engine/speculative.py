@@ -58,3 +58,142 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
         if i == len(drafts) or tokens[-1] != drafts[i]:
             break
     return Verdict(tokens, lps, tops)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A round's proposal: a chain (``parents`` None) or a tree of tokens after the anchor.
+
+    ``tokens[i]`` is window row ``i + 1``; for a tree, ``parents[i]`` is the window row of its
+    parent (0 = the anchor), always an earlier row."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def window_parents(self) -> tuple[int, ...] | None:
+        return None if self.parents is None else (-1, *self.parents)
+
+
+def build_tree(logprobs: torch.Tensor, width: int, budget: int) -> Draft:
+    """A token tree from one drafter forward (DDTree, "greedy spine first").
+
+    ``logprobs``: ``[D, V]`` per-depth log-probabilities. The greedy chain comes first (so the
+    tree never accepts less than the chain would); the rest of the ``budget`` nodes go best-first
+    by path score (sum of log-probs along the path) among each node's next-ranked child.
+    """
+    import heapq
+
+    D = logprobs.shape[0]
+    width = max(1, min(width, logprobs.shape[1]))
+    top_lp, top_id = (t.tolist() for t in logprobs.float().topk(width, dim=-1))
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth = [0]  # by window row; row 0 is the anchor
+    score = [0.0]
+    heap: list[tuple[float, int, int]] = []  # (-score, parent row, rank)
+
+    def add(parent: int, rank: int) -> int:
+        d = depth[parent]
+        tokens.append(top_id[d][rank])
+        parents.append(parent)
+        depth.append(d + 1)
+        score.append(score[parent] + top_lp[d][rank])
+        return len(depth) - 1
+
+    row = 0
+    for d in range(min(D, budget)):  # the greedy spine
+        child = add(row, 0)
+        if width > 1:
+            heapq.heappush(heap, (-(score[row] + top_lp[d][1]), row, 1))
+        row = child
+    while len(tokens) < budget and heap:
+        _, parent, rank = heapq.heappop(heap)
+        child = add(parent, rank)
+        d = depth[parent]
+        if rank + 1 < width:
+            heapq.heappush(heap, (-(score[parent] + top_lp[d][rank + 1]), parent, rank + 1))
+        if depth[child] < D:
+            heapq.heappush(heap, (-(score[child] + top_lp[depth[child]][0]), child, 0))
+    return Draft(tuple(tokens), tuple(parents))
+
+
+def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams,
+                rng: torch.Generator | None, sampler: Sampler) -> tuple[Verdict, list[int]]:
+    """Walk the tree from the anchor: at each row the target picks its token (argmax, or a
+    sample of its distribution); the walk moves to the child holding that token, else stops.
+    Returns the verdict and the accepted path as window rows (starting with 0)."""
+    assert draft.parents is not None
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(tok, i + 1)
+    want_lp = params.logprobs is not None
+    path, tokens, lps, tops = [0], [], [], []
+    while True:
+        row = path[-1]
+        r = sampler.sample(logits[row:row + 1], [params], [None if params.greedy else rng])
+        tok = r.token_ids[0]
+        tokens.append(tok)
+        lps.append(r.logprobs[0] if want_lp and r.logprobs else None)
+        tops.append(r.top_logprobs[0] if want_lp and r.top_logprobs else None)
+        nxt = children.get(row, {}).get(tok)
+        if nxt is None:
+            return Verdict(tokens, lps, tops), path
+        path.append(nxt)
+
+
+class SpecPlanner:
+    """Chooses, per round, a chain of some depth or a tree, from measured window costs.
+
+    ``costs[rows]`` is the measured time of a verify window of that many rows (chains) and
+    ``tree_cost`` that of a tree window. Acceptance is tracked online: per depth for chains
+    (the probability that draft d is accepted given d-1 were) and tokens per round for trees,
+    both as moving averages. Each round takes the option with the most expected tokens per
+    second; every ``explore``-th round tries the other mode so neither estimate goes stale.
+    """
+
+    def __init__(self, block: int, costs: dict[int, float], tree_cost: float | None,
+                 explore: int = 8, decay: float = 0.9) -> None:
+        self.block = block
+        self.costs = costs
+        self.tree_cost = tree_cost
+        self.explore = explore
+        self.decay = decay
+        self.alpha = [0.5] * block  # alpha[d]: P(draft d+1 accepted | d accepted)
+        self.tree_tokens = 1.5
+        self.rounds = 0
+
+    def expected_chain(self, depth: int) -> float:
+        e, p = 1.0, 1.0
+        for d in range(depth):
+            p *= self.alpha[d]
+            e += p
+        return e
+
+    def choose(self, room: int) -> tuple[str, int]:
+        """("chain", drafts) or ("tree", depth); room caps tokens this round."""
+        self.rounds += 1
+        best_depth, best_rate = 1, 0.0
+        for depth in range(1, min(self.block, room) ):
+            cost = self.costs.get(depth + 1)
+            if cost:
+                rate = self.expected_chain(depth) / cost
+                if rate > best_rate:
+                    best_depth, best_rate = depth, rate
+        if self.tree_cost is None or room < self.block:
+            return "chain", best_depth
+        tree_rate = self.tree_tokens / self.tree_cost
+        tree = tree_rate > best_rate
+        if self.explore and self.rounds % self.explore == 0:
+            tree = not tree
+        return ("tree", self.block - 1) if tree else ("chain", best_depth)
+
+    def observe_chain(self, drafted: int, accepted: int) -> None:
+        for d in range(drafted):
+            hit = 1.0 if d < accepted else 0.0
+            self.alpha[d] = self.decay * self.alpha[d] + (1 - self.decay) * hit
+            if d >= accepted:
+                break
+
+    def observe_tree(self, emitted: int) -> None:
+        self.tree_tokens = self.decay * self.tree_tokens + (1 - self.decay) * emitted

@@ -52,6 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per verify window, anchor included (default: the drafter's)")
     p.add_argument("--draft-window", type=int, default=4096,
                    help="target rows of context the drafter keeps per stream")
+    p.add_argument("--kernels", default="auto", choices=["auto", "reference", "gpu"],
+                   help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere")
+    p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running streams get to finish on SIGTERM")
 
@@ -81,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     keys = ApiKeys(args.api_key_file) if args.api_key_file else None  # refuse before loading
-    loaded = load(args.model, args.device, args.dtype)
+    loaded = load(args.model, args.device, args.dtype, args.kernels)
     cfg = loaded.model.cfg
     parallel = args.parallel or 16
     context = args.context or min(32768, cfg.max_position_embeddings)
@@ -97,7 +100,8 @@ def serve(args: argparse.Namespace) -> int:
                     cache_bytes=max(0, args.prompt_cache_mib) << 20,
                     cache_max_tokens=args.prompt_cache_max_tokens,
                     cache_interval=args.prompt_cache_interval, drafter=drafter,
-                    draft_block=args.draft_block, draft_window=args.draft_window)
+                    draft_block=args.draft_block, draft_window=args.draft_window,
+                    graphs=False if args.no_graphs else None)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model

@@ -1,0 +1,127 @@
+"""The sequence-mixing cores and quantized matmul, chosen once at start-up.
+
+The model's forward calls these through a :class:`Kernels` value and never branches on the
+platform itself. Two sets exist with the same signatures:
+
+* ``reference``: pure PyTorch (:mod:`headstart.ops`), runs anywhere; the executable spec.
+* ``gpu``: CUDA + Triton: in-place GDN decode step and flash-decoding attention straight from the
+  slot pools (no gathers of whole states or histories), flash-linear-attention's chunked kernel
+  for multi-row spans, and a fused 4-bit matmul on the MLX layout. Every GPU kernel is tested
+  against its reference (``tests/test_gpu_ops.py``).
+
+:func:`select_kernels` picks ``gpu`` on a CUDA device when Triton and flash-linear-attention import,
+else ``reference``, and logs the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from headstart.ops.attention import attend, attend_decode
+from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
+
+log = logging.getLogger("headstart.kernels")
+
+
+def _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states):
+    state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
+    o, states[slots] = gated_delta_step(q, k, v, g, beta, state)
+    return o
+
+
+def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):
+    """Per span, the chunked reference (``cu_seqlens_cpu`` gives the spans on the host)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens_cpu.tolist()
+    for n, slot in enumerate(slots.tolist()):
+        a, b = bounds[n], bounds[n + 1]
+        state = torch.zeros_like(states[slot]) if bool(fresh[n]) else states[slot]
+        out[a:b], states[slot] = chunked_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
+                                                     state)
+    return out
+
+
+def _ref_attn_decode(q, keys, values, slots, lengths):
+    longest = int(lengths.max())  # a host sync: fine for the reference
+    return attend_decode(q, keys[slots, :, :longest], values[slots, :, :longest], lengths)
+
+
+def _no_prepare(w: Any) -> Any:
+    return w
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    # (q [n,Hk,Dk], k, v [n,Hv,Dv], g, beta [n,Hv], slots [n], fresh [n] bool,
+    #  state pool [slots,Hv,Dk,Dv] fp32, updated in place) -> o [n,Hv,Dv]
+    gdn_decode: Callable[..., torch.Tensor]
+    # (q, k, v, g, beta packed [T, ...], cu_seqlens [N+1], slots [N], fresh [N], state pool,
+    #  cu_seqlens on the host) -> o [T,Hv,Dv]
+    gdn_spans: Callable[..., torch.Tensor]
+    # (q [n,nh,hd], keys/values [slots,nkv,max_tokens,hd], slots [n], lengths [n]) -> [n,nh,hd]
+    attn_decode: Callable[..., torch.Tensor]
+    # (q [T,nh,hd] at positions start.., keys/values [nkv, start+T, hd], start) -> [T,nh,hd]
+    attn_span: Callable[..., torch.Tensor] = attend
+    # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
+    prepare: Callable[[Any], Any] = _no_prepare
+    graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
+
+
+REFERENCE = Kernels("reference", _ref_gdn_decode, _ref_gdn_spans, _ref_attn_decode)
+
+
+def gpu_kernels() -> Kernels:
+    from headstart.ops.decode_attention import decode_attention
+    from headstart.ops.gpu_gdn import gdn_decode, gdn_prefill_varlen
+    from headstart.ops.quant_matmul import prepare as prepare_quant
+    from headstart.quant import QuantizedTensor
+
+    def spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):
+        return gdn_prefill_varlen(q, k, v, g, beta, cu_seqlens, slots, fresh, states,
+                                  cu_seqlens_cpu=cu_seqlens_cpu)
+
+    def prepare(w: Any) -> Any:
+        return prepare_quant(w) if isinstance(w, QuantizedTensor) else w
+
+    def attn_span(q, keys, values, start):
+        # SDPA's fused kernels; a causal mask shifted by ``start`` for a continued stream.
+        T, nh, hd = q.shape
+        nkv, n = keys.shape[0], keys.shape[1]
+        qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]
+        if start == 0:
+            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                                 enable_gqa=nh != nkv)
+        else:
+            pos = torch.arange(start, start + T, device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                                                 enable_gqa=nh != nkv)
+        return o[0].transpose(0, 1)
+
+    return Kernels("gpu", gdn_decode, spans, decode_attention, attn_span, prepare, graphs=True)
+
+
+def select_kernels(device: torch.device | str, want: str = "auto") -> Kernels:
+    """``want``: "auto", "reference" or "gpu"."""
+    device = torch.device(device)
+    if want == "reference" or (want == "auto" and device.type != "cuda"):
+        chosen = REFERENCE
+    else:
+        try:
+            import fla  # noqa: F401
+            import triton  # noqa: F401
+
+            chosen = gpu_kernels()
+        except ImportError as e:
+            if want == "gpu":
+                raise
+            log.warning("GPU kernels unavailable (%s); using the PyTorch reference", e)
+            chosen = REFERENCE
+    log.info("kernels: %s on %s", chosen.name, device)
+    return chosen

@@ -1,0 +1,164 @@
+"""Batched decode attention straight from the KV pool (flash-decoding), on the GPU.
+
+Job: one query row per stream for n streams, each attending to the first ``lengths[i]`` rows of
+its slot in the pool, with grouped-query attention (query head ``i`` reads kv head
+``i // (nh / nkv)``), scale ``hd^-0.5`` and an fp32 softmax: the contract of
+:func:`headstart.ops.attention.attend_decode`, except that K/V are read from the pool by slot
+index instead of being gathered first (the gather would copy every stream's whole history).
+
+Two launches:
+
+1. ``_split_kernel``, grid ``(n, nkv, NS)``: program (stream, kv head, split) loads the ``group``
+   query heads sharing that kv head (padded to 16 rows for the tensor cores; K/V are read once per
+   kv head, not once per query head), and runs an online softmax over its share of the stream's
+   rows: the rows are cut into NS splits of ``ceil(ceil(len / NS) / BL) * BL`` rows, so every
+   split gets work whatever the length. It writes an unnormalised fp32 partial output plus the
+   running max (log2 domain) and sum.
+2. ``_combine_kernel``, grid ``(n, nh)``: rescales and sums the NS partials.
+
+NS depends only on n, nkv and the SM count (never on the lengths' values), the loops' trip counts
+are read on the device, and nothing syncs with the host: the pair can be captured in a CUDA graph.
+Rows past a stream's length are masked (never read), so stale or NaN pool rows are harmless.
+
+Layout: ``keys``/``values`` ``[slots, nkv, max_tokens, hd]`` (one layer of the pool) with ``hd``
+contiguous; ``hd`` a power of two in 64..256. Non-goals: more than one query row per stream
+(prefill uses :func:`headstart.ops.attention.attend` or a prefill kernel), paged KV, ALiBi/softcap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: the CPU build of headstart must import without it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+LOG2E = 1.4426950408889634
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
+                      stride_qn, stride_qh, stride_ks, stride_kh, stride_kt,
+                      stride_vs, stride_vh, stride_vt, qk_scale,
+                      NH: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                      HD: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr):
+        i_n = tl.program_id(0)
+        i_kv = tl.program_id(1)
+        i_s = tl.program_id(2)
+        length = tl.load(len_ptr + i_n).to(tl.int32)
+        slot = tl.load(slot_ptr + i_n).to(tl.int64)
+        per = tl.cdiv(tl.cdiv(length, NS), BL) * BL
+        lo = i_s * per
+        hi = tl.minimum(lo + per, length)
+
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        heads = i_kv * GROUP + g
+        q = tl.load(q_ptr + i_n * stride_qn + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+        k_base = k_ptr + slot * stride_ks + i_kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + i_kv * stride_vh
+        m_i = tl.full([GP], -1.0e30, dtype=tl.float32)  # finite: empty splits combine to 0
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, HD], dtype=tl.float32)
+        for start in range(lo, hi, BL):
+            rows = start + tl.arange(0, BL)
+            live = rows < hi
+            kt = tl.load(k_base + rows[None, :] * stride_kt + d[:, None], mask=live[None, :],
+                         other=0.0)  # K^T [HD, BL]
+            s = tl.dot(q, kt) * qk_scale  # log2-domain scores [GP, BL]
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(v_base + rows[:, None] * stride_vt + d[None, :], mask=live[:, None],
+                         other=0.0)  # [BL, HD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        # Partials laid out [n, nh, NS(, HD)].
+        row = (i_n * NH + heads) * NS + i_s
+        gm = g < GROUP
+        tl.store(po_ptr + row.to(tl.int64)[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+        tl.store(pm_ptr + row, m_i, mask=gm)
+        tl.store(pl_ptr + row, l_i, mask=gm)
+
+    @triton.jit
+    def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, stride_on, stride_oh,
+                        NH: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr):
+        i_n = tl.program_id(0)
+        i_h = tl.program_id(1)
+        s = tl.arange(0, NS)
+        d = tl.arange(0, HD)
+        row = (i_n * NH + i_h) * NS + s
+        m = tl.load(pm_ptr + row)
+        l = tl.load(pl_ptr + row)
+        m_max = tl.max(m, 0)
+        w = tl.exp2(m - m_max)  # 0 for empty splits (m = -1e30)
+        part = tl.load(po_ptr + row.to(tl.int64)[:, None] * HD + d[None, :])
+        out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(o_ptr + i_n * stride_on + i_h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device,
+                   block: int = 32) -> int:
+    """Splits per (stream, kv head): about two programs per SM, a power of two, at most 64."""
+    want = -(-2 * _sm_count(device) // max(1, n * nkv))
+    ns = 1
+    while ns < want and ns < 64:
+        ns *= 2
+    return max(1, min(ns, triton.next_power_of_2(-(-max_tokens // block))))
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, num_splits: int | None = None,
+                     block: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """q: [n, nh, hd]; keys, values: [slots, nkv, max_tokens, hd]; slots: [n] int; lengths: [n]
+    int (>= 1: rows 0..len-1 of the stream's slot, its own new row included). Returns [n, nh, hd]
+    in q's dtype."""
+    n, nh, hd = q.shape
+    nkv, max_tokens = keys.shape[1], keys.shape[2]
+    if nh % nkv:
+        raise ValueError(f"{nh} query heads do not group over {nkv} kv heads")
+    if hd & (hd - 1) or not 16 <= hd <= 256:
+        raise ValueError(f"head_dim {hd} must be a power of two in 16..256")
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values need a contiguous head dimension")
+    group = nh // nkv
+    BL = block or (32 if hd >= 256 else 64)
+    NS = num_splits or num_splits_for(n, nkv, max_tokens, q.device, BL)
+    stages = num_stages or (3 if hd >= 256 else 2)
+    po = torch.empty(n * nh * NS * hd, dtype=torch.float32, device=q.device)
+    pm = torch.empty(n * nh * NS, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _split_kernel[(n, nkv, NS)](
+        q, keys, values, slots, lengths, po, pm, pl,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), hd ** -0.5 * LOG2E,
+        NH=nh, GROUP=group, GP=max(16, triton.next_power_of_2(group)), HD=hd, BL=BL, NS=NS,
+        num_warps=4, num_stages=stages)
+    _combine_kernel[(n, nh)](po, pm, pl, out, out.stride(0), out.stride(1), NH=nh, HD=hd, NS=NS,
+                             num_warps=4 if hd >= 128 else 2)
+    return out

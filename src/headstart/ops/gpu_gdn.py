@@ -1,0 +1,143 @@
+"""Gated DeltaNet cores on the GPU, reading and writing the recurrent-state pool by slot.
+
+Job: the two GDN entry points of the forward, with the contracts of the references in
+:mod:`headstart.ops.gated_delta` (raw q/k, L2-normalised with eps 1e-6 on the sum of squares and q
+scaled by ``Dk^-0.5`` inside; log decay ``g``; ``beta`` post-sigmoid; value head ``h`` reads key
+head ``h // (Hv/Hk)``; fp32 state ``[Hv, Dk, Dv]``, the HF/FLA layout, same as our pool):
+
+* :func:`gdn_prefill_varlen`: several multi-row sequences packed into one ``[T, ...]`` batch with
+  ``cu_seqlens``, through flash-linear-attention's chunked kernel. Initial states are gathered from
+  the pool by slot (zeros for fresh streams, whatever the slot held, NaN included) and the final
+  states scattered back. That gather/scatter is one state read + write per stream per layer,
+  small next to a prefill chunk's work.
+* :func:`gdn_decode`: one new row per stream for n streams, our own Triton kernel that updates the
+  pool **in place** by slot index (FLA 0.6's fused_recurrent has no state-index argument, so using
+  it would cost a gather and a scatter of ``n * Hv * Dk * Dv * 4`` bytes each, doubling the
+  traffic of a step that is nothing but state traffic). One program owns one (stream, value head,
+  Dv slice): loads its ``[Dk, BV]`` state slice once, decays, applies the delta rule, writes the
+  output slice and the state back. No host sync; launch shape depends only on n and the head
+  sizes (CUDA-graph friendly).
+
+Layout assumptions: ``state_pool`` is one layer's ``[slots, Hv, Dk, Dv]`` fp32 with contiguous
+``[Hv, Dk, Dv]`` (``pool.recurrent[layer]``); q/k/v may be strided views (e.g. splits of the conv
+output) as long as the feature dimension is contiguous.
+
+Non-goals: autograd, the conv and gate projections (fused elsewhere), Dk/Dv that are not powers of
+two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: the CPU build of headstart must import without it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def _fla_chunk():
+    # Imported lazily: flash-linear-attention is an optional (GPU-only) dependency.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def gdn_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                       fresh: torch.Tensor, state_pool: torch.Tensor,
+                       cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunked GDN over packed sequences; updates ``state_pool[slots]`` in place.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1] (int,
+    starts at 0, on q's device); slots: [N] int64; fresh: [N] bool (start from a zero state);
+    state_pool: [slots, Hv, Dk, Dv] fp32. ``cu_seqlens_cpu`` (optional) spares FLA a host sync
+    when it builds its chunk index. Returns o: [T, Hv, Dv] in v's dtype.
+    """
+    chunk = _fla_chunk()
+    slots = slots.to(torch.long)
+    init = state_pool.index_select(0, slots)
+    # where(), not multiply: a fresh slot may hold NaN from an earlier, aborted stream.
+    init = torch.where(fresh.view(-1, 1, 1, 1), 0.0, init)
+    o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                     output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     cu_seqlens=cu_seqlens.to(torch.long), cu_seqlens_cpu=cu_seqlens_cpu)
+    state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+    return o[0].to(v.dtype)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, slot_ptr, fresh_ptr,
+                         state_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+                         stride_vh, stride_gn, stride_bn, stride_on, stride_oh, stride_slot,
+                         HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
+                         DV: tl.constexpr, BV: tl.constexpr):
+        pid = tl.program_id(0)  # stream * HV + value head
+        pv = tl.program_id(1)  # Dv slice
+        i_n = pid // HV
+        i_hv = pid % HV
+        i_hk = i_hv // R
+        dk = tl.arange(0, DK)
+        dv = pv * BV + tl.arange(0, BV)
+
+        q = tl.load(q_ptr + i_n * stride_qn + i_hk * stride_qh + dk).to(tl.float32)
+        k = tl.load(k_ptr + i_n * stride_kn + i_hk * stride_kh + dk).to(tl.float32)
+        v = tl.load(v_ptr + i_n * stride_vn + i_hv * stride_vh + dv).to(tl.float32)
+        g = tl.load(g_ptr + i_n * stride_gn + i_hv).to(tl.float32)
+        beta = tl.load(beta_ptr + i_n * stride_bn + i_hv).to(tl.float32)
+        # Same normalisation as the reference (rsqrt of sum of squares + 1e-6; q also * Dk^-0.5).
+        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5))
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+
+        slot = tl.load(slot_ptr + i_n).to(tl.int64)
+        keep = tl.load(fresh_ptr + i_n) == 0
+        s_ptrs = (state_ptr + slot * stride_slot + i_hv * (DK * DV)
+                  + dk[:, None] * DV + dv[None, :])
+        # A fresh stream's slot is not read at all (it may hold anything, NaN included).
+        S = tl.load(s_ptrs, mask=(dk[:, None] < DK) & keep, other=0.0)
+        S = S * tl.exp(g)
+        kv = tl.sum(S * k[:, None], 0)  # [BV] = S^T k
+        delta = (v - kv) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], 0)
+        tl.store(s_ptrs, S)
+        tl.store(o_ptr + i_n * stride_on + i_hv * stride_oh + dv, o.to(o_ptr.dtype.element_ty))
+
+
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+               state_pool: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One GDN step for n streams; updates ``state_pool[slots]`` in place.
+
+    q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool;
+    state_pool: [slots, Hv, Dk, Dv] fp32 (``[Hv, Dk, Dv]`` contiguous). Slots must be distinct.
+    Returns o: [n, Hv, Dv] in ``out_dtype`` (default v's dtype).
+    """
+    n, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    o = torch.empty(n, Hv, Dv, dtype=out_dtype or v.dtype, device=v.device)
+    if n == 0:
+        return o
+    if state_pool.dtype != torch.float32 or state_pool[0].stride() != (Dk * Dv, Dv, 1):
+        raise ValueError("state_pool must be fp32 with contiguous [Hv, Dk, Dv] per slot")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    beta = beta if beta.stride(-1) == 1 else beta.contiguous()
+    # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head).
+    BV = 32 if n * Hv * (Dv // 32) >= 512 else 16
+    BV = min(BV, Dv)
+    grid = (n * Hv, Dv // BV)
+    _gdn_step_kernel[grid](
+        q, k, v, g, beta, o, slots, fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
+        state_pool, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_pool.stride(0),
+        HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, num_warps=4)
+    return o

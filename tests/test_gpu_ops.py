@@ -1,0 +1,216 @@
+"""GPU kernels against the reference ops, on fresh random inputs (skipped without CUDA).
+
+Every check computes the reference in fp32 from the *same* bf16 inputs the kernel sees, so the
+tolerances below only have to cover the kernels' own roundings:
+
+* quant_matmul: the dequantized weight is rounded to bf16 for the tensor cores and y is rounded to
+  bf16 (each ~2**-9 relative, random): relative Frobenius error <= 6e-3, and every element within
+  3e-2 * max|ref|.
+* gdn_decode: fp32 arithmetic throughout, only the summation order differs: outputs (asked in
+  fp32) and states within 1e-4 relative Frobenius.
+* gdn_prefill_varlen (flash-linear-attention chunked kernels, bf16 intermediates inside FLA):
+  outputs and final states within 2e-2 relative Frobenius.
+* decode_attention: probabilities are rounded to bf16 before the PV product and the output is bf16:
+  relative Frobenius error <= 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from headstart.ops.attention import attend_decode  # noqa: E402
+from headstart.ops.decode_attention import decode_attention  # noqa: E402
+from headstart.ops.gated_delta import gated_delta_step, recurrent_gated_delta  # noqa: E402
+from headstart.ops.gpu_gdn import gdn_decode, gdn_prefill_varlen  # noqa: E402
+from headstart.ops.quant_matmul import (  # noqa: E402
+    QmmConfig, dequantize_prepared, prepare, quant_matmul)
+from headstart.quant import quantize  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- quant_matmul
+
+def make_weight(n: int, k: int, bits: int, group: int, seed: int,
+                scale_dtype: torch.dtype = torch.bfloat16):
+    w = torch.randn(n, k, generator=gen(seed), device=DEV) * 0.05
+    return quantize(w, bits=bits, group_size=group, scale_dtype=scale_dtype)
+
+
+def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None) -> None:
+    p = prepare(qt, config)
+    n, k = qt.shape
+    x = torch.randn(m, k, generator=gen(seed + 1), device=DEV).to(torch.bfloat16)
+    y = quant_matmul(x, p)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    ref = x.float() @ qt.dequantize(torch.float32).T
+    assert torch.isfinite(y).all()
+    err = rel_err(y, ref)
+    assert err <= 6e-3, f"relative error {err:.2e}"
+    assert (y.float() - ref).abs().max() <= 3e-2 * ref.abs().max()
+    # Split-K counters are reset by the kernel: a second call must give the same bits.
+    assert torch.equal(quant_matmul(x, p), y)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k,group", [(96, 256, 32), (200, 512, 64), (130, 1024, 128),
+                                       (64, 320, 64)])  # 320: K not a multiple of 8 groups
+def test_quant_matmul_small(n, k, group, m):
+    check_qmm(make_weight(n, k, 4, group, seed=n + k + group), m, seed=m)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(12288, 5120), (5120, 17408), (1024, 5120), (48, 5120)])
+def test_quant_matmul_real_shapes(n, k, m):
+    check_qmm(make_weight(n, k, 4, 64, seed=n + k), m, seed=7 * m)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40, 100])  # 40: fused with BLOCK_M 64; 100: dequant+cuBLAS
+def test_quant_matmul_more_rows_and_configs(m):
+    qt = make_weight(384, 2048, 4, 64, seed=m)
+    check_qmm(qt, m, seed=m)
+    for cfg in (QmmConfig(block_n=32, prefetch=False), QmmConfig(block_n=128, ctas_per_sm=8),
+                QmmConfig(use_dot=False)):
+        check_qmm(qt, m, seed=m + 1, config=cfg)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_quant_matmul_8bit_and_fp16_scales(m):
+    check_qmm(make_weight(256, 1024, 8, 64, seed=3), m, seed=m)
+    check_qmm(make_weight(256, 1024, 4, 64, seed=4, scale_dtype=torch.float16), m, seed=m)
+
+
+def test_quant_matmul_leading_dims_and_empty():
+    p = prepare(make_weight(128, 256, 4, 64, seed=5))
+    x = torch.randn(2, 3, 256, generator=gen(6), device=DEV).to(torch.bfloat16)
+    y = quant_matmul(x, p)
+    assert y.shape == (2, 3, 128)
+    torch.testing.assert_close(y.reshape(6, 128), quant_matmul(x.reshape(6, 256), p))
+    assert quant_matmul(x[:0].reshape(0, 256), p).shape == (0, 128)
+
+
+def test_dequantize_prepared_matches_reference():
+    qt = make_weight(300, 640, 4, 64, seed=9)
+    w = dequantize_prepared(prepare(qt), torch.float32)
+    torch.testing.assert_close(w, qt.dequantize(torch.float32), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- GDN decode
+
+def gdn_step_inputs(n, Hk, Hv, Dk, Dv, seed):
+    g = gen(seed)
+    q = torch.randn(n, Hk, Dk, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(n, Hk, Dk, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(n, Hv, Dv, generator=g, device=DEV).to(torch.bfloat16)
+    decay = -torch.rand(n, Hv, generator=g, device=DEV) * 2  # log decay <= 0, fp32
+    beta = torch.rand(n, Hv, generator=g, device=DEV).to(torch.bfloat16)
+    return q, k, v, decay, beta
+
+
+@pytest.mark.parametrize("n,Hk,Hv,Dk,Dv", [(3, 2, 4, 32, 64), (1, 16, 48, 128, 128),
+                                           (16, 16, 48, 128, 128), (5, 16, 16, 128, 128)])
+def test_gdn_decode(n, Hk, Hv, Dk, Dv):
+    slots_total = n + 3
+    pool = torch.randn(slots_total, Hv, Dk, Dv, generator=gen(n), device=DEV)
+    slots = torch.randperm(slots_total, generator=torch.Generator().manual_seed(n))[:n].to(DEV)
+    fresh = torch.zeros(n, dtype=torch.bool, device=DEV)
+    fresh[::2] = True
+    pool[slots[fresh]] = float("nan")  # a fresh stream must ignore whatever its slot holds
+    before = pool.clone()
+    q, k, v, decay, beta = gdn_step_inputs(n, Hk, Hv, Dk, Dv, seed=n + Hv)
+    state = torch.where(fresh[:, None, None, None], 0.0, before[slots])
+    o_ref, s_ref = gated_delta_step(q, k, v, decay, beta, state)
+
+    o = gdn_decode(q, k, v, decay, beta, slots, fresh, pool, out_dtype=torch.float32)
+    assert rel_err(o, o_ref) <= 1e-4
+    assert rel_err(pool[slots], s_ref) <= 1e-4
+    untouched = torch.ones(slots_total, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched])
+
+    # Default output dtype (v's) and strided q/k/v views, as the model passes them.
+    mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1)
+    qv, kv, vv = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=1)
+    pool2 = before.clone()
+    o16 = gdn_decode(qv.view(n, Hk, Dk), kv.view(n, Hk, Dk), vv.view(n, Hv, Dv), decay, beta,
+                     slots, fresh, pool2)
+    assert o16.dtype == torch.bfloat16
+    assert rel_err(o16, o_ref) <= 5e-3
+    assert rel_err(pool2[slots], s_ref) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- GDN prefill
+
+@pytest.mark.parametrize("lens,Hk,Hv,D", [([1, 37, 64, 130], 2, 4, 64),
+                                          ([5, 200], 16, 48, 128),
+                                          ([300], 16, 16, 128)])
+def test_gdn_prefill_varlen(lens, Hk, Hv, D):
+    pytest.importorskip("fla")
+    N, T = len(lens), sum(lens)
+    g = gen(T + Hv)
+    q = torch.randn(T, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(T, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(T, Hv, D, generator=g, device=DEV).to(torch.bfloat16)
+    decay = torch.nn.functional.logsigmoid(torch.randn(T, Hv, generator=g, device=DEV))
+    beta = torch.rand(T, Hv, generator=g, device=DEV).to(torch.bfloat16)
+    cu = torch.tensor([0] + lens, device=DEV).cumsum(0)
+    pool = torch.randn(N + 2, Hv, D, D, generator=g, device=DEV) * 0.1
+    slots = torch.arange(N, device=DEV).flip(0) + 1
+    fresh = torch.zeros(N, dtype=torch.bool, device=DEV)
+    fresh[0] = True
+    pool[slots[0]] = float("nan")
+    before = pool.clone()
+
+    o = gdn_prefill_varlen(q, k, v, decay, beta, cu, slots, fresh, pool)
+    assert o.shape == (T, Hv, D) and o.dtype == torch.bfloat16
+    for i in range(N):
+        a, b = cu[i].item(), cu[i + 1].item()
+        s0 = torch.zeros_like(before[0]) if fresh[i] else before[slots[i]]
+        o_ref, s_ref = recurrent_gated_delta(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], s0)
+        assert rel_err(o[a:b], o_ref) <= 2e-2, f"seq {i}"
+        assert rel_err(pool[slots[i]], s_ref) <= 2e-2, f"seq {i}"
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[-1], before[-1])
+
+
+# ----------------------------------------------------------------------------- attention
+
+@pytest.mark.parametrize("nh,nkv,hd,max_tokens,lens", [
+    (8, 2, 64, 300, [1, 77, 300]),
+    (24, 4, 256, 32768, [1, 5000, 32768]),
+    (16, 4, 128, 4096, [63, 64, 65, 4095]),
+])
+@pytest.mark.parametrize("splits", [None, 1, 64])
+def test_decode_attention(nh, nkv, hd, max_tokens, lens, splits):
+    n = len(lens)
+    g = gen(hd + n)
+    slots_total = n + 1
+    keys = torch.randn(slots_total, nkv, max_tokens, hd, generator=g, device=DEV).to(torch.bfloat16)
+    values = torch.randn(slots_total, nkv, max_tokens, hd, generator=g,
+                         device=DEV).to(torch.bfloat16)
+    q = torch.randn(n, nh, hd, generator=g, device=DEV).to(torch.bfloat16)
+    slots = torch.arange(n, device=DEV).flip(0) + 1
+    lengths = torch.tensor(lens, device=DEV, dtype=torch.int32)
+    ref = attend_decode(q.float(), keys[slots].float(), values[slots].float(), lengths)
+    for i, s in enumerate(slots.tolist()):  # rows past the length must never be read
+        keys[s, :, lens[i]:] = float("nan")
+        values[s, :, lens[i]:] = float("nan")
+    out = decode_attention(q, keys, values, slots, lengths, num_splits=splits)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-2
