@@ -212,7 +212,8 @@ class Engine:
         """Run each eager path once on the scratch slot so the first request pays no kernel
         compilation or autotuning: prefill chunks of a few sizes and (with a drafter) a
         recorded verify window and a draft."""
-        sizes = sorted({min(n, self.context - 1) for n in (7, 64, self.scheduler.prefill_chunk)})
+        sizes = sorted({min(n, self.context - 1)
+                        for n in (7, 14, 16, 31, 32, 64, 128, self.scheduler.prefill_chunk)})
         for n in sizes:
             self.model.forward_ex(ForwardBatch.build([SeqChunk(scratch, 0, (0,) * n, 1)],
                                                      self.model.device), self.pool, self.taps)

@@ -20,6 +20,10 @@ NS depends only on n, nkv and the SM count (never on the lengths' values), the l
 are read on the device, and nothing syncs with the host: the pair can be captured in a CUDA graph.
 Rows past a stream's length are masked (never read), so stale or NaN pool rows are harmless.
 
+Measured on the H200 (benchmarks/gpu_ops.py, 27B heads nh 24, nkv 4, hd 256, n = 16 streams,
+CUDA-graph replay, cold L2): length 8192 141 us (floor, K+V bytes over the copy bandwidth, 126 us:
+1.11x); length 512 16.5 us (floor 7.9 us). The reference gather + attend_decode: 1068 / 191 us.
+
 Layout: ``keys``/``values`` ``[slots, nkv, max_tokens, hd]`` (one layer of the pool) with ``hd``
 contiguous; ``hd`` a power of two in 64..256. Non-goals: more than one query row per stream
 (prefill uses :func:`headstart.ops.attention.attend` or a prefill kernel), paged KV, ALiBi/softcap.

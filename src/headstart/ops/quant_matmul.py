@@ -8,28 +8,45 @@ instructions per weight so that the arithmetic hides under the loads. Larger M (
 compute-bound and goes to dequantize + cuBLAS.
 
 Repacked layout (made once by :func:`prepare`; ``PW = 32 // bits`` codes per int32 word, ``G`` the
-group size, ``S = ceil(K / (PW * G))`` "superblocks" of ``PW`` consecutive groups per row, rows
-padded to ``Np`` = a multiple of 128, K padded to ``S * PW * G`` with zero codes and zero
-scale/bias so that padding contributes nothing):
+group size, ``S = ceil(K / (PW * G))`` "superblocks" of ``PW`` consecutive groups, ``BN`` the tile
+width (32 by default), rows padded to ``Np`` = a multiple of 128, K padded to ``S * PW * G`` with
+zero codes and zero scale/bias so that padding contributes nothing):
 
-* ``words``: int32 ``[S * G, Np]`` (K-major: output features contiguous). Entry ``[t*G + j, n]``
-  is word ``j`` of superblock ``t`` of row ``n``; its field ``i`` (bits ``bits*i ..``) holds the
-  code of element ``k = t*PW*G + i*G + j``. So field ``i`` of a ``[G, BN]`` tile of words is exactly
-  group ``t*PW + i`` of ``BN`` rows, with one scale/bias per row, and the matching ``x`` slice is
-  ``G`` contiguous elements. (MLX keeps field ``i`` of word ``j`` at element ``8*j + i``, which
-  would force a reshape/interleave in registers.) A tile row is ``BN`` contiguous words: fully
-  coalesced loads, and each thread's scales/biases are one vector load.
-* ``sb``: int32 ``[S * PW, Np]``: for group ``g`` of row ``n``, the 16-bit scale in the low half and
-  the 16-bit bias in the high half (bf16 or fp16, as the checkpoint stores them; fp32 scales are
-  rounded to bf16). Group-major so that one ``[BN]`` load per group is contiguous.
+* ``words``: int32 ``[Np / BN, S, G, BN]``. Entry ``[n // BN, t, j, n % BN]`` is word ``j`` of
+  superblock ``t`` of row ``n``; its field ``i`` (bits ``bits*i ..``) holds the code of element
+  ``k = t*PW*G + i*G + j``. So field ``i`` of the ``[G, BN]`` tile ``[n // BN, t]`` is exactly group
+  ``t*PW + i`` of ``BN`` rows, with one scale/bias per row, and the matching ``x`` slice is ``G``
+  contiguous elements. (MLX keeps field ``i`` of word ``j`` at element ``8*j + i``, which would
+  force a reshape/interleave in registers.) Each tile is one contiguous block (8 KB for 4-bit,
+  G 64, BN 32): a program streams through consecutive memory. (A K-major ``[S*G, Np]`` layout
+  measured within 10% of this one: DRAM locality is not what limits the kernel today.)
+* ``sb``: int32 ``[Np / BN, S, PW, BN]``: for group ``t*PW + i`` of row ``n``, the 16-bit scale in
+  the low half and the 16-bit bias in the high half (bf16 or fp16, as the checkpoint stores them;
+  fp32 scales are rounded to bf16); the ``[BN]`` entries of one group are contiguous.
 
 Unpacking without int->float conversions: a field shifted into mantissa bits ``lo..lo+bits-1`` and
 OR-ed with the exponent of ``2**(23-lo)`` *is* the float ``2**(23-lo) + q``; one FFMA with the
 pre-shifted bias ``b - 2**(23-lo) * s`` then gives ``s*q + b`` (the offset is at most 256 for 4-bit,
 so rounding the shifted bias costs ~2**-16 relative: invisible after bf16). Fields are placed
-two at a time per shift (4-bit), so a weight costs about 0.5 SHF + 1 LOP3 + 1 FFMA + 0.5 CVT before
-the tensor-core dot ``x_rows [16, G] @ W_group^T [G, BN]`` (M padded to 16; masked rows are free;
-the weight is rounded to x's dtype for the tensor cores, as a dequantize-then-matmul would do).
+two at a time per shift (4-bit), so a weight costs about 0.5 SHF + 1 LOP3 + 1 FFMA. Then:
+
+* M == 1 (default): an FMA per weight into a ``[G, BN]`` fp32 accumulator on the CUDA cores,
+  reduced over G once at the end (no shared memory, no barriers);
+* M > 1: a 0.5 CVT to bf16 and the tensor-core dot ``x_rows [16, G] @ W_group^T [G, BN]`` per
+  group (M padded to 16, masked rows are free; the weight is rounded to x's dtype for the tensor
+  cores, as a dequantize-then-matmul would do).
+
+Measured on the H200 (benchmarks/gpu_ops.py, CUDA-graph replay, cold L2; floor = weight bytes over
+the 4.25 TB/s copy bandwidth): 3.6-4.8x the floor at M = 1 and 4.7-5.7x at M = 4..16 for the 27B
+projections (e.g. q_proj 12288x5120: 30 us at M = 1, ~40 us at M = 16, floor 8.3 us). That beats
+torch's int4 tinygemm at M = 16 (1.8-2.1x) and its dequantize + matmul by 15-40x, but loses to the
+tinygemm at M = 1 (1.4-1.7x) and M = 4 (1.1-1.5x), and only matches bf16 cuBLAS reading 4x the
+bytes. The kernel is latency-bound, not bandwidth- or issue-bound: a program spends ~6 us per
+superblock because each group's small loads (x slice, scales) and, on the dot path, its shared-
+memory staging and barriers sit on the critical path, and only 5-7 programs fit per SM. The next
+step is to issue all of a superblock's x and scale loads up front (or double-buffer them with the
+words), e.g. one ``[PW, G]`` x load and a ``[PW, G, BN]`` formulation with a per-field rotate
+(``shf.l.wrap``) so that nothing is loaded per group.
 
 Split-K: when the N tiles alone do not fill the GPU, each (N tile, K split) program writes an fp32
 partial to a workspace and bumps a per-tile counter; the last one to arrive sums the partials in a
@@ -62,28 +79,31 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used to check the kernels without a GPU) cannot run
 # inline PTX; the kernels then use the plain-Triton spelling of the same bit operation.
 _USE_ASM = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
-ROW_PAD = 128  # rows padded to a multiple of the largest BLOCK_N, so weight loads need no mask
+ROW_PAD = 128  # rows padded to a multiple of the largest BN, so weight loads need no mask
 MAX_FUSED_M = 64  # above this, dequantize + cuBLAS (compute-bound regime)
+_DOT_PF_RESIDENT = 5  # programs per SM of the default dot kernel with prefetch (96 registers)
 
 
 @dataclass
 class QmmConfig:
-    """Kernel launch knobs (the defaults came from the H200 sweep in benchmarks/gpu_ops.py)."""
+    """Kernel launch knobs (defaults: the best of the H200 sweep in benchmarks/gpu_ops.py).
 
-    block_n: int = 64
-    num_warps: int = 8  # 8 warps on a [64 x 64]-word tile: ~80 registers, 3 programs per SM
+    BLOCK_N is not here: it is fixed by the tiled layout made by :func:`prepare`."""
+
+    num_warps: int = 4
     num_stages: int = 1
     ctas_per_sm: int = 4  # split K until about this many programs per SM are in flight
-    prefetch: bool = False  # register double-buffering of the word tile
-    use_dot: bool = True  # False: CUDA-core FMA path, only used for M == 1
+    prefetch: bool = True  # register double-buffering of the word tile
+    use_dot: bool = False  # M == 1 on CUDA cores (measured faster); M > 1 always uses the dot
 
 
 @dataclass
 class PreparedQuant:
     """A quantized weight ``[N, K]`` repacked for :func:`quant_matmul` (layout: module doc)."""
 
-    words: torch.Tensor  # int32 [S * G, Np]
-    sb: torch.Tensor  # int32 [S * PW, Np]: (scale | bias << 16) as 16-bit floats
+    words: torch.Tensor  # int32 [Np / BN, S, G, BN]
+    sb: torch.Tensor  # int32 [Np / BN, S, PW, BN]: (scale | bias << 16) as 16-bit floats
+    block_n: int  # BN: output features per program, fixed by the tiling
     n: int
     k: int
     bits: int
@@ -102,17 +122,24 @@ class PreparedQuant:
 
     @property
     def superblocks(self) -> int:
-        return self.words.shape[0] // self.group_size
+        return self.words.shape[1]
+
+    @property
+    def padded_n(self) -> int:
+        return self.words.shape[0] * self.block_n
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.sb))
 
 
-def prepare(qt: QuantizedTensor, config: QmmConfig | None = None,
+def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int = 32,
             rows_per_chunk: int = 4096) -> PreparedQuant:
     """Repack an MLX affine weight (on its device) into the kernel layout. Done once at load.
 
+    ``block_n`` (16..128, a power of two) is the tile width baked into the layout;
     ``rows_per_chunk`` bounds the temporary int32 code buffer (rows * K * 4 bytes)."""
+    if block_n not in (16, 32, 64, 128):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128, not {block_n}")
     bits, G = qt.bits, qt.group_size
     if bits not in (2, 4, 8):
         raise ValueError(f"quant_matmul supports 2/4/8-bit weights, not {bits}")
@@ -145,10 +172,15 @@ def prepare(qt: QuantizedTensor, config: QmmConfig | None = None,
     b[:N, :n_groups] = qt.biases.to(sdt)
     lo = s.view(torch.int16).to(torch.int32) & 0xFFFF
     hi = b.view(torch.int16).to(torch.int32) << 16
-    sb = (lo | hi).t().contiguous()  # [S*PW, Np]
-    # Split-K arrival counters: one per N tile (BLOCK_N >= 16; M <= 64 is always one M tile).
-    counters = torch.zeros(Np // 16, dtype=torch.int32, device=dev)
-    return PreparedQuant(words, sb, N, K, bits, G, sdt == torch.bfloat16, counters,
+    sb = (lo | hi).t()  # [S*PW, Np]
+    # Tile: every program's [G, BN] word tile (and its scales) is one contiguous block, so a
+    # program streams through consecutive memory instead of G rows Np words apart.
+    nt = Np // block_n
+    words = words.view(S, G, nt, block_n).permute(2, 0, 1, 3).contiguous()
+    sb = sb.reshape(S, PW, nt, block_n).permute(2, 0, 1, 3).contiguous()
+    # Split-K arrival counters: one per N tile (M <= 64 is always one M tile).
+    counters = torch.zeros(nt, dtype=torch.int32, device=dev)
+    return PreparedQuant(words, sb, block_n, N, K, bits, G, sdt == torch.bfloat16, counters,
                          config or QmmConfig())
 
 
@@ -216,12 +248,15 @@ if HAVE_TRITON:
         t0 = pid_k * SB_PER_SPLIT
         t1 = tl.minimum(t0 + SB_PER_SPLIT, NUM_SB)
 
-        # Word tile [G, BN]: rows are word j of a superblock, columns output features (contiguous).
-        w_ptrs = w_ptr + (t0 * G + j).to(tl.int64)[:, None] * NP + n_offs[None, :]
-        w_step = G * NP.to(tl.int64)
+        # Word tile [G, BN] of superblock t: one contiguous block of the tiled layout (row j =
+        # word j, columns = output features).
+        nn = tl.arange(0, BN)
+        tile0 = (pid_n * NUM_SB + t0).to(tl.int64)
+        w_ptrs = w_ptr + tile0 * (G * BN) + (j[:, None] * BN + nn[None, :])
+        w_step = G * BN
         # Scales/biases loaded as [1, BN] so that they arrive in the tile's own layout (a 1-D load
         # would be re-laid out through shared memory, with barriers, for every group).
-        sb_ptrs = sb_ptr + t0 * PW * NP + n_offs[None, :]
+        sb_ptrs = sb_ptr + tile0 * (PW * BN) + nn[None, :]
         x_rows = x_ptr + m_offs.to(tl.int64)[:, None] * stride_xm
         xdt = x_ptr.dtype.element_ty
         if USE_DOT:
@@ -242,7 +277,7 @@ if HAVE_TRITON:
                 w_ptrs += w_step
             k_base = t * (PW * G)
             for i in tl.static_range(PW):
-                s, b = _load_scale_bias(sb_ptrs + i * NP, SB_BF16)
+                s, b = _load_scale_bias(sb_ptrs + i * BN, SB_BF16)
                 a = _dequant_field(w, s, b, i, BITS, USE_ASM)  # [G, BN] fp32: group t*PW + i
                 k_offs = k_base + i * G + j
                 if USE_DOT:
@@ -258,7 +293,7 @@ if HAVE_TRITON:
                     else:
                         xv = tl.load(x_ptr + k_offs, mask=k_offs < K, other=0.0)
                     acc2 += a * xv.to(tl.float32)[:, None]
-            sb_ptrs += PW * NP
+            sb_ptrs += PW * BN
         if not USE_DOT:
             acc = tl.expand_dims(tl.sum(acc2, axis=0), 0)  # [1, BN]
 
@@ -287,17 +322,19 @@ if HAVE_TRITON:
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, K, NP, stride_on,
+    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, K, NUM_SB, stride_on,
                         BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                         SB_BF16: tl.constexpr, USE_ASM: tl.constexpr):
         PW: tl.constexpr = 32 // BITS
         pid_n = tl.program_id(0)
         t = tl.program_id(1)
-        n_offs = pid_n * BN + tl.arange(0, BN)
+        nn = tl.arange(0, BN)
+        n_offs = pid_n * BN + nn
         j = tl.arange(0, G)
-        w = tl.load(w_ptr + (t * G + j).to(tl.int64)[:, None] * NP + n_offs[None, :])
+        tile = (pid_n * NUM_SB + t).to(tl.int64)
+        w = tl.load(w_ptr + tile * (G * BN) + j[:, None] * BN + nn[None, :])
         for i in tl.static_range(PW):
-            s, b = _load_scale_bias(sb_ptr + (t * PW + i) * NP + n_offs[None, :], SB_BF16)
+            s, b = _load_scale_bias(sb_ptr + (tile * PW + i) * BN + nn[None, :], SB_BF16)
             a = _dequant_field(w, s, b, i, BITS, USE_ASM)  # [G, BN]
             k_offs = t * (PW * G) + i * G + j
             # Transposed in registers so that the stores run along K (contiguous in out).
@@ -319,9 +356,9 @@ def _sm_count(device: torch.device) -> int:
 def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The weight ``[N, K]`` in ``dtype`` (GPU), from the repacked layout."""
     out = torch.empty(p.n, p.k, dtype=dtype, device=p.words.device)
-    BN = 32
+    BN = p.block_n
     grid = (triton.cdiv(p.n, BN), p.superblocks)
-    _dequant_kernel[grid](p.words, p.sb, out, p.n, p.k, p.words.shape[1],
+    _dequant_kernel[grid](p.words, p.sb, out, p.n, p.k, p.superblocks,
                           out.stride(0), BITS=p.bits, G=p.group_size, BN=BN,
                           SB_BF16=p.sb_bf16, USE_ASM=_USE_ASM, num_warps=4)
     return out
@@ -331,7 +368,7 @@ def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tupl
     """(BLOCK_M, SPLIT_K, superblocks per split) for ``m`` rows: shapes only, never values."""
     cfg = config or p.config
     BM = 16 if m <= 16 else (32 if m <= 32 else 64)
-    n_tiles = p.words.shape[1] // cfg.block_n
+    n_tiles = p.words.shape[0]
     m_tiles = -(-m // BM)
     S = p.superblocks
     target = _sm_count(p.words.device) * cfg.ctas_per_sm
@@ -363,19 +400,25 @@ def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = N
     BM, split, per = split_for(p, M, cfg)
     if not use_dot:
         BM = 1
-    NP = p.words.shape[1]
-    n_tiles = NP // cfg.block_n
+    NP = p.padded_n
+    n_tiles = p.words.shape[0]
     m_tiles = -(-M // BM)
     ws = (torch.empty(split, M, NP, dtype=torch.float32, device=x.device) if split > 1
           else y)  # unused when split == 1
-    if split > 1 and m_tiles * n_tiles > p.counters.numel():
-        raise ValueError("block_n too small for the prepared counters")
+    prefetch = cfg.prefetch
+    if (use_dot and prefetch and p.block_n == 32 and cfg.num_warps == 4 and BM == 16
+            and n_tiles * split * m_tiles > _DOT_PF_RESIDENT * _sm_count(x.device)):
+        # The prefetching dot variant holds more registers (96 vs 76 per thread on H200 / Triton
+        # 3.6): 5 programs per SM instead of 6. When that alone would push the grid into a
+        # second wave (q_proj 12288x5120: 768 programs), the lighter variant runs in one:
+        # measured 40 us instead of 57 at M = 4 and 16.
+        prefetch = False
     _qmm_kernel[(n_tiles, split, m_tiles)](
         x2, p.words, p.sb, y, ws, p.counters,
         M, p.n, p.k, NP, x2.stride(0), y.stride(0), per, p.superblocks,
-        BITS=p.bits, G=p.group_size, BN=cfg.block_n, BM=BM, SPLIT_K=split,
+        BITS=p.bits, G=p.group_size, BN=p.block_n, BM=BM, SPLIT_K=split,
         EVEN_K=p.superblocks * p.per_word * p.group_size == p.k, USE_DOT=use_dot,
-        SB_BF16=p.sb_bf16, PREFETCH=cfg.prefetch, USE_ASM=_USE_ASM,
+        SB_BF16=p.sb_bf16, PREFETCH=prefetch, USE_ASM=_USE_ASM,
         # More rows per program: 4 warps would spill (acc and x tiles grow with BLOCK_M).
         num_warps=cfg.num_warps if BM <= 16 else max(8, cfg.num_warps),
         num_stages=cfg.num_stages)
