@@ -38,17 +38,25 @@ def greedy(model, ids, steps, slot=0, pool=None):
 
 
 def test_gpu_bf16_matches_cpu_reference(ckpt):
+    """Teacher-forced on the CPU's greedy tokens: logits within bf16 error, and the GPU's argmax
+    equals the CPU's wherever the CPU's top-2 margin exceeds that error."""
     cpu = Qwen35Model.load(ckpt)
     gpu = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
     assert gpu.kernels.name == "gpu"
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    want_tokens, want = greedy(cpu, ids, 12)
-    got_tokens, got = greedy(gpu, ids, 12)
-    # bf16 against fp32: compare with what bf16 rounding allows (HF's bf16 error bound here).
-    scale = want.abs().max()
-    assert (got - want).abs().max() <= 0.05 * scale
-    agree = sum(a == b for a, b in zip(got_tokens, want_tokens)) / len(want_tokens)
-    assert agree >= 0.75, (got_tokens, want_tokens)
+    tokens, want = greedy(cpu, ids, 12)
+    pool = gpu.new_state_pool(4, 256)
+    got = [gpu.forward(ForwardBatch.build([SeqChunk(0, 0, ids)], "cuda"), pool)[0]]
+    for i, t in enumerate(tokens):
+        got.append(gpu.forward(ForwardBatch.build([SeqChunk(0, len(ids) + i, (t,))], "cuda"),
+                               pool)[0])
+    got = torch.stack(got).float().cpu()
+    err = (got - want).abs().max()
+    assert err <= 0.05 * want.abs().max()
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert clear.any()
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def test_graph_replay_equals_eager_bit_for_bit(ckpt):
