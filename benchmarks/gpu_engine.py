@@ -25,7 +25,6 @@ import subprocess
 import threading
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch

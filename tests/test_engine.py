@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
-from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull, wait_idle
+from engine_helpers import Collector
+from headstart.engine.engine import Engine, EngineRequest, Finish, Piece, QueueFull, wait_idle
 from headstart.generate import generate
 from headstart.loading import load
 from headstart.sampling import SamplingParams
@@ -24,21 +24,6 @@ def engine(loaded):
     e.start()
     yield e
     e.stop()
-
-
-class Collector:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if isinstance(ev, (Finish, Failed)):
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [e.token_id for e in self.events if isinstance(e, Piece)]
 
 
 def alone(loaded, ids, params):

@@ -53,8 +53,8 @@ def make_weight(n: int, k: int, bits: int, group: int, seed: int,
     return quantize(w, bits=bits, group_size=group, scale_dtype=scale_dtype)
 
 
-def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None) -> None:
-    p = prepare(qt, config)
+def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None, block_n: int = 32) -> None:
+    p = prepare(qt, config, block_n=block_n)
     n, k = qt.shape
     x = torch.randn(m, k, generator=gen(seed + 1), device=DEV).to(torch.bfloat16)
     y = quant_matmul(x, p)
@@ -85,9 +85,11 @@ def test_quant_matmul_real_shapes(n, k, m):
 def test_quant_matmul_more_rows_and_configs(m):
     qt = make_weight(384, 2048, 4, 64, seed=m)
     check_qmm(qt, m, seed=m)
-    for cfg in (QmmConfig(block_n=32, prefetch=False), QmmConfig(block_n=128, ctas_per_sm=8),
-                QmmConfig(use_dot=False)):
-        check_qmm(qt, m, seed=m + 1, config=cfg)
+    for bn, cfg in ((16, QmmConfig(prefetch=False, num_warps=2)),
+                    (64, QmmConfig(num_warps=8, ctas_per_sm=8)),
+                    (128, QmmConfig(num_warps=8, prefetch=False)),
+                    (32, QmmConfig(use_dot=True))):  # M == 1 through the tensor-core path too
+        check_qmm(qt, m, seed=m + 1, config=cfg, block_n=bn)
 
 
 @pytest.mark.parametrize("m", [1, 16])

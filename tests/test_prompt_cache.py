@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
-import torch
 
-from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, wait_idle
+from engine_helpers import Collector
+from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
 from headstart.engine.prompt_cache import PromptCacheIndex
 from headstart.loading import load
 from headstart.sampling import SamplingParams
@@ -63,24 +62,6 @@ def make_engine(loaded, cache_mib=64, cache_bytes=None, **kw):
                cache_bytes=cache_mib << 20 if cache_bytes is None else cache_bytes, **kw)
     e.start()
     return e
-
-
-class Collector:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if isinstance(ev, (Finish, Failed)):
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [e.token_id for e in self.events if isinstance(e, Piece)]
-
-    @property
-    def finish(self):
-        return self.events[-1]
 
 
 def ask(engine, ids, params, rid, snapshot_at=()):

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
 import tiny
+from engine_helpers import Collector
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.drafter import DFlashDrafter
-from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, wait_idle
+from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
 from headstart.engine.speculative import verify
 from headstart.generate import greedy_tokens
 from headstart.model import Qwen35Model
@@ -70,26 +70,6 @@ def engine_for(target, tokenizer, drafter=None, **kw):
     return e
 
 
-class Collector:
-    def __init__(self, drafter=None, on_first=None):
-        self.events, self.done = [], threading.Event()
-        self.drafter, self.on_first = drafter, on_first
-        self.forwards_at_first = None
-
-    def __call__(self, ev):
-        if isinstance(ev, Piece) and self.forwards_at_first is None:
-            self.forwards_at_first = self.drafter.forwards if self.drafter else 0
-            if self.on_first:
-                self.on_first()
-        self.events.append(ev)
-        if isinstance(ev, (Finish, Failed)):
-            self.done.set()
-
-    @property
-    def tokens(self):
-        return [e.token_id for e in self.events if isinstance(e, Piece)]
-
-
 PROMPTS = [[(7 * i + 3 * j) % 150 + 5 for j in range(n)] for i, n in
            enumerate([3, 9, 17, 30, 5, 41, 12, 24])]
 
@@ -138,9 +118,11 @@ def test_greedy_with_drafter_equals_without(target, tokenizer, plain_greedy, kin
             assert spec["spec_tree_rounds"] == 0
         if kind == "oracle" and mode == "chain":
             assert spec["spec_accepted"] == spec["spec_drafted"]
-        elif kind == "oracle":  # the greedy spine is always accepted whole
+        elif kind == "oracle" and mode == "tree":  # the greedy spine is accepted whole
             per_round = spec["spec_accepted"] / spec["spec_rounds"]
             assert per_round >= (6 - 1) * 0.8
+        elif kind == "oracle":  # auto: the planner's choices vary, acceptance stays high
+            assert spec["spec_accepted"] >= 0.8 * spec["spec_drafted"]
         else:
             assert spec["spec_accepted"] < spec["spec_drafted"] / 2
     finally:

@@ -254,7 +254,6 @@ class Engine:
                     live = self._live.get(w.seq.id)
                     if live is not None:
                         self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
-            self.steps += 1
         for live in list(self._live.values()):
             self._end(live, Finish("abort", completion_tokens=live.out.produced))
 
@@ -419,6 +418,7 @@ class Engine:
         return self.planner.choose(b)
 
     def _step(self, work: list[Work]) -> None:
+        self.steps += 1  # counted before any event of this step is delivered
         drafts = self._propose(work) if self.drafter is not None else {}
         for j, d in drafts.items():
             w = work[j]

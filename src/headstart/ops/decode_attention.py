@@ -33,15 +33,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is optional: the CPU build of headstart must import without it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from headstart.ops.triton_support import HAVE_TRITON, sm_count, tl, triton
 
 LOG2E = 1.4426950408889634
 
@@ -111,20 +103,12 @@ if HAVE_TRITON:
         tl.store(o_ptr + i_n * stride_on + i_h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device,
                    block: int = 32) -> int:
     """Splits per (stream, kv head): about two programs per SM, a power of two, at most 64."""
-    want = -(-2 * _sm_count(device) // max(1, n * nkv))
+    want = -(-2 * sm_count(device) // max(1, n * nkv))
     ns = 1
     while ns < want and ns < 64:
         ns *= 2

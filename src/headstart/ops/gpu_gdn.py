@@ -36,15 +36,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is optional: the CPU build of headstart must import without it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from headstart.ops.triton_support import HAVE_TRITON, tl, triton
 
 
 def _fla_chunk():

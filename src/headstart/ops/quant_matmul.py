@@ -66,15 +66,7 @@ import torch
 
 from headstart.quant import QuantizedTensor, unpack
 
-try:  # Triton is optional: the CPU build of headstart must import without it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised on CPU-only machines
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from headstart.ops.triton_support import HAVE_TRITON, sm_count, tl, triton
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used to check the kernels without a GPU) cannot run
 # inline PTX; the kernels then use the plain-Triton spelling of the same bit operation.
@@ -343,14 +335,6 @@ if HAVE_TRITON:
                      mask=(n_offs < N)[:, None] & (k_offs < K)[None, :])
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -371,7 +355,7 @@ def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tupl
     n_tiles = p.words.shape[0]
     m_tiles = -(-m // BM)
     S = p.superblocks
-    target = _sm_count(p.words.device) * cfg.ctas_per_sm
+    target = sm_count(p.words.device) * cfg.ctas_per_sm
     split = max(1, min(S, -(-target // (n_tiles * m_tiles))))
     per = -(-S // split)
     return BM, -(-S // per), per
@@ -407,7 +391,7 @@ def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = N
           else y)  # unused when split == 1
     prefetch = cfg.prefetch
     if (use_dot and prefetch and p.block_n == 32 and cfg.num_warps == 4 and BM == 16
-            and n_tiles * split * m_tiles > _DOT_PF_RESIDENT * _sm_count(x.device)):
+            and n_tiles * split * m_tiles > _DOT_PF_RESIDENT * sm_count(x.device)):
         # The prefetching dot variant holds more registers (96 vs 76 per thread on H200 / Triton
         # 3.6): 5 programs per SM instead of 6. When that alone would push the grid into a
         # second wave (q_proj 12288x5120: 768 programs), the lighter variant runs in one:
