@@ -5,6 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py builds the reference checkpoints
+sys.path.insert(1, str(Path(__file__).parent.parent))  # the training/ package (not installed)
 
 torch.set_num_threads(2)
 

@@ -93,41 +93,10 @@ def dequantized_copy(model, bits: int, group: int):
 
 
 def save_mlx(model, packed: dict, out: Path, bits: int, group: int) -> Path:
-    """Write the MLX affine layout the way mlx-lm's converter does: language_model.model.* names,
-    uint32 weights + scales + biases, conv [C, K, 1], zero-centred norms stored as 1 + w."""
-    import json
+    """Write the MLX affine layout (see headstart.convert) with the given quantized modules."""
+    from headstart.convert import write_mlx
 
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        new = ("language_model." + name) if name.startswith("model.") else name
-        if name.startswith("lm_head."):
-            new = "language_model." + name
-        if module in packed:
-            qt = packed[module]
-            base = new.rsplit(".", 1)[0]
-            tensors[base + ".weight"] = qt.packed.view(torch.uint32).contiguous()
-            tensors[base + ".scales"] = qt.scales.contiguous()
-            tensors[base + ".biases"] = qt.biases.contiguous()
-            continue
-        t = t.detach().clone()
-        if name.endswith("conv1d.weight"):
-            t = t.transpose(1, 2).contiguous()  # [C, 1, K] -> [C, K, 1]
-        elif name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight",
-                            "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
-            t = t + 1.0
-        tensors[new] = t.contiguous()
-    if model.config.tie_word_embeddings:
-        tensors.pop("language_model.lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "mlx"})
-    cfg = model.config.to_dict()
-    cfg["quantization"] = {"group_size": group, "bits": bits, "mode": "affine"}
-    cfg["quantization_config"] = dict(cfg["quantization"])
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+    return write_mlx(model.state_dict(), model.config.to_dict(), out, bits, group, packed)
 
 
 def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,

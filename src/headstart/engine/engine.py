@@ -21,7 +21,8 @@ import torch
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
 from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot
-from headstart.engine.speculative import Draft, SpecPlanner, build_tree, verify, verify_tree
+from headstart.engine.speculative import Draft, verify, verify_tree
+from headstart.engine.speculator import DraftJob, Speculator
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.drafter import DFlashDrafter
@@ -103,18 +104,12 @@ class Engine:
         self.cache_interval = cache_interval
         self.fail_restores = 0  # test hook: make the next N restores raise
         self.drafter = drafter
-        self.taps: tuple[int, ...] = drafter.cfg.target_layer_ids if drafter else ()
-        self.draft_block = draft_block or (drafter.cfg.block_size if drafter else 0)
-        self.draft_window = draft_window
-        self.dpool = drafter.new_pool(num_slots, draft_window) if drafter else None
-        self.spec = {"rounds": 0, "drafted": 0, "accepted": 0, "tree_rounds": 0}
-        assert spec_mode in ("chain", "tree", "auto")
-        self.spec_mode = spec_mode
-        self.tree_width = tree_width
-        self.tree_budget = tree_budget or 2 * max(1, self.draft_block - 1)
-        self.planner: SpecPlanner | None = None
-        if drafter is not None and self.draft_block >= 2:
-            self.planner = self._measure_windows(slot=0)
+        self.spec: Speculator | None = None
+        if drafter is not None:
+            self.spec = Speculator(drafter, model, num_slots, context, tokenizer.vocab_size,
+                                   draft_block, draft_window, spec_mode, tree_width, tree_budget)
+            self.spec.measure(self.pool, slot=0)
+        self.taps: tuple[int, ...] = self.spec.taps if self.spec else ()
         self.graphs = None
         if graphs:
             from headstart.engine.cuda_graph import DecodeGraphs
@@ -179,34 +174,9 @@ class Engine:
                 "cache_budget_bytes": c.budget_bytes, "cache_hits": c.stats.hits,
                 "cache_misses": c.stats.misses, "cache_restored_tokens": c.stats.restored_tokens,
                 "cache_evictions": c.stats.evictions, "cache_failed_restores":
-                c.stats.failed_restores, "spec_rounds": self.spec["rounds"],
-                "spec_drafted": self.spec["drafted"], "spec_accepted": self.spec["accepted"],
-                "spec_tree_rounds": self.spec["tree_rounds"]}
-
-    def _measure_windows(self, slot: int) -> SpecPlanner:
-        """Time verify windows (chains of 2..block rows, and a tree of the node budget) on an
-        idle slot; the planner weighs expected accepted tokens against these costs."""
-        def timed(chunk: SeqChunk) -> float:
-            batch = ForwardBatch.build([chunk], self.model.device)
-            best = float("inf")
-            for _ in range(3):
-                self._sync()
-                t0 = time.perf_counter()
-                self.model.forward_ex(batch, self.pool, self.taps)
-                self._sync()
-                best = min(best, time.perf_counter() - t0)
-            return best
-
-        costs = {1: timed(SeqChunk(slot, 1, (0,), 1))}
-        for rows in range(2, self.draft_block + 1):
-            costs[rows] = timed(SeqChunk(slot, 1, (0,) * rows, rows, record=True))
-        n = self.tree_budget + 1
-        tree = timed(SeqChunk(slot, 1, (0,) * n, n, parents=(-1, *range(n - 1))))
-        return SpecPlanner(self.draft_block, costs, tree)
-
-    def _sync(self) -> None:
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
+                c.stats.failed_restores, **{f"spec_{k}": v for k, v in (self.spec.stats if self.spec else
+                                                  {"rounds": 0, "drafted": 0, "accepted": 0,
+                                                   "tree_rounds": 0}).items()}}
 
     def _warm_up(self, scratch: int) -> None:
         """Run each eager path once on the scratch slot so the first request pays no kernel
@@ -217,16 +187,16 @@ class Engine:
         for n in sizes:
             self.model.forward_ex(ForwardBatch.build([SeqChunk(scratch, 0, (0,) * n, 1)],
                                                      self.model.device), self.pool, self.taps)
-        if self.drafter is not None and self.draft_block >= 2:
-            b = self.draft_block
+        if self.spec is not None and self.spec.block >= 2:
+            b = self.spec.block
             chunk = SeqChunk(scratch, 1, (0,) * b, b, record=True)
             out = self.model.forward_ex(ForwardBatch.build([chunk], self.model.device),
                                         self.pool, self.taps)
             self.model.rollback(self.pool, scratch, out.records[scratch], 1)
-            dpool = self.drafter.new_pool(1, 8)
-            self.drafter.add_context(dpool, 0, out.taps, 0)
-            self.drafter.propose_logits(dpool, [0], [0], [b], b)
-            self.drafter.forwards = 0
+            dpool = self.spec.drafter.new_pool(1, 8)
+            self.spec.drafter.add_context(dpool, 0, out.taps, 0)
+            self.spec.drafter.propose_logits(dpool, [0], [0], [b], b)
+            self.spec.drafter.forwards = 0
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -296,8 +266,8 @@ class Engine:
         exact: list[tuple[_Live, torch.Tensor]] = []
         for seq in self.scheduler.admit():
             live = self._live[seq.id]
-            if self.dpool is not None:
-                self.dpool.reset(seq.slot)
+            if self.spec is not None:
+                self.spec.reset(seq.slot)
             if self.cache.enabled:
                 logits = self._restore(live)
                 if logits is not None:
@@ -371,55 +341,30 @@ class Engine:
             self.cache.insert(key, snap.nbytes(), snap)
 
     def _propose(self, work: list[Work]) -> dict[int, Draft]:
-        """Draft blocks for the decoding rows of drafting streams; returns drafts by work index.
-        Each stream's pending context features go into its ring first."""
-        assert self.drafter is not None and self.dpool is not None
-        picked: list[tuple[int, _Live, int]] = []
+        """Drafts for the decoding rows of drafting streams, by work index."""
+        assert self.spec is not None
+        picked, jobs = [], []
         for j, w in enumerate(work):
             live = self._live[w.seq.id]
             if not (live.draft and w.samples and len(w.tokens) == 1 and not w.seq.prefilling):
                 continue
             room = min(live.out.max_new_tokens - live.out.produced,
                        self.context - w.start)  # tokens this stream may still emit / hold
-            b = min(self.draft_block, room)
-            if b >= 2:
-                picked.append((j, live, b))
-        if not picked:
-            return {}
-        for _, live, _ in picked:
-            if live.features is not None and live.features.shape[0]:
-                self.drafter.add_context(self.dpool, live.seq.slot, live.features,
-                                         live.features_start)
+            if min(self.spec.block, room) < 2:
+                continue
+            picked.append(j)
+            jobs.append(DraftJob(live.seq.slot, w.tokens[0], w.start, room, live.features,
+                                 live.features_start))
+            if live.features is not None:  # handed to the drafter's ring now
                 live.features_start += live.features.shape[0]
                 live.features = live.features[:0]
-        block = max(b for _, _, b in picked)
-        logits = self.drafter.propose_logits(
-            self.dpool, [lv.seq.slot for _, lv, _ in picked], [work[j].tokens[0] for j, _, _ in picked],
-            [work[j].start for j, _, _ in picked], block)
-        logits[..., self.tokenizer.vocab_size:] = float("-inf")
-        proposals = logits.argmax(-1).tolist()
-        drafts: dict[int, Draft] = {}
-        for k, (j, _, b) in enumerate(picked):
-            mode, depth = self._plan(b)
-            if mode == "tree":
-                room = self.context - work[j].start - 1
-                drafts[j] = build_tree(torch.log_softmax(logits[k, :b - 1].float(), -1),
-                                       self.tree_width, min(self.tree_budget, room))
-            else:
-                drafts[j] = Draft(tuple(proposals[k][:depth]))
-        return drafts
-
-    def _plan(self, b: int) -> tuple[str, int]:
-        """Chain depth or tree for a stream that may emit up to ``b`` tokens this round."""
-        if self.spec_mode == "chain" or self.planner is None:
-            return "chain", b - 1
-        if self.spec_mode == "tree":
-            return "tree", b - 1
-        return self.planner.choose(b)
+        if not jobs:
+            return {}
+        return dict(zip(picked, self.spec.propose(jobs), strict=True))
 
     def _step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
-        drafts = self._propose(work) if self.drafter is not None else {}
+        drafts = self._propose(work) if self.spec is not None else {}
         for j, d in drafts.items():
             w = work[j]
             work[j] = Work(w.seq, w.start, w.tokens + d.tokens, samples=True)
@@ -451,7 +396,7 @@ class Engine:
             live = self._live[w.seq.id]
             if live.draft and out.taps is not None and j not in drafts:
                 b0, b1 = spans[j]
-                live.add_features(out.taps[b0:b1], w.start, self.draft_window)
+                live.add_features(out.taps[b0:b1], w.start, self.spec.window)
         if self.cache.enabled:
             self._take_snapshots(work, logits, last_rows)
         plain = [j for j, w in enumerate(work) if w.samples and j not in drafts]
@@ -475,16 +420,10 @@ class Engine:
         if draft.parents is None:
             verdict = verify(logits, list(draft.tokens), live.req.params, live.rng, self.sampler)
             path = list(range(len(verdict.tokens)))
-            if self.planner is not None:
-                self.planner.observe_chain(len(draft.tokens), verdict.accepted)
         else:
             verdict, path = verify_tree(logits, draft, live.req.params, live.rng, self.sampler)
-            self.spec["tree_rounds"] += 1
-            if self.planner is not None:
-                self.planner.observe_tree(len(verdict.tokens))
-        self.spec["rounds"] += 1
-        self.spec["drafted"] += len(draft.tokens)
-        self.spec["accepted"] += verdict.accepted
+        assert self.spec is not None
+        self.spec.observe(draft, verdict)
         seq = live.seq
         emitted = []
         for token, lp, top in zip(verdict.tokens, verdict.logprobs, verdict.top_logprobs,
@@ -504,7 +443,7 @@ class Engine:
         seq.output.extend(emitted)
         seq.computed = w.start + keep
         if taps is not None:
-            live.add_features(taps[path], w.start, self.draft_window)
+            live.add_features(taps[path], w.start, self.spec.window)
 
     def _sample_and_deliver(self, lives: list[_Live], logits: torch.Tensor) -> None:
         logits[:, self.tokenizer.vocab_size:] = float("-inf")  # embedding-table padding rows

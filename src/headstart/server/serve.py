@@ -48,6 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also snapshot long prompts every N tokens (0: only at turn ends)")
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter checkpoint folder: speculative decoding on")
+    p.add_argument("--no-drafter", action="store_true",
+                   help="do not use the drafter shipped with the embedded default model")
     p.add_argument("--draft-block", type=int, default=None,
                    help="tokens per verify window, anchor included (default: the drafter's)")
     p.add_argument("--draft-window", type=int, default=4096,
@@ -91,6 +93,12 @@ def serve(args: argparse.Namespace) -> int:
     if parallel < 1 or context < 2:
         raise HeadstartError("--parallel must be >= 1 and --context >= 2")
     drafter = None
+    if args.drafter is None and args.model is None and not args.no_drafter:
+        from headstart.loading import default_model_dir
+
+        shipped = default_model_dir() / "drafter"
+        if (shipped / "config.json").exists():  # the default model ships its own drafter
+            args.drafter = str(shipped)
     if args.drafter:
         from headstart.drafter import DFlashDrafter
 
