@@ -1,0 +1,51 @@
+"""The training pipeline on a tiny scale (CPU): data split, target training, MLX export that
+headstart loads, perplexity by headstart's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headstart.loading import default_model_dir, load
+from headstart.quant import QuantizedTensor
+from headstart.tokenizer import Tokenizer
+from training.data import documents, is_held_out, stdlib_files, token_rows
+from training.export import export_default, model_files_bytes
+from training.target import target_config, train_target
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_dir(default_model_dir())
+
+
+def test_split_is_deterministic_and_disjoint():
+    files = stdlib_files()
+    held = [f for f in files if is_held_out(f, 0.05)]
+    assert files and 0 < len(held) < len(files) // 5
+    assert held == [f for f in stdlib_files() if is_held_out(f, 0.05)]
+    train_docs = set(documents("train", 200_000))
+    held_docs = set(documents("held_out", 200_000))
+    assert train_docs and held_docs and not train_docs & held_docs
+
+
+def test_target_trains_exports_and_loads(tokenizer, tmp_path):
+    train = token_rows(tokenizer, "train", 64, 150_000)
+    held = token_rows(tokenizer, "held_out", 64, 50_000)[:4]
+    eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    torch.manual_seed(0)
+    from transformers import Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM(target_config(4160, eos, layers=4, hidden=64))
+    report = train_target(model, train, held, steps=25, time_budget_s=120, batch=8, lr=3e-3,
+                          log=lambda *_: None)
+    first, last = report["loss_history"][0][1], report["loss_history"][-1][1]
+    assert report["steps"] == 25 and last < first
+    out = export_default(model.eval(), default_model_dir(), tmp_path / "m", eos)
+    assert model_files_bytes(out) < 15_000_000
+    loaded = load(str(out))
+    assert isinstance(loaded.model.w["layers.0.mlp.up_proj.weight"], QuantizedTensor)
+    from training.run import headstart_perplexity
+
+    ppl = headstart_perplexity(out, held[:2], "cpu")
+    assert 1 < ppl < report["held_out_ppl"] * 1.5  # 4-bit costs a little, not a lot

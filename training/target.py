@@ -1,0 +1,89 @@
+"""Training the small Qwen3.5-architecture target: config, loop, held-out perplexity.
+
+The network is transformers' ``Qwen3_5ForCausalLM`` (the reference implementation; it uses
+flash-linear-attention's kernels on a GPU when installed); the data, loop and evaluation are ours.
+The layer pattern is the real one (three Gated DeltaNet layers, then a gated attention layer).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+def target_config(vocab_size: int, eos_ids: list[int], layers: int = 8, hidden: int = 256):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=32768,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True, eos_token_id=eos_ids[0], rms_norm_eps=1e-6)
+
+
+@torch.no_grad()
+def perplexity(model, rows: torch.Tensor, batch: int, device: str, dtype: torch.dtype) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, rows.shape[0], batch):
+        x = rows[i:i + batch].to(device)
+        with torch.autocast(device_type=device.split(":")[0], dtype=dtype,
+                            enabled=dtype != torch.float32):
+            logits = model(x[:, :-1]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 x[:, 1:].reshape(-1), reduction="sum")
+        total += float(loss)
+        count += x[:, 1:].numel()
+    model.train()
+    return math.exp(total / max(count, 1))
+
+
+def train_target(model, train: torch.Tensor, held_out: torch.Tensor, *, time_budget_s: float,
+                 steps: int | None = None, batch: int = 32, lr: float = 2e-3,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+                 log=print) -> dict:
+    """AdamW with 4% warmup and cosine decay over ``steps`` (or until the time budget ends;
+    the schedule then assumes the step count reached at 10% of the budget extrapolated)."""
+    torch.manual_seed(seed)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    planned = steps
+    step, history = 0, []
+    while True:
+        elapsed = time.perf_counter() - start
+        if (steps is not None and step >= steps) or elapsed >= time_budget_s:
+            break
+        if planned is None and elapsed > 0.1 * time_budget_s and step > 0:
+            planned = int(step * time_budget_s / elapsed)
+        total = planned or 10**9
+        warm = max(1, int(0.04 * total))
+        scale = step / warm if step < warm else 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+        for group in opt.param_groups:
+            group["lr"] = lr * max(scale, 0.02)
+        idx = torch.randint(0, train.shape[0], (batch,), generator=gen)
+        x = train[idx].to(device)
+        with torch.autocast(device_type=device.split(":")[0], dtype=dtype,
+                            enabled=dtype != torch.float32):
+            logits = model(x[:, :-1]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        history.append((step, loss.item()))
+        if step % 50 == 0 or step == 1:
+            log(f"target step {step} loss {loss.item():.3f} ({time.perf_counter() - start:.0f}s)")
+    ppl = perplexity(model, held_out, batch, device, dtype)
+    log(f"target: {step} steps, held-out perplexity {ppl:.2f}")
+    return {"steps": step, "seconds": time.perf_counter() - start, "held_out_ppl": ppl,
+            "loss_history": history}
