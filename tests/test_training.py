@@ -49,3 +49,20 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
 
     ppl = headstart_perplexity(out, held[:2], "cpu")
     assert 1 < ppl < report["held_out_ppl"] * 1.5  # 4-bit costs a little, not a lot
+
+
+def test_one_command_pipeline_end_to_end(tmp_path):
+    """`python -m training.run` at a toy scale: every stage runs and the result serves."""
+    from training.run import main
+
+    out = tmp_path / "default_model"
+    report = main(["--out", str(out), "--device", "cpu", "--steps", "3", "--drafter-steps", "3",
+                   "--max-chars", "150000", "--layers", "4", "--hidden", "64", "--seq-len", "64",
+                   "--batch", "4", "--block", "4", "--eval-prompts", "2"])
+    assert (out / "drafter" / "config.json").exists() and (out / "training_report.json").exists()
+    assert report["acceptance"]["rounds"] > 0 and report["model_bytes"] < 15_000_000
+    assert report["target"]["held_out_ppl"] > 1 and set(report["samples"])
+    loaded = load(str(out))
+    from headstart.drafter import DFlashDrafter
+
+    DFlashDrafter.load(out / "drafter", loaded.model)

@@ -121,24 +121,28 @@ def main(argv: list[str] | None = None) -> dict:
 
         from training.drafter import evaluate_acceptance, save_drafter_checkpoint, train_drafter
 
-        from headstart.drafter import DrafterConfig, default_target_layer_ids
+        from headstart.drafter import DrafterConfig
 
         dcfg = DrafterConfig(
             hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e7,
             block_size=args.block, mask_token_id=vocab - 1,
-            target_layer_ids=default_target_layer_ids(args.layers, 3),
+            # Three evenly spaced taps, never the last layer (HF returns it normed).
+            target_layer_ids=tuple(sorted({round(i * (args.layers - 2) / 2) for i in range(3)})),
             causal=(False, False), sliding_window=(0, 0))
         t0 = time.perf_counter()
         drafter = train_drafter(model.to(device), _batches(train, args.batch), dcfg,
                                 steps=args.drafter_steps,
                                 time_budget_s=args.drafter_minutes * 60, device=device,
-                                dtype=dtype)
+                                dtype=dtype, log=print)
         report["drafter_seconds"] = time.perf_counter() - t0
         save_drafter_checkpoint(drafter, dcfg, staging / "drafter")
         prompts = [row[:64].tolist() for row in held[: args.eval_prompts]]
+        # Not strict: the drafter is evaluated on the 4-bit export, where near-tie argmaxes of
+        # chunked and stepped kernels may differ; mismatches are reported instead.
         report["acceptance"] = evaluate_acceptance(staging, staging / "drafter", prompts,
-                                                   max_tokens=64, block=args.block)
+                                                   max_tokens=64, block=args.block,
+                                                   device=device, strict=False)
         report["samples"] = samples(staging, device)
         report["model_bytes"] = model_files_bytes(staging)
         report["total_seconds"] = time.perf_counter() - started
