@@ -108,7 +108,6 @@ class Engine:
         if drafter is not None:
             self.spec = Speculator(drafter, model, num_slots, context, tokenizer.vocab_size,
                                    draft_block, draft_window, spec_mode, tree_width, tree_budget)
-            self.spec.measure(self.pool, slot=0)
         self.taps: tuple[int, ...] = self.spec.taps if self.spec else ()
         self.graphs = None
         if graphs:
@@ -116,6 +115,8 @@ class Engine:
 
             self._warm_up(scratch=num_slots)
             self.graphs = DecodeGraphs(model, self.pool, num_slots, num_slots, self.taps)
+        if self.spec is not None:  # after the warm-up, so no timing includes compilation
+            self.spec.measure(self.pool, slot=0)
         self._live: dict[str, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
         self._commands: list[tuple[str, object]] = []
