@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import Collector
-from headstart.engine.engine import Engine, EngineRequest, Finish, Piece, QueueFull, wait_idle
+from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull, wait_idle
 from headstart.generate import generate
 from headstart.loading import load
 from headstart.sampling import SamplingParams
@@ -98,3 +98,24 @@ def test_broken_sink_does_not_hurt_others(loaded, engine):
     engine.submit(EngineRequest("good", ids, params, 6, good))
     assert good.done.wait(30) and good.tokens == alone(loaded, ids, params)
     assert wait_idle(engine)
+
+
+def test_a_request_that_cannot_start_fails_alone(loaded, engine, monkeypatch):
+    import headstart.engine.engine as eng
+
+    real = eng.OutputStream
+
+    def picky(tokenizer, params, *a, **kw):
+        if params.seed == 666:
+            raise RuntimeError("boom")
+        return real(tokenizer, params, *a, **kw)
+
+    monkeypatch.setattr(eng, "OutputStream", picky)
+    ids = loaded.tokenizer.encode("def k():")
+    bad, good = Collector(), Collector()
+    engine.submit(EngineRequest("bad", ids, SamplingParams(seed=666, max_tokens=4), 4, bad))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.submit(EngineRequest("good", ids, params, 5, good))
+    assert bad.done.wait(30) and isinstance(bad.events[-1], Failed)
+    assert good.done.wait(30) and good.tokens == alone(loaded, ids, params)
+    assert wait_idle(engine) and engine.stats()["free_slots"] == 4

@@ -212,7 +212,13 @@ class Engine:
                 for live in [lv for lv in self._live.values() if lv.seq.slot is not None
                              and lv.seq.computed == len(lv.seq.prompt) and not lv.seq.output]:
                     self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
-            work = self.scheduler.plan()
+            try:
+                work = self.scheduler.plan()
+            except Exception as e:  # a broken invariant: fail what is in flight, keep serving
+                log.exception("planning failed; ending every request in flight")
+                for live in list(self._live.values()):
+                    self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
+                continue
             if not work:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -235,12 +241,22 @@ class Engine:
             if kind == "add":
                 req = arg
                 assert isinstance(req, EngineRequest)
-                seq = Seq(req.id, list(req.prompt_ids), req.max_new_tokens,
-                          boundaries=self._boundaries(req))
-                out = OutputStream(self.tokenizer, req.params, self.eos_token_ids,
-                                   req.max_new_tokens)
-                live = _Live(req, seq, out, make_generator(req.params.seed),
-                             draft=self.drafter is not None and req.draft)
+                try:
+                    seq = Seq(req.id, list(req.prompt_ids), req.max_new_tokens,
+                              boundaries=self._boundaries(req))
+                    out = OutputStream(self.tokenizer, req.params, self.eos_token_ids,
+                                       req.max_new_tokens)
+                    live = _Live(req, seq, out, make_generator(req.params.seed),
+                                 draft=self.drafter is not None and req.draft)
+                except Exception as e:  # this request cannot start; the others are unaffected
+                    log.exception("request %s could not be queued", req.id)
+                    with self._lock:
+                        self._active -= 1
+                    try:
+                        req.sink(Failed(f"internal error: {type(e).__name__}: {e}"))
+                    except Exception:
+                        log.exception("sink of request %s failed", req.id)
+                    continue
                 self._live[req.id] = live
                 # Admission is bounded in submit(); here the queue always has room.
                 self.scheduler.waiting.append(seq)
