@@ -210,3 +210,31 @@ def test_filling_past_the_budget_keeps_bytes_within_it(loaded):
         assert [e.cache.contains(p) for p in prompts] == [False] * 7 + [True] * 3
     finally:
         e.stop()
+
+
+def test_snapshot_rows_are_reused_from_a_fixed_store(loaded):
+    """The GDN part of snapshots lives in preallocated rows: filling past the row count evicts
+    the least recently used and recycles its row, without new storage."""
+    e = make_engine(loaded, cache_interval=0, max_snapshots=3)
+    try:
+        store = e.store
+        assert store is not None and store.capacity == 3
+        ptr = store.recurrent.data_ptr()
+        prompts = [prompt(loaded, f"item_{i} = [{i}] * {i}\n") for i in range(7)]
+        for i, ids in enumerate(prompts):
+            ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"s{i}")
+            assert len(e.cache.entries) == min(i + 1, 3)
+            assert len(store.free) == 3 - len(e.cache.entries)
+        assert store.recurrent.data_ptr() == ptr
+        rows = sorted(entry.payload.row for entry in e.cache.entries.values())
+        assert rows == [0, 1, 2]
+        assert [e.cache.contains(p) for p in prompts] == [False] * 4 + [True] * 3
+        # A recycled row holds the new snapshot: an exact hit still answers like a miss.
+        again = ask(e, prompts[-1], GREEDY, "again")
+        cold = make_engine(loaded, cache_mib=0)
+        try:
+            assert again.tokens == ask(cold, prompts[-1], GREEDY, "cold").tokens
+        finally:
+            cold.stop()
+    finally:
+        e.stop()

@@ -20,7 +20,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
-from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot
+from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot, SnapshotStore
 from headstart.engine.speculative import Draft, verify, verify_tree
 from headstart.engine.speculator import DraftJob, Speculator
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
@@ -87,7 +87,7 @@ class Engine:
                  cache_interval: int = 1024, drafter: DFlashDrafter | None = None,
                  draft_block: int | None = None, draft_window: int = 4096,
                  graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
-                 tree_budget: int | None = None) -> None:
+                 tree_budget: int | None = None, max_snapshots: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -101,6 +101,12 @@ class Engine:
         self.scheduler = Scheduler(num_slots, max_queue, prefill_chunk, step_tokens)
         self.sampler = Sampler()
         self.cache = PromptCacheIndex(cache_bytes, cache_max_tokens)
+        self.store: SnapshotStore | None = None
+        if self.cache.enabled:
+            # Rows for the fixed part of snapshots: as many as the budget could hold, capped so
+            # a large budget over a small model does not reserve memory it will never use.
+            one = self._snapshot_bytes(0, False)
+            self.store = SnapshotStore(self.pool, max(1, min(cache_bytes // one, max_snapshots)))
         self.cache_interval = cache_interval
         self.fail_restores = 0  # test hook: make the next N restores raise
         self.drafter = drafter
@@ -172,7 +178,9 @@ class Engine:
         return {"running": s.num_running, "waiting": s.num_waiting, "slots": self.num_slots,
                 "free_slots": len(s.free_slots), "active": self._active, "steps": self.steps,
                 "cache_entries": len(c.entries), "cache_bytes": c.bytes_held,
-                "cache_budget_bytes": c.budget_bytes, "cache_hits": c.stats.hits,
+                "cache_budget_bytes": c.budget_bytes,
+                "cache_store_rows": self.store.capacity if self.store else 0,
+                "cache_free_rows": len(self.store.free) if self.store else 0, "cache_hits": c.stats.hits,
                 "cache_misses": c.stats.misses, "cache_restored_tokens": c.stats.restored_tokens,
                 "cache_evictions": c.stats.evictions, "cache_failed_restores":
                 c.stats.failed_restores, **{f"spec_{k}": v for k, v in (self.spec.stats if self.spec else
@@ -314,7 +322,7 @@ class Engine:
             # now holds, and the prompt is prefilled from scratch.
             log.exception("prompt-cache restore failed for %s; prefilling instead", seq.id)
             cache.stats.failed_restores += 1
-            cache.discard(entry.tokens)
+            self._release(cache.discard(entry.tokens))
             seq.computed = seq.cached = 0
             return None
         seq.computed = seq.cached = entry.length
@@ -323,6 +331,10 @@ class Engine:
             live.features = snap.draft_features.clone()
             live.features_start = entry.length - snap.draft_features.shape[0]
         return snap.logits if entry.length == len(prompt) else None
+
+    def _release(self, entry) -> None:
+        if entry is not None and self.store is not None:
+            self.store.release(entry.payload)
 
     def _snapshot_bytes(self, length: int, with_logits: bool) -> int:
         p = self.pool
@@ -353,9 +365,15 @@ class Engine:
             feats = None
             if live.features is not None and live.features_start + live.features.shape[0] == end:
                 feats = live.features
-            snap = Snapshot.take(self.pool, seq.slot, end,
-                                 logit_row.float() if logit_row is not None else None, feats)
-            self.cache.insert(key, snap.nbytes(), snap)
+            assert self.store is not None
+            while not self.store.free:  # fixed storage full: the least recently used goes
+                self._release(self.cache.evict_oldest())
+            snap = self.store.take(self.pool, seq.slot, end,
+                                   logit_row.float() if logit_row is not None else None, feats)
+            for gone in self.cache.insert(key, snap.nbytes(), snap):
+                self._release(gone)
+            if not self.cache.contains(key):  # refused (over budget): give the row back
+                self.store.release(snap)
 
     def _propose(self, work: list[Work]) -> dict[int, Draft]:
         """Drafts for the decoding rows of drafting streams, by work index."""

@@ -108,9 +108,17 @@ class PromptCacheIndex:
         self.bytes_held -= entry.nbytes
         return entry
 
-    def discard(self, tokens: Sequence[int]) -> None:
+    def discard(self, tokens: Sequence[int]) -> CacheEntry | None:
         if tuple(tokens) in self.entries:
-            self._remove(tuple(tokens))
+            return self._remove(tuple(tokens))
+        return None
+
+    def evict_oldest(self) -> CacheEntry | None:
+        """Drop the least recently used entry (to free fixed storage); None when empty."""
+        if not self.entries:
+            return None
+        self.stats.evictions += 1
+        return self._remove(next(iter(self.entries)))
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,7 @@ class Snapshot:
     """A slot's state after ``length`` tokens (see the module docstring)."""
 
     length: int
+    # conv and recurrent are rows of a SnapshotStore when one is used (``row`` is then set).
     conv: torch.Tensor  # [linear layers, conv_dim, K-1]
     recurrent: torch.Tensor  # [linear layers, Hv, Dk, Dv] fp32
     keys: torch.Tensor  # [attention layers, nkv, length, hd]
@@ -126,6 +135,7 @@ class Snapshot:
     # The drafter's state: target features of the newest rows before ``length`` (its context
     # ring is rebuilt from them), None without a drafter.
     draft_features: torch.Tensor | None = None
+    row: int | None = None
 
     @classmethod
     def take(cls, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
@@ -160,3 +170,44 @@ class Snapshot:
             if t is not None:
                 h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+
+class SnapshotStore:
+    """Preallocated storage for the fixed-size part of snapshots (every GDN layer's conv tail
+    and recurrent state: the bulk of a snapshot, e.g. 147 MiB at the 27B shape), ``capacity``
+    rows with a free list, so caching prompts does not allocate and free large blocks per
+    request. KV rows, logits and drafter features vary in size and stay per-snapshot tensors."""
+
+    def __init__(self, pool: StatePool, capacity: int) -> None:
+        self.conv = torch.empty((capacity,) + tuple(pool.conv[:, 0].shape), dtype=pool.conv.dtype,
+                                device=pool.conv.device)
+        self.recurrent = torch.empty((capacity,) + tuple(pool.recurrent[:, 0].shape),
+                                     dtype=pool.recurrent.dtype, device=pool.recurrent.device)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.conv.shape[0]
+
+    def row_bytes(self) -> int:
+        return (self.conv[0].numel() * self.conv.element_size()
+                + self.recurrent[0].numel() * self.recurrent.element_size())
+
+    def take(self, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
+             draft_features: torch.Tensor | None = None) -> Snapshot:
+        """Like :meth:`Snapshot.take`, with the fixed part copied into a free row."""
+        row = self.free.pop()
+        self.conv[row].copy_(pool.conv[:, slot])
+        self.recurrent[row].copy_(pool.recurrent[:, slot])
+        return Snapshot(length, self.conv[row], self.recurrent[row],
+                        pool.keys[:, slot, :, :length].clone(),
+                        pool.values[:, slot, :, :length].clone(),
+                        None if logits is None else logits.detach().clone(),
+                        None if draft_features is None else draft_features.detach().clone(),
+                        row)
+
+    def release(self, snapshot: Snapshot) -> None:
+        """Return the snapshot's row; the snapshot must not be used afterwards."""
+        if snapshot.row is not None:
+            assert snapshot.row not in self.free, "a row is released once"
+            self.free.append(snapshot.row)
