@@ -10,7 +10,7 @@ from headstart.batch import ForwardBatch, SeqChunk
 from headstart.model import Qwen35Model
 from headstart.state import StatePool
 
-TOL = 2e-5  # logits
+TOL = 5e-5  # logits (BLAS sums in another order for another row count)
 STATE_TOL = 1e-4  # recurrent states grow with length; fp32 rounding of chunked vs stepped
 
 

@@ -93,7 +93,7 @@ def test_mlx_layout_matches_dequantized_reference(tmp_path, bits, group, tied):
     # Weights stay packed in memory.
     from headstart.quant import QuantizedTensor
 
-    assert isinstance(ours.w["layers.0.linear_attn.in_proj_qkv.weight"], QuantizedTensor)
+    assert isinstance(ours.w["layers.0.linear_attn.in_proj.weight"], QuantizedTensor)
     assert isinstance(ours.w["embed_tokens.weight"], QuantizedTensor)
     ids = prompt(ref.config.vocab_size, seed=11)
     want_prefill, want_tokens, want_steps = hf_prefill_and_greedy(ref, ids, STEPS)

@@ -44,7 +44,7 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
     out = export_default(model.eval(), default_model_dir(), tmp_path / "m", eos)
     assert model_files_bytes(out) < 15_000_000
     loaded = load(str(out))
-    assert isinstance(loaded.model.w["layers.0.mlp.up_proj.weight"], QuantizedTensor)
+    assert isinstance(loaded.model.w["layers.0.mlp.gate_up_proj.weight"], QuantizedTensor)
     from training.run import headstart_perplexity
 
     ppl = headstart_perplexity(out, held[:2], "cpu")

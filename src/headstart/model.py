@@ -134,6 +134,48 @@ def tree_gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return out, states, tails
 
 
+FUSED = {  # fused weight -> the checkpoint's projections it stacks along the output dimension
+    "linear_attn.in_proj.weight": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+                                   "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def _stack(parts: list[Weight]) -> Weight:
+    if all(isinstance(t, torch.Tensor) for t in parts):
+        return torch.cat(parts, dim=0)
+    first = parts[0]
+    assert all(isinstance(t, QuantizedTensor) and t.bits == first.bits
+               and t.group_size == first.group_size for t in parts)
+    return QuantizedTensor(torch.cat([t.packed for t in parts]), torch.cat([t.scales for t in parts]),
+                           torch.cat([t.biases for t in parts]), first.bits, first.group_size)
+
+
+def fuse_projections(cfg: ModelConfig, weights: dict[str, Weight]) -> dict[str, Weight]:
+    """Stack the projections that read the same input into one weight each (one matmul instead
+    of two to four per layer: fewer, larger kernels). Parts that cannot be stacked (quantized
+    with different bits or groups, or quantized next to unquantized) are stacked after
+    dequantizing the odd ones out, never silently changed in precision otherwise."""
+    out = dict(weights)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        for fused, parts in FUSED.items():
+            if p + parts[0] not in out:
+                continue
+            tensors = [out.pop(p + name) for name in parts]
+            kinds = {(t.bits, t.group_size) if isinstance(t, QuantizedTensor) else None
+                     for t in tensors}
+            if len(kinds) > 1:  # mixed: bring every part to full precision
+                dtype = next(t.dtype for t in tensors if isinstance(t, torch.Tensor)) \
+                    if any(isinstance(t, torch.Tensor) for t in tensors) else torch.float32
+                tensors = [t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
+                           for t in tensors]
+            out[p + fused] = _stack(tensors)
+    return out
+
+
 @dataclass
 class GDNRecord:
     """One span's GDN inputs per layer: (initial tail, initial state, pre-conv rows, g, beta)."""
@@ -162,8 +204,9 @@ class Qwen35Model:
         self.kernels = kernels if isinstance(kernels, Kernels) else select_kernels(device, kernels)
         # Linear weights in the form the kernels consume; the embedding table stays as loaded
         # (rows are looked up), and a tied head gets its own prepared copy.
+        fused = fuse_projections(cfg, weights)
         self.w = {k: (t if k == "embed_tokens.weight" else self.kernels.prepare(t))
-                  for k, t in weights.items()}
+                  for k, t in fused.items()}
         self.head = self.w["lm_head.weight"] if not cfg.tie_word_embeddings else \
             self.kernels.prepare(weights["embed_tokens.weight"])
         self.rotary = Rotary.create(cfg, self.device)
@@ -268,7 +311,8 @@ class Qwen35Model:
 
     def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        return linear(F.silu(linear(x, w[p + "gate_proj.weight"])) * linear(x, w[p + "up_proj.weight"]),
+        gate, up = linear(x, w[p + "gate_up_proj.weight"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up,
                       w[p + "down_proj.weight"])
 
     def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -276,10 +320,12 @@ class Qwen35Model:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
         T, hd = x.shape[0], cfg.head_dim
         # q_proj is laid out per head as [query (hd) | gate (hd)].
-        qg = linear(x, w[p + "q_proj.weight"]).view(T, cfg.num_attention_heads, 2 * hd)
+        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        qg, k, v = torch.split(linear(x, w[p + "qkv_proj.weight"]),
+                               [2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
+        qg = qg.reshape(T, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(T, -1)
-        k = linear(x, w[p + "k_proj.weight"]).view(T, cfg.num_key_value_heads, hd)
-        v = linear(x, w[p + "v_proj.weight"]).view(T, cfg.num_key_value_heads, hd)
+        k, v = k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
         q = Rotary.apply(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), cos, sin)
         k = Rotary.apply(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), cos, sin)
 
@@ -314,10 +360,11 @@ class Qwen35Model:
         T = x.shape[0]
         Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed = linear(x, w[p + "in_proj_qkv.weight"])  # [T, conv_dim] = [q | k | v]
-        z = linear(x, w[p + "in_proj_z.weight"]).view(T, Hv, Dv)
-        beta = torch.sigmoid(linear(x, w[p + "in_proj_b.weight"]))
-        a = linear(x, w[p + "in_proj_a.weight"])
+        # One matmul for all four input projections: [q | k | v] (conv input), z, b, a.
+        mixed, z, b, a = torch.split(linear(x, w[p + "in_proj.weight"]),
+                                     [cfg.conv_dim, cfg.value_dim, Hv, Hv], dim=-1)
+        z = z.reshape(T, Hv, Dv)
+        beta = torch.sigmoid(b)
         g = -w[p + "A_log"].exp() * F.softplus(a.float() + w[p + "dt_bias"])  # log decay, fp32
 
         layer = self.state_index[i]
