@@ -27,6 +27,7 @@ from headstart.server.auth import ApiKeys
 from headstart.server.metrics import Metrics
 from headstart.server.reasoning import ReasoningSplitter
 from headstart.server.request_log import RequestLog, request_record
+from headstart.server.tool_calls import ToolCallParser
 from headstart.tokenizer import Tokenizer
 
 log = logging.getLogger("headstart.server")
@@ -58,6 +59,7 @@ class _Choice:
     index: int
     engine_id: str
     splitter: ReasoningSplitter | None  # chat only
+    tools: ToolCallParser | None = None  # chat requests with tools
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[P.LogprobEntry] = field(default_factory=list)
@@ -106,7 +108,9 @@ class _Generation:
                 index = p * req.n + j
                 splitter = ReasoningSplitter.for_prompt(prompt_text) if prompt_text is not None \
                     else None
-                self.choices.append(_Choice(index, state.next_engine_id(), splitter))
+                parser = ToolCallParser(req.tools) if kind == "chat" and \
+                    req.parses_tool_calls else None
+                self.choices.append(_Choice(index, state.next_engine_id(), splitter, parser))
                 self.params.append((ids, params))
 
         def sink_for(index: int):
@@ -194,16 +198,26 @@ class _Generation:
             if finish_reason is not None:
                 r2, c2 = c.splitter.flush()
                 reasoning, content = reasoning + r2, content + c2
+            calls = []
+            if c.tools is not None:
+                first = len(c.tools.calls)
+                content, calls = c.tools.push(content)
+                if finish_reason is not None:
+                    content += c.tools.flush()
+                calls = [call.openai(index=first + k) for k, call in enumerate(calls)]
+                if finish_reason == "stop" and c.tools.calls:
+                    finish_reason = "tool_calls"
             c.reasoning.append(reasoning)
             c.text.append(content)
             logprobs = P.chat_logprobs(tok, [entry], as_token_ids=as_ids) if entry else None
-            if not (reasoning or content or logprobs or finish_reason or not c.started):
+            if not (reasoning or content or calls or logprobs or finish_reason or not c.started):
                 return []
             role, c.started = not c.started, True
             return [P.chat_chunk(request_id=self.id, model=self.state.model_name,
                                  index=c.index, created=self.created, role=role,
                                  content=content or None, reasoning=reasoning or None,
-                                 finish_reason=finish_reason, logprobs=logprobs)]
+                                 finish_reason=finish_reason, logprobs=logprobs,
+                                 tool_calls=calls or None)]
         offset = sum(len(t) for t in c.text)
         c.text.append(text)
         logprobs = (P.completion_logprobs(tok, [entry], as_token_ids=as_ids, text_offset=offset)
@@ -224,9 +238,13 @@ class _Generation:
             assert c.finish is not None
             if self.kind == "chat":
                 reasoning = "".join(c.reasoning)
+                calls = c.tools.calls if c.tools is not None else []
+                reason = "tool_calls" if calls and c.finish.reason == "stop" else c.finish.reason
+                text = "".join(c.text)
                 choices.append(P.chat_choice(
-                    c.index, content="".join(c.text), reasoning=reasoning or None,
-                    finish_reason=c.finish.reason,
+                    c.index, content=text if text or not calls else None,
+                    reasoning=reasoning or None, finish_reason=reason,
+                    tool_calls=[call.openai() for call in calls] or None,
                     logprobs=P.chat_logprobs(tok, c.logprobs, as_token_ids=as_ids)
                     if self.req.num_logprobs is not None else None))
             else:

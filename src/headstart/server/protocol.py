@@ -336,7 +336,12 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: StrictBool = False
     top_logprobs: _NumLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # "none" turns tool-call parsing off; other values parse calls
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @pydantic.field_validator("messages")
     @classmethod
@@ -613,7 +618,8 @@ def chat_completion_response(*, request_id: str, model: str, choices: list[dict[
 def chat_chunk(*, request_id: str, model: str, index: int, created: int | None = None,
                role: bool = False, content: str | None = None, reasoning: str | None = None,
                finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-               stop_reason: str | int | None = None) -> dict[str, Any]:
+               stop_reason: str | int | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk`` for choice ``index``.
 
     ``role=True`` marks a choice's first chunk: its delta carries ``"role": "assistant"``
@@ -629,7 +635,9 @@ def chat_chunk(*, request_id: str, model: str, index: int, created: int | None =
     if reasoning is not None:
         delta["reasoning_content"] = reasoning
         delta["reasoning"] = reasoning
-    if role and content is None and reasoning is None:
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    if role and content is None and reasoning is None and not tool_calls:
         delta["content"] = ""
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": finish_reason}
