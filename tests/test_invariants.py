@@ -122,3 +122,11 @@ def test_pool_overflow_is_refused(model):
     pool = model.new_state_pool(1, 8)
     with pytest.raises(ValueError, match="exceed"):
         model.forward(ForwardBatch.build([SeqChunk(0, 0, tokens(9, 1))]), pool)
+
+
+def test_pool_size_is_known_before_allocating(model):
+    from headstart.state import StatePool
+
+    for slots, tokens in ((1, 8), (3, 100)):
+        pool = model.new_state_pool(slots, tokens)
+        assert StatePool.bytes_for(model.cfg, slots, tokens, model.dtype) == pool.nbytes()

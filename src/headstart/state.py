@@ -40,6 +40,18 @@ class StatePool:
             values=torch.zeros(kv_shape, dtype=dtype, device=device),
         )
 
+    @staticmethod
+    def bytes_for(cfg: ModelConfig, num_slots: int, max_tokens: int,
+                  dtype: torch.dtype = torch.float32) -> int:
+        """What :meth:`allocate` would take, computed without allocating."""
+        act = torch.tensor([], dtype=dtype).element_size()
+        n_lin, n_att = len(cfg.linear_layers), len(cfg.attention_layers)
+        conv = n_lin * num_slots * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * act
+        rec = n_lin * num_slots * cfg.linear_num_value_heads * cfg.linear_key_head_dim \
+            * cfg.linear_value_head_dim * 4
+        kv = 2 * n_att * num_slots * cfg.num_key_value_heads * max_tokens * cfg.head_dim * act
+        return conv + rec + kv
+
     @property
     def num_slots(self) -> int:
         return self.conv.shape[1]

@@ -76,6 +76,24 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
+    """Refuse to start, with the numbers, when the state pool cannot fit; log what it takes."""
+    import torch
+
+    from headstart.state import StatePool
+
+    need = StatePool.bytes_for(model.cfg, parallel + 1, context, model.dtype)
+    log.info("state pool: %d streams x %d tokens = %.2f GiB (+ up to %.2f GiB prompt cache)",
+             parallel, context, need / 2**30, cache_bytes / 2**30)
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        if need > 0.95 * free:
+            raise HeadstartError(
+                f"the state pool for {parallel} streams x {context} tokens needs "
+                f"{need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB of GPU memory is free; "
+                "lower --parallel or --context")
+
+
 def serve(args: argparse.Namespace) -> int:
     from headstart.engine.engine import Engine
     from headstart.loading import load
@@ -92,6 +110,7 @@ def serve(args: argparse.Namespace) -> int:
     context = args.context or min(32768, cfg.max_position_embeddings)
     if parallel < 1 or context < 2:
         raise HeadstartError("--parallel must be >= 1 and --context >= 2")
+    _check_memory(loaded.model, parallel, context, max(0, args.prompt_cache_mib) << 20)
     drafter = None
     if args.drafter is None and args.model is None and not args.no_drafter:
         from headstart.loading import default_model_dir
