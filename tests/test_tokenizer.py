@@ -487,15 +487,9 @@ def test_stream_of_random_ids_equals_decode(
 
 def _byte_token_ids(tok: Tokenizer, text: str) -> list[int]:
     """One token per UTF-8 byte, via the byte-level alphabet (GPT-2's bytes_to_unicode)."""
-    visible = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    )
-    table = {b: chr(b) for b in visible}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
+    from headstart.tokenizer import byte_level_alphabet
+
+    table = byte_level_alphabet()
     ids = [tok.token_to_id(table[b]) for b in text.encode("utf-8")]
     assert all(i is not None for i in ids)
     return ids  # type: ignore[return-value]

@@ -511,3 +511,18 @@ class IncrementalDetokenizer:
             return ""
         self._flushed = True
         return self._decode(self._window)[self._prefix_len :]
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """Byte -> the character that stands for it in byte-level BPE vocabularies (GPT-2's map):
+    printable Latin-1 bytes stand for themselves, the rest are shifted to code points from 256
+    up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from headstart.errors import CheckpointError
 from headstart.sampling import MAX_LOGPROBS, SamplingParams
-from headstart.tokenizer import Tokenizer
+from headstart.tokenizer import Tokenizer, byte_level_alphabet
 
 __all__ = [
     "MAX_N",
@@ -694,21 +694,7 @@ def sse(obj: Mapping[str, Any]) -> bytes:
 # ----------------------------------------------------------------------------- logprobs
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    # The byte-level BPE alphabet (GPT-2's): printable Latin-1 bytes stand for themselves,
-    # the remaining bytes are shifted to code points from 256 up, in byte order.
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_OF_CHAR = {c: b for b, c in byte_level_alphabet().items()}
 
 
 class _TokenRenderer:
