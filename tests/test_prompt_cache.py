@@ -238,3 +238,18 @@ def test_snapshot_rows_are_reused_from_a_fixed_store(loaded):
             cold.stop()
     finally:
         e.stop()
+
+
+def test_host_tier_keeps_what_the_device_tier_evicts(loaded):
+    """With one device row, older prompts move to the host tier and still hit from there."""
+    e = make_engine(loaded, cache_interval=0, max_snapshots=1, host_cache_bytes=64 << 20)
+    try:
+        prompts = [prompt(loaded, f"config_{i} = load({i!r})\n") for i in range(3)]
+        first = [ask(e, ids, GREEDY, f"p{i}").tokens for i, ids in enumerate(prompts)]
+        assert len(e.cache.entries) == 1 and len(e.host.entries) == 2
+        assert e.host.contains(prompts[0]) and e.cache.contains(prompts[2])
+        again = ask(e, prompts[0], GREEDY, "again")
+        assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
+        assert e.stats()["cache_host_hits"] == 1
+    finally:
+        e.stop()

@@ -87,7 +87,8 @@ class Engine:
                  cache_interval: int = 1024, drafter: DFlashDrafter | None = None,
                  draft_block: int | None = None, draft_window: int = 4096,
                  graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
-                 tree_budget: int | None = None, max_snapshots: int = 256) -> None:
+                 tree_budget: int | None = None, max_snapshots: int = 256,
+                 host_cache_bytes: int = 0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -101,6 +102,8 @@ class Engine:
         self.scheduler = Scheduler(num_slots, max_queue, prefill_chunk, step_tokens)
         self.sampler = Sampler()
         self.cache = PromptCacheIndex(cache_bytes, cache_max_tokens)
+        # A second tier in host memory: snapshots evicted from the first go there.
+        self.host = PromptCacheIndex(host_cache_bytes, cache_max_tokens)
         self.store: SnapshotStore | None = None
         if self.cache.enabled:
             # Rows for the fixed part of snapshots: as many as the budget could hold, capped so
@@ -180,6 +183,8 @@ class Engine:
                 "cache_entries": len(c.entries), "cache_bytes": c.bytes_held,
                 "cache_budget_bytes": c.budget_bytes,
                 "cache_store_rows": self.store.capacity if self.store else 0,
+                "cache_host_entries": len(self.host.entries),
+                "cache_host_bytes": self.host.bytes_held, "cache_host_hits": self.host.stats.hits,
                 "cache_free_rows": len(self.store.free) if self.store else 0, "cache_hits": c.stats.hits,
                 "cache_misses": c.stats.misses, "cache_restored_tokens": c.stats.restored_tokens,
                 "cache_evictions": c.stats.evictions, "cache_failed_restores":
@@ -299,18 +304,17 @@ class Engine:
                     exact.append((live, logits))
         if exact:
             # A copy: sampling masks rows in place, and cached logits are immutable.
-            logits = torch.stack([lg for _, lg in exact]).clone()
+            logits = torch.stack([lg.to(self.model.device) for _, lg in exact]).clone()
             self._sample_and_deliver([lv for lv, _ in exact], logits)
 
     def _restore(self, live: _Live) -> torch.Tensor | None:
-        seq, cache = live.seq, self.cache
+        seq = live.seq
         prompt = seq.prompt
-        entry = cache.lookup(prompt)
-        if entry is not None and entry.length == len(prompt) and entry.payload.logits is None:
-            cache.stats.hits -= 1  # counted again by the second lookup
-            entry = cache.lookup(prompt, max_length=len(prompt) - 1)
-        if entry is None:
+        found = [(e, index) for index in (self.cache, self.host) if index.enabled
+                 for e in [_lookup(index, prompt)] if e is not None]
+        if not found:
             return None
+        entry, cache = max(found, key=lambda f: f[0].length)  # the device tier wins ties
         snap: Snapshot = entry.payload
         try:
             if self.fail_restores:
@@ -322,7 +326,9 @@ class Engine:
             # now holds, and the prompt is prefilled from scratch.
             log.exception("prompt-cache restore failed for %s; prefilling instead", seq.id)
             cache.stats.failed_restores += 1
-            self._release(cache.discard(entry.tokens))
+            gone = cache.discard(entry.tokens)
+            if cache is self.cache:
+                self._release(gone)
             seq.computed = seq.cached = 0
             return None
         seq.computed = seq.cached = entry.length
@@ -335,6 +341,15 @@ class Engine:
     def _release(self, entry) -> None:
         if entry is not None and self.store is not None:
             self.store.release(entry.payload)
+
+    def _evicted(self, entry) -> None:
+        """A snapshot leaves the device tier: kept in the host tier if there is one."""
+        if entry is None:
+            return
+        if self.host.enabled and not self.host.contains(entry.tokens):
+            snap = entry.payload.to_host()
+            self.host.insert(entry.tokens, snap.nbytes(), snap)
+        self._release(entry)
 
     def _snapshot_bytes(self, length: int, with_logits: bool) -> int:
         p = self.pool
@@ -367,11 +382,11 @@ class Engine:
                 feats = live.features
             assert self.store is not None
             while not self.store.free:  # fixed storage full: the least recently used goes
-                self._release(self.cache.evict_oldest())
+                self._evicted(self.cache.evict_oldest())
             snap = self.store.take(self.pool, seq.slot, end,
                                    logit_row.float() if logit_row is not None else None, feats)
             for gone in self.cache.insert(key, snap.nbytes(), snap):
-                self._release(gone)
+                self._evicted(gone)
             if not self.cache.contains(key):  # refused (over budget): give the row back
                 self.store.release(snap)
 
@@ -520,6 +535,16 @@ class Engine:
                 live.req.sink(final)
             except Exception:
                 log.exception("sink of request %s failed on its final event", live.req.id)
+
+
+def _lookup(index: PromptCacheIndex, prompt: list[int]):
+    """Longest cached prefix; a whole-prompt entry without logits (a boundary snapshot that
+    happens to end where this prompt ends) cannot give the first token, so then one shorter."""
+    entry = index.lookup(prompt)
+    if entry is not None and entry.length == len(prompt) and entry.payload.logits is None:
+        index.stats.hits -= 1  # counted again by the second lookup
+        entry = index.lookup(prompt, max_length=len(prompt) - 1)
+    return entry
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:

@@ -157,6 +157,19 @@ class Snapshot:
         pool.keys[:, slot, :, :self.length].copy_(self.keys)
         pool.values[:, slot, :, :self.length].copy_(self.values)
 
+    def to_host(self) -> Snapshot:
+        """A copy in host memory (pinned when a GPU is present, for fast copies back)."""
+        pin = torch.cuda.is_available()
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            return out.copy_(t)
+
+        return Snapshot(self.length, host(self.conv), host(self.recurrent), host(self.keys),
+                        host(self.values), host(self.logits), host(self.draft_features))
+
     def nbytes(self) -> int:
         parts = [self.conv, self.recurrent, self.keys, self.values]
         parts += [t for t in (self.logits, self.draft_features) if t is not None]

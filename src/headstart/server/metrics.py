@@ -153,6 +153,8 @@ class _PromptCacheCollector(Collector):
                             "Snapshots evicted to stay within the byte budget."),
         "cache_failed_restores": ("headstart_prompt_cache_failed_restores",
                                   "Restores abandoned for a full prefill."),
+        "cache_host_hits": ("headstart_prompt_cache_host_hits",
+                            "Lookups answered from the host-memory tier."),
         "spec_rounds": ("headstart_spec_decode_rounds", "Verify windows run."),
         "spec_drafted": ("headstart_spec_decode_draft_tokens", "Draft tokens proposed."),
         "spec_accepted": ("headstart_spec_decode_accepted_tokens", "Draft tokens accepted."),
@@ -161,6 +163,8 @@ class _PromptCacheCollector(Collector):
         "cache_bytes": ("headstart_prompt_cache_bytes", "Bytes held by snapshots."),
         "cache_budget_bytes": ("headstart_prompt_cache_budget_bytes", "Snapshot byte budget."),
         "cache_entries": ("headstart_prompt_cache_entries", "Snapshots held."),
+        "cache_host_bytes": ("headstart_prompt_cache_host_bytes",
+                             "Bytes held by snapshots in host memory."),
     }
 
     def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:

@@ -42,6 +42,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send (default: the model folder's name)")
     p.add_argument("--prompt-cache-mib", type=int, default=2048,
                    help="byte budget of the prompt-state cache in MiB (0 disables it)")
+    p.add_argument("--prompt-cache-host-mib", type=int, default=0,
+                   help="second prompt-cache tier in host RAM for snapshots evicted from the "
+                        "first (MiB; 0: none)")
     p.add_argument("--prompt-cache-max-tokens", type=int, default=0,
                    help="longest prefix one snapshot may hold (0: no cap)")
     p.add_argument("--prompt-cache-interval", type=int, default=1024,
@@ -127,6 +130,7 @@ def serve(args: argparse.Namespace) -> int:
                     cache_bytes=max(0, args.prompt_cache_mib) << 20,
                     cache_max_tokens=args.prompt_cache_max_tokens,
                     cache_interval=args.prompt_cache_interval, drafter=drafter,
+                    host_cache_bytes=max(0, args.prompt_cache_host_mib) << 20,
                     draft_block=args.draft_block, draft_window=args.draft_window,
                     graphs=False if args.no_graphs else None)
     metrics = Metrics(slots=parallel)
