@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the GPU path (about 8-9 minutes on an H200):
 # the GPU tests, then the engine benchmark at the 2B and 27B shapes (bf16 and 4-bit, with
-# transformers and a drafter for comparison). Run from the repository root on the device
+# transformers and a drafter for comparison; split by --shape over two calls if 330 s is not
+# enough). Run from the repository root on the device
 # machine, after `bash benchmarks/device_wheels.sh` here and with `.whl` carried:
 #   bash benchmarks/gpu_session.sh
 # Results: $OUT/tests.log, $OUT/gpu.json, $OUT/gpu.log (the table is the log's last lines).
