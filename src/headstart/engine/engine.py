@@ -201,6 +201,16 @@ class Engine:
         for n in sizes:
             self.model.forward_ex(ForwardBatch.build([SeqChunk(scratch, 0, (0,) * n, 1)],
                                                      self.model.device), self.pool, self.taps)
+        # A chunk that continues a stream (masked attention from position > 0, as after a
+        # snapshot boundary or a cache hit) and a step mixing a decode row with a chunk.
+        short = min(16, self.context // 4)
+        if short >= 2:
+            self.model.forward_ex(ForwardBatch.build([SeqChunk(scratch, short, (0,) * short, 1)],
+                                                     self.model.device), self.pool, self.taps)
+            if self.num_slots >= 2:
+                mixed = [SeqChunk(scratch, 2 * short, (0,), 1), SeqChunk(0, 0, (0,) * short, 1)]
+                self.model.forward_ex(ForwardBatch.build(mixed, self.model.device), self.pool,
+                                      self.taps)
         if self.spec is not None and self.spec.block >= 2:
             b = self.spec.block
             chunk = SeqChunk(scratch, 1, (0,) * b, b, record=True)
