@@ -119,3 +119,20 @@ def test_a_request_that_cannot_start_fails_alone(loaded, engine, monkeypatch):
     assert bad.done.wait(30) and isinstance(bad.events[-1], Failed)
     assert good.done.wait(30) and good.tokens == alone(loaded, ids, params)
     assert wait_idle(engine) and engine.stats()["free_slots"] == 4
+
+
+def test_warm_up_paths_run_and_leave_no_trace(loaded):
+    """The GPU start-up warm-up (eager paths on a scratch slot) runs on any device, and a
+    request afterwards answers exactly as on a fresh engine."""
+    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=2, context=256,
+               graphs=False)
+    e._warm_up(scratch=1)
+    e.start()
+    try:
+        ids = loaded.tokenizer.encode("def warm():")
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        c = Collector()
+        e.submit(EngineRequest("w", ids, params, 6, c))
+        assert c.done.wait(30) and c.tokens == alone(loaded, ids, params)
+    finally:
+        e.stop()
