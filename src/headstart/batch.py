@@ -141,7 +141,3 @@ class ForwardBatch:
             multi=multi,
             trees=tuple(s for s in spans if s.parents is not None),
         )
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.input_ids.shape[0])

@@ -20,7 +20,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
-from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot, SnapshotStore
+from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot, SnapshotStore, fixed_bytes
 from headstart.engine.speculative import Draft, verify, verify_tree
 from headstart.engine.speculator import DraftJob, Speculator
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
@@ -228,13 +228,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stopping:
             self._apply_commands()
-            try:
-                self._admit()
-            except Exception as e:
-                log.exception("admission failed")
-                for live in [lv for lv in self._live.values() if lv.seq.slot is not None
-                             and lv.seq.computed == len(lv.seq.prompt) and not lv.seq.output]:
-                    self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
+            self._admit()
             try:
                 work = self.scheduler.plan()
             except Exception as e:  # a broken invariant: fail what is in flight, keep serving
@@ -313,9 +307,15 @@ class Engine:
                 if logits is not None:
                     exact.append((live, logits))
         if exact:
-            # A copy: sampling masks rows in place, and cached logits are immutable.
-            logits = torch.stack([lg.to(self.model.device) for _, lg in exact]).clone()
-            self._sample_and_deliver([lv for lv, _ in exact], logits)
+            lives = [lv for lv, _ in exact]
+            try:
+                # A copy: sampling masks rows in place, and cached logits are immutable.
+                logits = torch.stack([lg.to(self.model.device) for _, lg in exact]).clone()
+                self._sample_and_deliver(lives, logits)
+            except Exception as e:  # only these requests fail; the engine goes on
+                log.exception("first token from cached logits failed")
+                for live in lives:
+                    self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
 
     def _restore(self, live: _Live) -> torch.Tensor | None:
         seq = live.seq
@@ -363,8 +363,7 @@ class Engine:
 
     def _snapshot_bytes(self, length: int, with_logits: bool) -> int:
         p = self.pool
-        fixed = (p.conv[:, 0].numel() * p.conv.element_size()
-                 + p.recurrent[:, 0].numel() * p.recurrent.element_size())
+        fixed = fixed_bytes(p)
         per_token = 2 * p.keys[:, 0, :, 0].numel() * p.keys.element_size()
         logits = self.model.cfg.vocab_size * 4 if with_logits else 0
         return fixed + per_token * length + logits

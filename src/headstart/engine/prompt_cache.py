@@ -137,14 +137,6 @@ class Snapshot:
     draft_features: torch.Tensor | None = None
     row: int | None = None
 
-    @classmethod
-    def take(cls, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
-             draft_features: torch.Tensor | None = None) -> Snapshot:
-        return cls(length, pool.conv[:, slot].clone(), pool.recurrent[:, slot].clone(),
-                   pool.keys[:, slot, :, :length].clone(), pool.values[:, slot, :, :length].clone(),
-                   None if logits is None else logits.detach().clone(),
-                   None if draft_features is None else draft_features.detach().clone())
-
     def restore(self, pool: StatePool, slot: int) -> None:
         """Overwrite everything the slot's stream reads at positions < length."""
         if (self.conv.shape != pool.conv[:, slot].shape
@@ -185,6 +177,12 @@ class Snapshot:
         return h.hexdigest()
 
 
+def fixed_bytes(pool: StatePool) -> int:
+    """Bytes of the part of a snapshot that does not depend on its length (GDN state)."""
+    return (pool.conv[:, 0].numel() * pool.conv.element_size()
+            + pool.recurrent[:, 0].numel() * pool.recurrent.element_size())
+
+
 class SnapshotStore:
     """Preallocated storage for the fixed-size part of snapshots (every GDN layer's conv tail
     and recurrent state: the bulk of a snapshot, e.g. 147 MiB at the 27B shape), ``capacity``
@@ -202,13 +200,10 @@ class SnapshotStore:
     def capacity(self) -> int:
         return self.conv.shape[0]
 
-    def row_bytes(self) -> int:
-        return (self.conv[0].numel() * self.conv.element_size()
-                + self.recurrent[0].numel() * self.recurrent.element_size())
-
     def take(self, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
              draft_features: torch.Tensor | None = None) -> Snapshot:
-        """Like :meth:`Snapshot.take`, with the fixed part copied into a free row."""
+        """Snapshot the slot after ``length`` tokens: the fixed part is copied into a free row,
+        KV rows, logits and drafter features into tensors of their own."""
         row = self.free.pop()
         self.conv[row].copy_(pool.conv[:, slot])
         self.recurrent[row].copy_(pool.recurrent[:, slot])

@@ -43,9 +43,6 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
 
-    def token_at(self, i: int) -> int:
-        return self.prompt[i] if i < len(self.prompt) else self.output[i - len(self.prompt)]
-
 
 @dataclass(frozen=True)
 class Work:
