@@ -58,7 +58,8 @@ def test_one_command_pipeline_end_to_end(tmp_path):
     out = tmp_path / "default_model"
     report = main(["--out", str(out), "--device", "cpu", "--steps", "3", "--drafter-steps", "3",
                    "--max-chars", "150000", "--layers", "4", "--hidden", "64", "--seq-len", "64",
-                   "--batch", "4", "--block", "4", "--eval-prompts", "2"])
+                   "--batch", "4", "--block", "4", "--eval-prompts", "2",
+                   "--continuations", "4"])
     assert (out / "drafter" / "config.json").exists() and (out / "training_report.json").exists()
     assert report["acceptance"]["rounds"] > 0 and report["model_bytes"] < 15_000_000
     assert report["target"]["held_out_ppl"] > 1 and set(report["samples"])
@@ -66,3 +67,23 @@ def test_one_command_pipeline_end_to_end(tmp_path):
     from headstart.drafter import DFlashDrafter
 
     DFlashDrafter.load(out / "drafter", loaded.model)
+
+
+def test_greedy_continuations_are_what_the_target_would_say(tokenizer):
+    """Generated with the cache, step by step; a full forward over the result must pick every
+    generated token as its argmax (teacher forcing on greedy output is greedy decoding)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from training.continuations import continuation_batches, greedy_continuations
+
+    torch.manual_seed(3)
+    model = Qwen3_5ForCausalLM(target_config(4160, [1, 2], layers=4, hidden=64)).eval()
+    prompts = torch.randint(5, 4000, (3, 9))
+    seqs = greedy_continuations(model, prompts, 12, batch=2)
+    assert seqs.shape == (3, 21) and torch.equal(seqs[:, :9], prompts)
+    with torch.no_grad():
+        argmax = model(seqs).logits.argmax(-1)
+    assert torch.equal(argmax[:, 8:-1], seqs[:, 9:])
+    item = next(continuation_batches(seqs, 9, batch=5))
+    assert item["input_ids"].shape == (5, 21)
+    assert not item["loss_mask"][:, :8].any() and item["loss_mask"][:, 8:].all()

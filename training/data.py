@@ -17,11 +17,15 @@ import torch
 from headstart.tokenizer import Tokenizer
 
 
-def stdlib_files() -> list[Path]:
+def stdlib_files(max_bytes: int = 200_000) -> list[Path]:
+    """Every ``.py`` file of the standard library, its test suite included (it triples the
+    data, and the corpus is what limits a small model here, not compute); files over
+    ``max_bytes`` are generated tables, not code, and are left out."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "__pycache__", "test", "idlelib", "lib2to3", "tkinter", "turtledemo")
+    skip = ("site-packages", "__pycache__")
     return sorted(p for p in root.rglob("*.py")
-                  if not any(part in skip for part in p.relative_to(root).parts))
+                  if not any(part in skip for part in p.relative_to(root).parts)
+                  and p.stat().st_size <= max_bytes)
 
 
 def is_held_out(path: Path, fraction: float) -> bool:
