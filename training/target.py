@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -52,6 +53,29 @@ def train_target(model, train: torch.Tensor, held_out: torch.Tensor, *, time_bud
     the schedule then assumes the step count reached at 10% of the budget extrapolated)."""
     torch.manual_seed(seed)
     model.to(device).train()
+    with _torch_gated_delta():
+        return _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtype,
+                      seed, log)
+
+
+@contextmanager
+def _torch_gated_delta():
+    """Train through transformers' own PyTorch chunked delta rule, not flash-linear-attention's:
+    FLA 0.6 refuses its backward on Hopper with Triton < 3.7.1 (wrong gradients, FLA #640), the
+    Triton the GPU machine has. Forward-only uses (drafter training, generation) keep FLA."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    fast = m.torch_chunk_gated_delta_rule
+    m.torch_chunk_gated_delta_rule = inspect.unwrap(fast)
+    try:
+        yield
+    finally:
+        m.torch_chunk_gated_delta_rule = fast
+
+
+def _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtype, seed, log):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
