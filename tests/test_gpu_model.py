@@ -18,11 +18,14 @@ pytest.importorskip("fla")
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     # Real head sizes (hd 256, Dk = Dv = 128) so the GPU kernels run their production shapes.
-    ref = tiny.causal_lm(seed=41, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=256,
-                         linear_num_key_heads=2, linear_num_value_heads=4,
-                         linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=512)
-    return tiny.save_text_only(ref, tmp_path_factory.mktemp("gpu") / "ckpt")
+    return tiny.save_text_only(tiny.causal_lm(seed=41, **SHAPE),
+                               tmp_path_factory.mktemp("gpu") / "ckpt")
+
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=256, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+             vocab_size=512)
 
 
 def greedy(model, ids, steps, slot=0, pool=None):
@@ -107,3 +110,37 @@ def test_stream_batched_with_15_others_equals_alone(ckpt):
     batched = torch.stack(rows)
     # Kernels may tile differently with 16 rows than with 1; bf16 accumulation order only.
     assert (batched - alone[1:]).abs().max() <= 0.02 * alone.abs().max()
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_prefill_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized):
+    """Captured fresh prefills (several lengths, one graph each, sharing a memory pool with the
+    decode graphs) against the same prefill run eagerly on the same slot: logits, taps and the
+    slot's whole state, bit for bit; then decode steps continue identically."""
+    from headstart.engine.cuda_graph import DecodeGraphs, PrefillGraphs
+
+    path = ckpt
+    if quantized:  # the fused 4-bit matmul inside the captured prefill
+        ref = tiny.causal_lm(seed=41, **SHAPE)
+        path = tiny.save_mlx(ref, tiny.dequantized_copy(ref, 4, 64)[1], tmp_path / "q4", 4, 64)
+    model = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda")
+    eager_pool = model.new_state_pool(5, 256)
+    graph_pool = model.new_state_pool(5, 256)
+    decode = DecodeGraphs(model, graph_pool, 4, 4, taps=(0, 2))
+    graphs = PrefillGraphs(model, graph_pool, 40, 4, taps=(0, 2), mempool=decode.mempool)
+    gen = torch.Generator().manual_seed(9)
+    for n, slot in ((40, 0), (13, 1), (2, 2), (13, 3)):
+        ids = torch.randint(0, 512, (n,), generator=gen).tolist()
+        out = graphs.run(ids, slot)
+        ref = model.forward_ex(ForwardBatch.build([SeqChunk(slot, 0, ids)], model.device),
+                               eager_pool, (0, 2))
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.taps, ref.taps)
+        for name in ("conv", "recurrent"):
+            assert torch.equal(getattr(graph_pool, name)[:, slot],
+                               getattr(eager_pool, name)[:, slot]), name
+        for name in ("keys", "values"):
+            assert torch.equal(getattr(graph_pool, name)[:, slot, :, :n],
+                               getattr(eager_pool, name)[:, slot, :, :n]), name
+        step = model.forward(ForwardBatch.build([SeqChunk(slot, n, (7,))], model.device),
+                             eager_pool)
+        assert torch.equal(decode.run([7], [n], [slot]).logits, step)

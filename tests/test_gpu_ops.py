@@ -159,10 +159,12 @@ def test_gdn_decode(n, Hk, Hv, Dk, Dv):
 
 # ----------------------------------------------------------------------------- GDN prefill
 
-@pytest.mark.parametrize("lens,Hk,Hv,D", [([1, 37, 64, 130], 2, 4, 64),
-                                          ([5, 200], 16, 48, 128),
-                                          ([300], 16, 16, 128)])
-def test_gdn_prefill_varlen(lens, Hk, Hv, D):
+@pytest.mark.parametrize("lens,Hk,Hv,D,first_fresh", [([1, 37, 64, 130], 2, 4, 64, True),
+                                                      ([5, 200], 16, 48, 128, True),
+                                                      ([300], 16, 16, 128, True),
+                                                      ([31], 2, 4, 64, False)])
+def test_gdn_prefill_varlen(lens, Hk, Hv, D, first_fresh):
+    """Several spans (FLA's varlen form) and one span (its plain form), fresh or continued."""
     pytest.importorskip("fla")
     N, T = len(lens), sum(lens)
     g = gen(T + Hv)
@@ -175,8 +177,9 @@ def test_gdn_prefill_varlen(lens, Hk, Hv, D):
     pool = torch.randn(N + 2, Hv, D, D, generator=g, device=DEV) * 0.1
     slots = torch.arange(N, device=DEV).flip(0) + 1
     fresh = torch.zeros(N, dtype=torch.bool, device=DEV)
-    fresh[0] = True
-    pool[slots[0]] = float("nan")
+    fresh[0] = first_fresh
+    if first_fresh:
+        pool[slots[0]] = float("nan")
     before = pool.clone()
 
     o = gdn_prefill_varlen(q, k, v, decay, beta, cu, slots, fresh, pool)

@@ -1,21 +1,33 @@
-"""CUDA graphs of the decode forward, one per stream-count bucket; the only module that captures.
+"""CUDA graphs of the forward; the only module that captures.
 
-A decode step (one row per stream) has the same kernels every time for a given number of
-streams, so it is captured once per bucket (1, 2, 4, 8, 16, ... up to the slot count) at load and
-replayed afterwards: the launch overhead of a few hundred small kernels disappears. Inputs live
-in static buffers; a step with fewer streams than its bucket pads with rows that point at a
-scratch slot of the state pool (fresh, position 0), so they compute harmlessly and are dropped.
-Prefill chunks and verify windows stay eager.
+* :class:`DecodeGraphs`: a decode step (one row per stream) has the same kernels every time for a
+  given number of streams, so it is captured once per bucket (1, 2, 4, 8, 16, ... up to the slot
+  count) at load and replayed afterwards: the launch overhead of a few thousand small kernels
+  disappears. Inputs live in static buffers; a step with fewer streams than its bucket pads with
+  rows that point at a scratch slot of the state pool (fresh, position 0), so they compute
+  harmlessly and are dropped.
+* :class:`PrefillGraphs`: the prefill of a new stream's first ``n`` prompt tokens (``2 <= n <=
+  max_tokens``), captured once per length on the scratch slot. Launched eagerly such a prefill
+  costs hundreds of kernel launches per layer from Python, ten times its GPU work; that is most
+  of a short prompt's time to first token. After a replay the scratch slot's state (conv tails,
+  recurrent states, the ``n`` KV rows) is copied into the stream's slot: a few hundred MB at
+  most, tens of microseconds. Exact lengths, not padded buckets: padding rows would run through
+  the recurrence and corrupt the state.
+
+Continued chunks (a stream past position 0) and verify windows stay eager.
+
+Both take ``capture=False`` to run the same forward eagerly on the same static buffers, with the
+same slot bookkeeping: that is how the CPU tests check everything here but the capture itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
-from headstart.batch import DecodeRows, ForwardBatch
+from headstart.batch import DecodeRows, ForwardBatch, SeqChunk
 from headstart.model import ForwardOutput, Qwen35Model
 from headstart.state import StatePool
 
@@ -28,15 +40,47 @@ def buckets_for(max_streams: int) -> list[int]:
     return sizes + [max_streams]
 
 
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    out: ForwardOutput
+class _Replayable:
+    """A forward over static buffers: captured in a CUDA graph, or (``capture=False``) run
+    eagerly on each replay."""
+
+    def __init__(self, fn: Callable[[], ForwardOutput], capture: bool,
+                 mempool: object | None) -> None:
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: ForwardOutput | None = None
+        if capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: autotuning and lazy init happen here
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=mempool):
+                self.out = fn()
+
+    def replay(self) -> ForwardOutput:
+        if self.graph is None:
+            # Like a graph, write into the same output tensors every time (so code that keeps
+            # a view past the next replay fails here too).
+            out = self.fn()
+            if self.out is None:
+                self.out = ForwardOutput(out.logits.clone(), None if out.taps is None
+                                         else out.taps.clone(), {})
+            else:
+                self.out.logits.copy_(out.logits)
+                if out.taps is not None:
+                    self.out.taps.copy_(out.taps)
+            return self.out
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
 
 
 class DecodeGraphs:
     def __init__(self, model: Qwen35Model, pool: StatePool, max_streams: int, scratch_slot: int,
-                 taps: Sequence[int] = ()) -> None:
+                 taps: Sequence[int] = (), capture: bool = True) -> None:
         self.model, self.pool, self.taps = model, pool, tuple(taps)
         self.scratch = scratch_slot
         dev = model.device
@@ -45,10 +89,12 @@ class DecodeGraphs:
         self.slots = torch.full((max_streams,), scratch_slot, dtype=torch.int64, device=dev)
         self.fresh = torch.ones(max_streams, dtype=torch.bool, device=dev)
         self.rows = torch.arange(max_streams, device=dev)
-        self.graphs: dict[int, _Captured] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, _Replayable] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
         for n in sorted(buckets_for(max_streams), reverse=True):  # largest first: shared pool
-            self.graphs[n] = self._capture(n)
+            batch = self._batch(n)
+            self.graphs[n] = _Replayable(
+                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, self.mempool)
 
     def _batch(self, n: int) -> ForwardBatch:
         rows = self.rows[:n]
@@ -57,19 +103,6 @@ class DecodeGraphs:
             decode=DecodeRows(rows=rows, slots=self.slots[:n], positions=self.positions[:n],
                               fresh=self.fresh[:n]),
             multi_row=(), multi=None)
-
-    def _capture(self, n: int) -> _Captured:
-        batch = self._batch(n)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: autotuning and lazy init happen outside capture
-            for _ in range(2):
-                self.model.forward_ex(batch, self.pool, self.taps)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = self.model.forward_ex(batch, self.pool, self.taps)
-        return _Captured(graph, out)
 
     def bucket(self, n: int) -> int | None:
         return min((b for b in self.graphs if b >= n), default=None)
@@ -89,7 +122,45 @@ class DecodeGraphs:
         self.positions[:b].copy_(pos, non_blocking=True)
         self.slots[:b].copy_(sl, non_blocking=True)
         self.fresh[:b].copy_(pos == 0, non_blocking=True)
-        cap = self.graphs[b]
-        cap.graph.replay()
-        taps = cap.out.taps[:n] if cap.out.taps is not None else None
-        return ForwardOutput(cap.out.logits[:n], taps, {})
+        out = self.graphs[b].replay()
+        taps = out.taps[:n] if out.taps is not None else None
+        return ForwardOutput(out.logits[:n], taps, {})
+
+
+class PrefillGraphs:
+    """Fresh prefills of 2 .. ``max_tokens`` tokens, one graph per length (see the module doc).
+
+    Shares the decode graphs' memory pool when given it: the two never replay at once."""
+
+    def __init__(self, model: Qwen35Model, pool: StatePool, max_tokens: int, scratch_slot: int,
+                 taps: Sequence[int] = (), capture: bool = True, mempool: object | None = None
+                 ) -> None:
+        self.model, self.pool, self.taps = model, pool, tuple(taps)
+        self.scratch = scratch_slot
+        self.max_tokens = min(max_tokens, pool.max_tokens)
+        self.ids = torch.zeros(max(self.max_tokens, 1), dtype=torch.int64, device=model.device)
+        if capture and mempool is None:
+            mempool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, _Replayable] = {}
+        for n in range(self.max_tokens, 1, -1):  # longest first: the shared pool fits them all
+            batch = replace(ForwardBatch.build([SeqChunk(scratch_slot, 0, (0,) * n, 1)],
+                                               model.device), input_ids=self.ids[:n])
+            self.graphs[n] = _Replayable(
+                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, mempool)
+
+    def covers(self, n: int) -> bool:
+        return n in self.graphs
+
+    def run(self, tokens: Sequence[int], slot: int) -> ForwardOutput:
+        """Prefill ``tokens`` as the first tokens of ``slot`` (whatever it held); returns views
+        of the static outputs (last row's logits, every row's taps), valid until the next
+        replay."""
+        n = len(tokens)
+        self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
+        out = self.graphs[n].replay()
+        p, s = self.pool, self.scratch
+        p.conv[:, slot].copy_(p.conv[:, s])
+        p.recurrent[:, slot].copy_(p.recurrent[:, s])
+        p.keys[:, slot, :, :n].copy_(p.keys[:, s, :, :n])
+        p.values[:, slot, :, :n].copy_(p.values[:, s, :, :n])
+        return out

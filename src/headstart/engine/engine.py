@@ -26,7 +26,7 @@ from headstart.engine.speculator import DraftJob, Speculator
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.drafter import DFlashDrafter
-from headstart.model import Qwen35Model
+from headstart.model import ForwardOutput, Qwen35Model
 from headstart.sampling import Sampler, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
 
@@ -88,7 +88,11 @@ class Engine:
                  draft_block: int | None = None, draft_window: int = 4096,
                  graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
                  tree_budget: int | None = None, max_snapshots: int = 256,
-                 host_cache_bytes: int = 0) -> None:
+                 host_cache_bytes: int = 0, prefill_graph_tokens: int = 64,
+                 graph_capture: bool = True) -> None:
+        """``graphs``: replay the decode step (and fresh prefills of 2 .. prefill_graph_tokens
+        tokens) from CUDA graphs; default: when the kernels allow it. ``graph_capture=False``
+        keeps the graph bookkeeping but runs eagerly (tests on a CPU)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -119,11 +123,17 @@ class Engine:
                                    draft_block, draft_window, spec_mode, tree_width, tree_budget)
         self.taps: tuple[int, ...] = self.spec.taps if self.spec else ()
         self.graphs = None
+        self.prefill_graphs = None
         if graphs:
-            from headstart.engine.cuda_graph import DecodeGraphs
+            from headstart.engine.cuda_graph import DecodeGraphs, PrefillGraphs
 
             self._warm_up(scratch=num_slots)
-            self.graphs = DecodeGraphs(model, self.pool, num_slots, num_slots, self.taps)
+            self.graphs = DecodeGraphs(model, self.pool, num_slots, num_slots, self.taps,
+                                       capture=graph_capture)
+            if prefill_graph_tokens >= 2:
+                self.prefill_graphs = PrefillGraphs(
+                    model, self.pool, min(prefill_graph_tokens, context - 1), num_slots,
+                    self.taps, capture=graph_capture, mempool=self.graphs.mempool)
         if self.spec is not None:  # after the warm-up, so no timing includes compilation
             self.spec.measure(self.pool, slot=0)
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -421,6 +431,48 @@ class Engine:
             return {}
         return dict(zip(picked, self.spec.propose(jobs), strict=True))
 
+    # At most this many fresh prefills are replayed one by one in a step; more go eager, where
+    # they share one batched forward.
+    MAX_GRAPH_PREFILLS = 4
+
+    def _graph_plan(self, work: list[Work]) -> tuple[list[int], list[int]] | None:
+        """(decode items, fresh-prefill items) when the whole step can replay graphs."""
+        g, pg = self.graphs, self.prefill_graphs
+        if g is None:
+            return None
+        decode = [j for j, w in enumerate(work) if len(w.tokens) == 1 and w.start > 0 and w.samples]
+        fresh = [j for j, w in enumerate(work)
+                 if pg is not None and w.start == 0 and pg.covers(len(w.tokens))]
+        if (len(decode) + len(fresh) != len(work) or len(fresh) > self.MAX_GRAPH_PREFILLS
+                or len(decode) > self.num_slots):
+            return None
+        return decode, fresh
+
+    def _graph_forward(self, work: list[Work], decode: list[int], fresh: list[int]
+                       ) -> ForwardOutput:
+        """One step from graph replays, its outputs laid out as the eager forward's would be
+        (logit rows and tap rows in work order)."""
+        logits: dict[int, torch.Tensor] = {}
+        taps: dict[int, torch.Tensor | None] = {}
+        for j in fresh:
+            w = work[j]
+            out = self.prefill_graphs.run(w.tokens, w.seq.slot)
+            # Cloned: another prefill of the same length in this step replays the same graph.
+            logits[j] = out.logits.clone() if w.samples else out.logits[:0]
+            taps[j] = out.taps.clone() if out.taps is not None else None
+        if decode:
+            out = self.graphs.run([work[j].tokens[0] for j in decode],
+                                  [work[j].start for j in decode],
+                                  [work[j].seq.slot for j in decode])
+            for r, j in enumerate(decode):
+                logits[j] = out.logits[r:r + 1]
+                taps[j] = out.taps[r:r + 1] if out.taps is not None else None
+        order = range(len(work))
+        tapped = [taps[j] for j in order]
+        return ForwardOutput(torch.cat([logits[j] for j in order]),
+                             torch.cat(tapped) if all(t is not None for t in tapped) else None,
+                             {})
+
     def _step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
         drafts = self._propose(work) if self.spec is not None else {}
@@ -432,11 +484,9 @@ class Engine:
                            record=j in drafts and drafts[j].parents is None,
                            parents=drafts[j].window_parents if j in drafts else None)
                   for j, w in enumerate(work)]
-        g = self.graphs
-        if (g is not None and not drafts and len(work) <= self.num_slots
-                and all(len(w.tokens) == 1 and w.start > 0 and w.samples for w in work)):
-            out = g.run([w.tokens[0] for w in work], [w.start for w in work],
-                        [w.seq.slot for w in work])
+        graphed = self._graph_plan(work) if not drafts else None
+        if graphed is not None:
+            out = self._graph_forward(work, *graphed)
         else:
             out = self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
                                         self.taps if any(self._live[w.seq.id].draft for w in work)

@@ -62,6 +62,15 @@ def gdn_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     init = state_pool.index_select(0, slots)
     # where(), not multiply: a fresh slot may hold NaN from an earlier, aborted stream.
     init = torch.where(fresh.view(-1, 1, 1, 1), 0.0, init)
+    if slots.shape[0] == 1:
+        # One sequence (the common prefill): FLA's plain batched form. It needs no chunk index
+        # built from cu_seqlens, so it has no host work at all and can be captured in a CUDA
+        # graph (engine/cuda_graph.py captures short fresh prefills).
+        o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                         beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+        return o[0].to(v.dtype)
     o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
                      beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
                      output_final_state=True, use_qk_l2norm_in_kernel=True,

@@ -1,0 +1,131 @@
+"""The CUDA-graph paths' bookkeeping, on any device: static buffers, scratch-slot padding and
+state copies, outputs laid out as the eager forward's. ``capture=False`` runs the very forwards
+the graphs would capture, eagerly; the capture itself is checked on the GPU
+(tests/test_gpu_model.py)."""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+
+from engine_helpers import Collector
+from headstart.batch import ForwardBatch, SeqChunk
+from headstart.drafter import DFlashDrafter
+from headstart.engine.cuda_graph import PrefillGraphs
+from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
+from headstart.loading import default_model_dir
+from headstart.model import Qwen35Model
+from headstart.sampling import SamplingParams
+from headstart.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    ref = tiny.causal_lm(seed=43, linear_num_value_heads=4, linear_value_head_dim=24)
+    d = tmp_path_factory.mktemp("graphs")
+    model = Qwen35Model.load(tiny.save_text_only(ref, d / "target"))
+    model.drafter_dir = tiny.save_drafter(d / "drafter", ref.config, taps=[0, 2], block=5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    t = Tokenizer.from_dir(default_model_dir())
+
+    class Small(type(t)):  # the tiny models' 160 ids (detokenization only)
+        @property
+        def vocab_size(self):
+            return 160
+
+    t.__class__ = Small
+    return t
+
+
+def test_prefill_graph_leaves_the_slot_as_an_eager_prefill(target):
+    gen = torch.Generator().manual_seed(0)
+    graph_pool = target.new_state_pool(4, 64)
+    eager_pool = target.new_state_pool(4, 64)
+    for pool in (graph_pool, eager_pool):  # whatever the slots held before
+        pool.recurrent.normal_(generator=gen)
+        pool.conv.fill_(float("nan"))
+    eager_pool.recurrent.copy_(graph_pool.recurrent)
+    graphs = PrefillGraphs(target, graph_pool, 24, scratch_slot=3, taps=(0, 2), capture=False)
+    assert not graphs.covers(1) and graphs.covers(2) and graphs.covers(24)
+    assert not graphs.covers(25)
+    for n, slot in ((24, 1), (7, 0), (2, 2)):
+        tokens = torch.randint(5, 150, (n,), generator=gen).tolist()
+        out = graphs.run(tokens, slot)
+        ref = target.forward_ex(ForwardBatch.build([SeqChunk(slot, 0, tokens, 1)]), eager_pool,
+                                (0, 2))
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.taps, ref.taps)
+        assert torch.equal(graph_pool.conv[:, slot], eager_pool.conv[:, slot])
+        assert torch.equal(graph_pool.recurrent[:, slot], eager_pool.recurrent[:, slot])
+        assert torch.equal(graph_pool.keys[:, slot, :, :n], eager_pool.keys[:, slot, :, :n])
+        assert torch.equal(graph_pool.values[:, slot, :, :n], eager_pool.values[:, slot, :, :n])
+    # The other slots were not touched.
+    assert torch.equal(graph_pool.recurrent[:, :3].isnan(), eager_pool.recurrent[:, :3].isnan())
+
+
+PROMPTS = [[(11 * i + 5 * j) % 150 + 5 for j in range(n)] for i, n in
+           enumerate([3, 9, 17, 30, 5, 41, 12, 2, 1, 24])]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def run_all(engine, prompts=PROMPTS):
+    cs = []
+    for i, ids in enumerate(prompts):
+        c = Collector()
+        engine.submit(EngineRequest(f"r{i}", ids, GREEDY, GREEDY.max_tokens, c))
+        cs.append(c)
+    for c in cs:
+        assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+    assert wait_idle(engine)
+    return [c.tokens for c in cs]
+
+
+def counting(engine):
+    counts = {"prefill": 0, "decode": 0}
+    for name, obj in (("prefill", engine.prefill_graphs), ("decode", engine.graphs)):
+        real = obj.run
+
+        def run(*a, _real=real, _name=name, **k):
+            counts[_name] += 1
+            return _real(*a, **k)
+
+        obj.run = run
+    return counts
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+@pytest.mark.parametrize("cache", [0, 1 << 24])
+def test_engine_with_graph_paths_equals_eager(target, tokenizer, with_drafter, cache):
+    """The same requests, greedy, through an engine that replays (emulated) graphs for decode
+    steps and fresh prefills, and through one that never does: the same tokens. Prompts of 1
+    to 41 tokens (chunks of 16) cover fresh chunks inside and outside the captured lengths,
+    several fresh prefills in one step, and prefills next to decode rows."""
+    def make(graphs):
+        drafter = DFlashDrafter.load(target.drafter_dir, target) if with_drafter else None
+        e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
+                   step_tokens=48, drafter=drafter, graphs=graphs, graph_capture=False,
+                   prefill_graph_tokens=20, cache_bytes=cache)
+        e.start()
+        return e
+
+    plain = make(False)
+    try:
+        expected = run_all(plain)
+    finally:
+        plain.stop()
+    e = make(True)
+    counts = counting(e)
+    try:
+        assert run_all(e) == expected
+        assert e.stats()["free_slots"] == 4
+        if cache:  # the second time every prompt is a cache hit
+            assert run_all(e) == expected and e.stats()["cache_hits"] >= len(PROMPTS)
+    finally:
+        e.stop()
+    assert counts["prefill"] > 0
+    if not with_drafter:  # with a drafter, decode steps are verify windows (eager)
+        assert counts["decode"] > 0
