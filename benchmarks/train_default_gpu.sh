@@ -3,7 +3,7 @@
 # fit its 10-minute limit (the one-command form, `python -m training.run --out DIR`, needs
 # about 10 minutes in all). Run from the repository root there, with `.whl` carried
 # (benchmarks/device_wheels.sh) and, for the second call, `.work` carried:
-#   bash benchmarks/train_default_gpu.sh target    # GPU smoke run, then the target (6 min)
+#   bash benchmarks/train_default_gpu.sh target    # GPU smoke run, the target (5.5 min), GPU tests
 #   bash benchmarks/train_default_gpu.sh drafter   # the drafter (4 min) and every evaluation
 # The first call returns the target in $OUT/bundle.tgz.* ; unpack it here with
 #   mkdir -p .work && cat FILES_AT/bundle.tgz.* | tar xz -C .work
@@ -21,9 +21,13 @@ case "${1:-}" in
       --max-chars 150000 --layers 4 --hidden 64 --seq-len 64 --batch 4 --block 4 \
       --eval-prompts 2 --continuations 8 > "$out/smoke.log" 2>&1
     echo "smoke rc=$?"; tail -2 "$out/smoke.log" | cut -c1-1500
+    # The GPU tests share the GPU with the (small) training run meanwhile.
+    (timeout 400 python -m pytest tests/test_gpu_ops.py tests/test_gpu_model.py -q \
+      -p no:cacheprovider > "$out/gputests.log" 2>&1) &
     timeout 420 python -m training.run --out "$work/default_model" --device cuda \
-      --target-minutes 6 --save-target "$work/target_hf" --no-drafter > "$out/target.log" 2>&1
+      --target-minutes 5.5 --save-target "$work/target_hf" --no-drafter > "$out/target.log" 2>&1
     echo "target rc=$?"; grep -v "^target step" "$out/target.log" | tail -3 | cut -c1-1500
+    wait; echo "gpu tests:"; tail -15 "$out/gputests.log" | cut -c1-300
     grep "^target step" "$out/target.log" | awk 'NR % 20 == 1' | tail -15
     tar czf - -C "$work" target_hf default_model | split -b 15M - "$out/bundle.tgz."
     ;;
