@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import tiny
 import torch
-
 from engine_helpers import Collector
+
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.drafter import DFlashDrafter
 from headstart.engine.cuda_graph import PrefillGraphs

@@ -155,9 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _drafter_stage(args, model, train, staging: Path, held, vocab: int, device: str,
                    dtype: torch.dtype, report: dict) -> None:
-    from training.drafter import evaluate_acceptance, save_drafter_checkpoint, train_drafter
-
     from headstart.drafter import DrafterConfig
+    from training.drafter import evaluate_acceptance, save_drafter_checkpoint, train_drafter
 
     dcfg = DrafterConfig(
         hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_layers=2,

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
+from headstart.drafter import DFlashDrafter
 from headstart.engine.output import Finish, OutputStream, Piece
 from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot, SnapshotStore, fixed_bytes
-from headstart.engine.speculative import Draft, verify, verify_tree
-from headstart.engine.speculator import DraftJob, Speculator
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
-from headstart.drafter import DFlashDrafter
+from headstart.engine.speculative import Draft, verify, verify_tree
+from headstart.engine.speculator import DraftJob, Speculator
 from headstart.model import ForwardOutput, Qwen35Model
 from headstart.sampling import Sampler, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
