@@ -39,5 +39,25 @@ case "${1:-}" in
     grep "^drafter step" "$out/drafter.log" | awk 'NR % 10 == 1' | tail -12
     tar czf "$out/default_model.tgz" -C "$work" default_model
     ;;
-  *) echo "usage: $0 target|drafter"; exit 2 ;;
+  all)
+    # The one-command form in one call: target (early stopping, at most 2.5 min), drafter
+    # (2 min), evaluations; the corpus is .work/stdlib.tgz if carried (a standard library
+    # with its test suite), else this machine's. Then TTFT with/without prefill graphs.
+    stdlib=()
+    if [ -f .work/stdlib.tgz ]; then
+      mkdir -p "$work/corpus" && tar xzf .work/stdlib.tgz -C "$work/corpus"
+      stdlib=(--stdlib "$work/corpus/stdlib")
+    fi
+    timeout 420 python -m training.run --out "$work/default_model" --device cuda \
+      --target-minutes 2.5 --drafter-minutes 2 --continuations 2048 "${stdlib[@]}" \
+      > "$out/all.log" 2>&1
+    echo "all rc=$?"; grep -E "^data|validation|stopping|^target:|^drafter( data)?:" "$out/all.log" | tail -14
+    tail -1 "$out/all.log" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); \
+      r['target'].pop('loss_history', None); print(json.dumps(r)[:2500])" || tail -3 "$out/all.log"
+    tar czf "$out/default_model.tgz" -C "$work" default_model
+    left=$((530 - SECONDS))
+    [ $left -gt 40 ] && timeout $left python benchmarks/ttft_graphs.py --shape 2b 2>&1 \
+      | grep -v Warn | tail -4
+    ;;
+  *) echo "usage: $0 target|drafter|all"; exit 2 ;;
 esac

@@ -144,3 +144,12 @@ def test_prefill_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized
         step = model.forward(ForwardBatch.build([SeqChunk(slot, n, (7,))], model.device),
                              eager_pool)
         assert torch.equal(decode.run([7], [n], [slot]).logits, step)
+
+
+def test_generate_runs_on_the_gpu(ckpt):
+    """`headstart run --device cuda`: the single-stream loop builds its batches on the model's
+    device."""
+    from headstart.generate import greedy_tokens
+
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    assert len(greedy_tokens(model, [5, 6, 7, 8], 4)) == 4

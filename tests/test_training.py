@@ -87,3 +87,22 @@ def test_greedy_continuations_are_what_the_target_would_say(tokenizer):
     item = next(continuation_batches(seqs, 9, batch=5))
     assert item["input_ids"].shape == (5, 21)
     assert not item["loss_mask"][:, :8].any() and item["loss_mask"][:, 8:].all()
+
+
+def test_early_stopping_restores_the_best_validation_weights(tokenizer):
+    """A learning rate high enough to overshoot: whatever the run does, the weights it returns
+    are those of its best validation perplexity."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from training.target import perplexity
+
+    rows = token_rows(tokenizer, "train", 32, 60_000)
+    train, val = rows[:-4], rows[-4:]
+    torch.manual_seed(1)
+    model = Qwen3_5ForCausalLM(target_config(4160, [1, 2], layers=4, hidden=64))
+    report = train_target(model, train, val[:2], steps=24, time_budget_s=120, batch=4, lr=3e-2,
+                          val=val, eval_every=3, patience=2, log=lambda *_: None)
+    history = dict(report["val_history"])
+    assert report["best_step"] == min(history, key=history.get)
+    assert perplexity(model, val, 4, "cpu", torch.float32) == pytest.approx(
+        history[report["best_step"]], rel=1e-4)

@@ -8,6 +8,7 @@ Python version. Documents are joined with ``<|endoftext|>`` and cut into fixed-l
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +18,17 @@ import torch
 from headstart.tokenizer import Tokenizer
 
 
+def stdlib_root() -> Path:
+    """This Python's standard library, or the copy named by ``HEADSTART_STDLIB`` (some system
+    Pythons ship it without its test suite, a third of the corpus)."""
+    return Path(os.environ.get("HEADSTART_STDLIB") or sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files(max_bytes: int = 200_000) -> list[Path]:
     """Every ``.py`` file of the standard library, its test suite included (it triples the
     data, and the corpus is what limits a small model here, not compute); files over
     ``max_bytes`` are generated tables, not code, and are left out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     skip = ("site-packages", "__pycache__")
     return sorted(p for p in root.rglob("*.py")
                   if not any(part in skip for part in p.relative_to(root).parts)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -92,12 +93,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--continuations", type=int, default=4096,
                     help="how many greedy continuations to generate for the drafter")
     ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=100,
+                    help="target steps between validation perplexities (early stopping)")
     ap.add_argument("--save-target", default=None,
                     help="also keep the trained target (transformers format, fp32) here")
     ap.add_argument("--load-target", default=None,
                     help="skip target training: load a target saved with --save-target")
     ap.add_argument("--no-drafter", action="store_true", help="stop after the target")
+    ap.add_argument("--stdlib", default=None,
+                    help="train on this copy of the standard library (default: this Python's)")
     args = ap.parse_args(argv)
+    if args.stdlib:
+        os.environ["HEADSTART_STDLIB"] = args.stdlib
     out = Path(args.out)
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -128,9 +135,14 @@ def main(argv: list[str] | None = None) -> dict:
             model = Qwen3_5ForCausalLM(target_config(vocab, eos, args.layers, args.hidden))
             report = {"params": sum(p.numel() for p in model.parameters()), "device": device,
                       "train_tokens": train.numel()}
+            # Validation rows for early stopping: the end of the training stream, held back.
+            n_val = min(64, max(2, train.shape[0] // 20))
+            train, val = train[:-n_val], train[-n_val:]
+            report["train_tokens"] = train.numel()
             report["target"] = train_target(model, train, held, steps=args.steps,
                                             time_budget_s=args.target_minutes * 60,
-                                            batch=args.batch, device=device, dtype=dtype)
+                                            batch=args.batch, device=device, dtype=dtype,
+                                            val=val, eval_every=args.eval_every)
             if args.save_target:
                 model.float().save_pretrained(args.save_target)
                 (Path(args.save_target) / "target_report.json").write_text(
@@ -149,7 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.rmtree(out)
         shutil.copytree(staging, out)
     (out / "training_report.json").write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, default=str)[:3000])
+    summary = {k: v for k, v in report.items() if k != "samples"}
+    summary["target"] = {k: v for k, v in report["target"].items() if k != "loss_history"}
+    print(json.dumps(summary, default=str))
     return report
 
 

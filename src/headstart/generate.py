@@ -43,7 +43,8 @@ def generate(model: Qwen35Model, tokenizer: Tokenizer, prompt_ids: Sequence[int]
     for begin in range(0, len(prompt_ids), PREFILL_CHUNK):
         piece = tuple(prompt_ids[begin:begin + PREFILL_CHUNK])
         last = begin + len(piece) == len(prompt_ids)
-        logits = model.forward(ForwardBatch.build([SeqChunk(0, begin, piece, int(last))]), pool)
+        logits = model.forward(ForwardBatch.build([SeqChunk(0, begin, piece, int(last))],
+                                                  model.device), pool)
     position = len(prompt_ids)
     while True:
         # Rows past the tokenizer's vocabulary are padding of the embedding table.
@@ -57,18 +58,21 @@ def generate(model: Qwen35Model, tokenizer: Tokenizer, prompt_ids: Sequence[int]
         if finish is not None:
             yield finish
             return
-        logits = model.forward(ForwardBatch.build([SeqChunk(0, position, (token,))]), pool)
+        logits = model.forward(ForwardBatch.build([SeqChunk(0, position, (token,))], model.device),
+                               pool)
         position += 1
 
 
 def greedy_tokens(model: Qwen35Model, prompt_ids: Sequence[int], n: int) -> list[int]:
     """n greedy tokens after the prompt (no stops): a small helper for tests and tools."""
     pool = model.new_state_pool(1, len(prompt_ids) + n)
-    logits = model.forward(ForwardBatch.build([SeqChunk(0, 0, tuple(prompt_ids))]), pool)
+    logits = model.forward(ForwardBatch.build([SeqChunk(0, 0, tuple(prompt_ids))], model.device),
+                           pool)
     out = []
     for i in range(n):
         out.append(int(torch.argmax(logits[0])))
         if i + 1 < n:
             logits = model.forward(
-                ForwardBatch.build([SeqChunk(0, len(prompt_ids) + i, (out[-1],))]), pool)
+                ForwardBatch.build([SeqChunk(0, len(prompt_ids) + i, (out[-1],))], model.device),
+                pool)
     return out
