@@ -1,13 +1,13 @@
-"""Build the embedded default model: a small Qwen3.5-architecture checkpoint with random weights.
+"""Build a small Qwen3.5-architecture checkpoint with random weights: the embedded default before
+one was trained (``python -m training.run`` makes the shipped one; it reuses this tokenizer).
 
-Writes, into ``src/headstart/default_model/`` (or the folder given), a real checkpoint in the HF
+Writes, into the folder given, a real checkpoint in the HF
 text-only layout: ``config.json``, ``generation_config.json``, ``model.safetensors`` (bf16), and the
 tokenizer made by ``make_default_tokenizer.py`` (byte-level BPE trained on the Python standard
 library, the real Qwen3.5 chat template). The weights are random (seeded), so the model writes
-gibberish; it exists so that ``headstart run``/``serve`` work out of the box and the whole path
-(config, weights, tokenizer, template, sampling) is exercised. A trained model replaces it later.
+gibberish; it exercises the whole path (config, weights, tokenizer, template, sampling).
 
-Usage: ``python scripts/make_default_model.py [OUT_DIR]``
+Usage: ``python scripts/make_default_model.py OUT_DIR``
 """
 
 from __future__ import annotations
@@ -83,5 +83,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    default = Path(__file__).resolve().parent.parent / "src" / "headstart" / "default_model"
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else default)
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(Path(sys.argv[1]))

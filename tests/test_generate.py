@@ -98,3 +98,20 @@ def test_cli_bad_model_is_a_clear_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "tokenizer.json" in out.stderr or "config.json" in out.stderr
+
+
+def test_default_drafter_is_used_only_where_it_was_measured_to_pay(tmp_path):
+    import json
+    import shutil
+
+    from headstart.loading import default_drafter
+
+    model = tmp_path / "m"
+    model.mkdir()
+    assert default_drafter("cpu", model) is None  # no drafter shipped
+    (model / "drafter").mkdir()
+    shutil.copy(default_model_dir() / "config.json", model / "drafter" / "config.json")
+    assert default_drafter("cuda", model) == model / "drafter"  # no policy: anywhere
+    (model / "headstart.json").write_text(json.dumps({"drafter_devices": ["cpu"]}))
+    assert default_drafter("cpu", model) == model / "drafter"
+    assert default_drafter("cuda", model) is None

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--ppl-rows", type=int, default=8)
+    ap.add_argument("--ppl-rows", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:

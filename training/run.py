@@ -148,19 +148,20 @@ def main(argv: list[str] | None = None) -> dict:
                 (Path(args.save_target) / "target_report.json").write_text(
                     json.dumps(report, default=str))
         model.eval()
-        staging = Path(tmp) / "model"
-        export_default(model.float().cpu(), tok_dir, staging, eos)
-        report["exported_held_out_ppl"] = _attempt(
-            lambda: headstart_perplexity(staging, held[:8], device))
-        report["samples"] = _attempt(lambda: samples(staging, device))
-        if not args.no_drafter:
-            _drafter_stage(args, model, train, staging, held, vocab, device, dtype, report)
-        report["model_bytes"] = model_files_bytes(staging)
-        report["total_seconds"] = time.perf_counter() - started
+        # Written to OUT straight away, the drafter too as soon as it is trained: the
+        # evaluations come last, so running out of time there loses no weights.
         if out.exists():
             shutil.rmtree(out)
-        shutil.copytree(staging, out)
-    (out / "training_report.json").write_text(json.dumps(report, indent=1, default=str))
+        export_default(model.float().cpu(), tok_dir, out, eos)
+        _write_report(out, report)
+        report["exported_held_out_ppl"] = _attempt(
+            lambda: headstart_perplexity(out, held, device))
+        report["samples"] = _attempt(lambda: samples(out, device))
+        if not args.no_drafter:
+            _drafter_stage(args, model, train, out, held, vocab, device, dtype, report)
+        report["model_bytes"] = model_files_bytes(out)
+        report["total_seconds"] = time.perf_counter() - started
+    _write_report(out, report)
     summary = {k: v for k, v in report.items() if k != "samples"}
     summary["target"] = {k: v for k, v in report["target"].items() if k != "loss_history"}
     print(json.dumps(summary, default=str))
@@ -201,12 +202,17 @@ def _drafter_stage(args, model, train, staging: Path, held, vocab: int, device: 
                             dtype=dtype, log=print)
     report["drafter_seconds"] = time.perf_counter() - t1
     save_drafter_checkpoint(drafter, dcfg, staging / "drafter")
+    _write_report(staging, report)
     prompts = [row[:64].tolist() for row in held[: args.eval_prompts]]
     # Not strict: on a GPU the drafter is evaluated in bf16, where near-tie argmaxes of
     # chunked and stepped kernels may differ; mismatches are reported instead.
     report["acceptance"] = _attempt(lambda: evaluate_acceptance(
         staging, staging / "drafter", prompts, max_tokens=64, block=args.block, device=device,
         dtype=dtype, strict=False))
+
+
+def _write_report(out: Path, report: dict) -> None:
+    (out / "training_report.json").write_text(json.dumps(report, indent=1, default=str))
 
 
 def _attempt(fn):

@@ -20,6 +20,24 @@ def default_model_dir() -> Path:
     return Path(str(resources.files("headstart") / "default_model"))
 
 
+def default_drafter(device_type: str, model_dir: Path | None = None) -> Path | None:
+    """The drafter shipped with the embedded default model, if speculative decoding with it was
+    measured to pay on this kind of device. ``headstart.json`` beside the model lists those
+    device types (``"drafter_devices"``); without the file, a shipped drafter is used anywhere."""
+    import json
+
+    model_dir = model_dir or default_model_dir()
+    drafter = model_dir / "drafter"
+    if not (drafter / "config.json").exists():
+        return None
+    policy = model_dir / "headstart.json"
+    if policy.exists():
+        devices = json.loads(policy.read_text()).get("drafter_devices", [])
+        if device_type not in devices:
+            return None
+    return drafter
+
+
 def resolve_model_dir(name: str | None) -> Path:
     """None -> the embedded default; an existing folder -> itself; ``org/name`` -> a hub download."""
     if name is None:

@@ -119,10 +119,11 @@ def serve(args: argparse.Namespace) -> int:
     _check_memory(loaded.model, parallel, context, max(0, args.prompt_cache_mib) << 20)
     drafter = None
     if args.drafter is None and args.model is None and not args.no_drafter:
-        from headstart.loading import default_model_dir
+        from headstart.loading import default_drafter
 
-        shipped = default_model_dir() / "drafter"
-        if (shipped / "config.json").exists():  # the default model ships its own drafter
+        # The default model ships its own drafter, used where it was measured to pay.
+        shipped = default_drafter(loaded.model.device.type)
+        if shipped is not None:
             args.drafter = str(shipped)
     if args.drafter:
         from headstart.drafter import DFlashDrafter
