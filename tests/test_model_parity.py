@@ -84,16 +84,18 @@ def test_matches_transformers(tmp_path, case, placement):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
 @pytest.mark.parametrize("tied", [False, True])
-def test_mlx_layout_matches_dequantized_reference(tmp_path, bits, group, tied):
+@pytest.mark.parametrize("unpack", [False, True])
+def test_mlx_layout_matches_dequantized_reference(tmp_path, bits, group, tied, unpack):
     model = tiny.causal_lm(seed=5, tie_word_embeddings=tied)
     ref, packed = tiny.dequantized_copy(model, bits, group)
     assert any("embed_tokens" in k for k in packed)  # the embedding is quantized too
     ckpt = tiny.save_mlx(ref, packed, tmp_path / "mlx", bits, group)
-    ours = Qwen35Model.load(ckpt)
-    # Weights stay packed in memory.
+    # Packed in memory (unpacked per call), or unpacked once at load (a small model).
+    ours = Qwen35Model.load(ckpt, unpack_bytes=1 << 30 if unpack else 0)
     from headstart.quant import QuantizedTensor
 
-    assert isinstance(ours.w["layers.0.linear_attn.in_proj.weight"], QuantizedTensor)
+    assert isinstance(ours.w["layers.0.linear_attn.in_proj.weight"], QuantizedTensor) != unpack
+    assert isinstance(ours.head, QuantizedTensor) != unpack
     assert isinstance(ours.w["embed_tokens.weight"], QuantizedTensor)
     ids = prompt(ref.config.vocab_size, seed=11)
     want_prefill, want_tokens, want_steps = hf_prefill_and_greedy(ref, ids, STEPS)

@@ -43,8 +43,12 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
     assert report["steps"] == 25 and last < first
     out = export_default(model.eval(), default_model_dir(), tmp_path / "m", eos)
     assert model_files_bytes(out) < 15_000_000
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:  # 4-bit on disk (MLX layout)
+        assert any(k.endswith("mlp.gate_proj.scales") for k in f.keys())
     loaded = load(str(out))
-    assert isinstance(loaded.model.w["layers.0.mlp.gate_up_proj.weight"], QuantizedTensor)
+    assert isinstance(loaded.model.w["embed_tokens.weight"], QuantizedTensor)
     from training.run import headstart_perplexity
 
     ppl = headstart_perplexity(out, held[:2], "cpu")

@@ -192,16 +192,39 @@ class ForwardOutput:
     records: dict[int, GDNRecord]  # by slot
 
 
+# Unpacking per call costs the reference path most of a small model's step (the embedded default
+# decodes several times faster unpacked); a large model keeps its memory saving instead.
+UNPACK_BYTES = 1 << 30
+
+
+def _unpack_small(weights: dict[str, Weight], dtype: torch.dtype, budget: int
+                  ) -> dict[str, Weight]:
+    """Linear weights unpacked to ``dtype`` if they fit ``budget`` unpacked; the embedding
+    table stays packed (its rows are unpacked as they are looked up)."""
+    packed = {k: t for k, t in weights.items()
+              if isinstance(t, QuantizedTensor) and k != "embed_tokens.weight"}
+    size = torch.tensor([], dtype=dtype).element_size()
+    if not packed or sum(t.shape[0] * t.shape[1] for t in packed.values()) * size > budget:
+        return weights
+    return {k: (t.dequantize(dtype) if k in packed else t) for k, t in weights.items()}
+
+
 class Qwen35Model:
     """Weights plus the reference forward. Build with :meth:`load` or from a weight dict."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Weight],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 kernels: Kernels | str = "auto") -> None:
+                 kernels: Kernels | str = "auto",
+                 unpack_bytes: int = UNPACK_BYTES) -> None:
+        """``unpack_bytes``: with the reference kernels, quantized linear weights are unpacked to
+        ``dtype`` once at load when all of them together take at most this many bytes unpacked
+        (else they stay packed and are unpacked per call; the GPU kernels read them packed)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.kernels = kernels if isinstance(kernels, Kernels) else select_kernels(device, kernels)
+        if self.kernels.name == "reference":
+            weights = _unpack_small(weights, dtype, unpack_bytes)
         # Linear weights in the form the kernels consume; the embedding table stays as loaded
         # (rows are looked up), and a tied head gets its own prepared copy.
         fused = fuse_projections(cfg, weights)
@@ -209,6 +232,9 @@ class Qwen35Model:
                   for k, t in fused.items()}
         self.head = self.w["lm_head.weight"] if not cfg.tie_word_embeddings else \
             self.kernels.prepare(weights["embed_tokens.weight"])
+        if self.kernels.name == "reference" and isinstance(self.head, QuantizedTensor):
+            # A tied head shares the packed embedding table; unpack a copy under the same rule.
+            self.head = _unpack_small({"head": self.head}, dtype, unpack_bytes)["head"]
         self.rotary = Rotary.create(cfg, self.device)
         # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
         self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
@@ -216,9 +242,11 @@ class Qwen35Model:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", kernels: Kernels | str = "auto") -> Qwen35Model:
+             device: torch.device | str = "cpu", kernels: Kernels | str = "auto",
+             unpack_bytes: int = UNPACK_BYTES) -> Qwen35Model:
         cfg = load_config(model_dir)
-        return cls(cfg, load_weights(model_dir, cfg, dtype, device), dtype, device, kernels)
+        return cls(cfg, load_weights(model_dir, cfg, dtype, device), dtype, device, kernels,
+                   unpack_bytes)
 
     def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
         return StatePool.allocate(self.cfg, num_slots, max_tokens, self.dtype, self.device)
