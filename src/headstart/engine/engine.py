@@ -221,6 +221,10 @@ class Engine:
                 mixed = [SeqChunk(scratch, 2 * short, (0,), 1), SeqChunk(0, 0, (0,) * short, 1)]
                 self.model.forward_ex(ForwardBatch.build(mixed, self.model.device), self.pool,
                                       self.taps)
+                # Two chunks in one step: the varlen GDN kernels (one chunk takes another path).
+                pair = [SeqChunk(scratch, 0, (0,) * short, 1), SeqChunk(0, 0, (0,) * short, 1)]
+                self.model.forward_ex(ForwardBatch.build(pair, self.model.device), self.pool,
+                                      self.taps)
         if self.spec is not None and self.spec.block >= 2:
             b = self.spec.block
             chunk = SeqChunk(scratch, 1, (0,) * b, b, record=True)
