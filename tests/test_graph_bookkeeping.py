@@ -14,32 +14,17 @@ from headstart.batch import ForwardBatch, SeqChunk
 from headstart.drafter import DFlashDrafter
 from headstart.engine.cuda_graph import PrefillGraphs
 from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
-from headstart.loading import default_model_dir
-from headstart.model import Qwen35Model
 from headstart.sampling import SamplingParams
-from headstart.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    ref = tiny.causal_lm(seed=43, linear_num_value_heads=4, linear_value_head_dim=24)
-    d = tmp_path_factory.mktemp("graphs")
-    model = Qwen35Model.load(tiny.save_text_only(ref, d / "target"))
-    model.drafter_dir = tiny.save_drafter(d / "drafter", ref.config, taps=[0, 2], block=5)
-    return model
+    return tiny.target_with_drafter(tmp_path_factory.mktemp("graphs"), seed=43, block=5)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    t = Tokenizer.from_dir(default_model_dir())
-
-    class Small(type(t)):  # the tiny models' 160 ids (detokenization only)
-        @property
-        def vocab_size(self):
-            return 160
-
-    t.__class__ = Small
-    return t
+    return tiny.small_tokenizer()
 
 
 def test_prefill_graph_leaves_the_slot_as_an_eager_prefill(target):

@@ -2,45 +2,27 @@
 
 from __future__ import annotations
 
-
 import pytest
-import torch
-
 import tiny
+import torch
 from engine_helpers import Collector
+
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.drafter import DFlashDrafter
 from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
 from headstart.engine.speculative import verify
 from headstart.generate import greedy_tokens
-from headstart.model import Qwen35Model
 from headstart.sampling import Sampler, SamplingParams, sampling_probs
-from headstart.tokenizer import Tokenizer
-from headstart.loading import default_model_dir
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    ref = tiny.causal_lm(seed=31, linear_num_value_heads=4, linear_value_head_dim=24)
-    d = tmp_path_factory.mktemp("spec")
-    model = Qwen35Model.load(tiny.save_text_only(ref, d / "target"))
-    model.drafter_dir = tiny.save_drafter(d / "drafter", ref.config, taps=[0, 2], block=6)
-    return model
+    return tiny.target_with_drafter(tmp_path_factory.mktemp("spec"), seed=31, block=6)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """The default model's tokenizer, cut to the tiny models' 160 ids (detokenization only)."""
-    t = Tokenizer.from_dir(default_model_dir())
-    t_vocab = 160
-
-    class Small(type(t)):
-        @property
-        def vocab_size(self):
-            return t_vocab
-
-    t.__class__ = Small
-    return t
+    return tiny.small_tokenizer()
 
 
 class OracleDrafter(DFlashDrafter):

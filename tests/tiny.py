@@ -140,3 +140,30 @@ def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def target_with_drafter(tmp: Path, seed: int, block: int):
+    """A tiny target (4 value heads of 24) loaded in headstart, with a random drafter checkpoint
+    for it at ``model.drafter_dir`` (taps 0 and 2)."""
+    from headstart.model import Qwen35Model
+
+    ref = causal_lm(seed=seed, linear_num_value_heads=4, linear_value_head_dim=24)
+    model = Qwen35Model.load(save_text_only(ref, tmp / "target"))
+    model.drafter_dir = save_drafter(tmp / "drafter", ref.config, taps=[0, 2], block=block)
+    return model
+
+
+def small_tokenizer(vocab: int = 160):
+    """The default model's tokenizer, cut to the tiny models' ids (detokenization only)."""
+    from headstart.loading import default_model_dir
+    from headstart.tokenizer import Tokenizer
+
+    t = Tokenizer.from_dir(default_model_dir())
+
+    class Small(type(t)):
+        @property
+        def vocab_size(self):
+            return vocab
+
+    t.__class__ = Small
+    return t
