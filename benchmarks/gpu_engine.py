@@ -200,11 +200,18 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
     for n in (512, 4096):
         batch = ForwardBatch.build([SeqChunk(16, 0, tuple(range(3, 3 + n)))], "cuda")
         row[f"prefill{n}_ms"] = cuda_time(lambda: model.forward(batch, pool), reps=3) * 1e3
-    # Verify windows (recorded, as speculative decoding runs them) vs one decode step.
+    # Verify windows (recorded, as speculative decoding runs them) vs one decode step: eager,
+    # and replayed from window graphs (engine/cuda_graph.py WindowGraphs).
+    from headstart.engine.cuda_graph import WindowGraphs
+
+    windows = WindowGraphs(model, pool, 1, (2, 4, 8, 16), 16, mempool=graphs.mempool)
     for b in (2, 4, 8, 16):
         batch = ForwardBatch.build([SeqChunk(0, 101, (7,) * b, b, record=True)], "cuda")
         row[f"verify{b}_x"] = cuda_time(lambda: model.forward_ex(batch, pool), reps=5) \
             / (row["decode1_ms"] / 1e3)
+        row[f"verify{b}_graph_x"] = cuda_time(
+            lambda: windows.run([[7] * b], [101], [0])) / (row["decode1_ms"] / 1e3)
+    del windows
     del graphs, pool
     gc.collect()
     torch.cuda.empty_cache()
@@ -338,7 +345,8 @@ def main() -> None:
             "floor16_ms", "tok_s1", "tok_s16", "decode1_eager_ms", "prefill512_ms",
             "prefill4096_ms", "ttft14_miss1_ms", "ttft31_miss1_ms", "ttft31_hit1_ms",
             "ttft31_miss16_ms", "ttft31_hit16_ms", "verify2_x", "verify4_x", "verify8_x",
-            "verify16_x", "ttft31_nospec_ms", "ttft31_spec_ms", "engine_start_s"]
+            "verify16_x", "verify2_graph_x", "verify4_graph_x", "verify8_graph_x",
+            "verify16_graph_x", "ttft31_nospec_ms", "ttft31_spec_ms", "engine_start_s"]
     for r in rows:
         print(" ".join(f"{c}={r[c]:.3f}" if isinstance(r.get(c), float) else f"{c}={r.get(c)}"
                        for c in cols if c in r))

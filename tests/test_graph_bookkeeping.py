@@ -114,3 +114,69 @@ def test_engine_with_graph_paths_equals_eager(target, tokenizer, with_drafter, c
     assert counts["prefill"] > 0
     if not with_drafter:  # with a drafter, decode steps are verify windows (eager)
         assert counts["decode"] > 0
+
+
+def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
+    """Verify windows built from tensors (W one-row GDN steps, attention as decode rows) against
+    the same windows as recorded spans (chunked GDN, span attention): logits, taps, and the
+    state after rolling back to any prefix, then a decode step."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 150, (n,), generator=gen).tolist() for n in (5, 9, 13)]
+    pools = [target.new_state_pool(4, 64) for _ in range(2)]
+    for pool in pools:
+        target.forward(ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]),
+                       pool)
+    W = 4
+    windows = [torch.randint(5, 150, (W,), generator=gen).tolist() for _ in prompts]
+    starts = [len(p) for p in prompts]
+    spans = target.forward_ex(ForwardBatch.build(
+        [SeqChunk(s, starts[s], w, W, record=True) for s, w in enumerate(windows)]),
+        pools[0], (0, 2))
+    batch = ForwardBatch.windows_of(torch.tensor(sum(windows, [])), torch.tensor([0, 1, 2]),
+                                    torch.tensor(starts), W)
+    win = target.forward_ex(batch, pools[1], (0, 2))
+    torch.testing.assert_close(win.logits, spans.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(win.taps, spans.taps, atol=1e-4, rtol=1e-4)
+    for s, keep in enumerate((1, 2, 4)):
+        if keep < W:
+            target.rollback(pools[0], s, spans.records[s], keep)
+            target.rollback(pools[1], s, win.records[s], keep)
+        for a, b in ((pools[0].recurrent, pools[1].recurrent), (pools[0].conv, pools[1].conv)):
+            torch.testing.assert_close(b[:, s], a[:, s], atol=1e-5, rtol=1e-4)
+        steps = [target.forward(ForwardBatch.build([SeqChunk(s, starts[s] + keep, (7,))]), p)
+                 for p in pools]
+        torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
+
+
+def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
+    """Chain verify windows replayed from (emulated) window graphs, several streams at once and
+    windows of different widths padded to one: greedy output equals decoding without a
+    drafter, and the window path was taken."""
+    def make(drafter, **kw):
+        e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
+                   step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
+                   prefill_graph_tokens=20, spec_mode="chain", **kw)
+        e.start()
+        return e
+
+    plain = make(None)
+    try:
+        expected = run_all(plain)
+    finally:
+        plain.stop()
+    e = make(DFlashDrafter.load(target.drafter_dir, target), window_graphs=True)
+    calls = {"windows": 0, "widths": set()}
+    real = e.window_graphs.run
+
+    def run(windows, *a):
+        calls["windows"] += 1
+        calls["widths"].add(len(windows[0]))
+        return real(windows, *a)
+
+    e.window_graphs.run = run
+    try:
+        assert run_all(e) == expected
+        assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
+    finally:
+        e.stop()
+    assert calls["windows"] > 0

@@ -83,6 +83,18 @@ class MultiRows:
 
 
 @dataclass(frozen=True)
+class WindowRows:
+    """Verify windows of ``W`` rows for ``n`` streams, in the form a CUDA graph can capture:
+    slots and start positions are tensors, not Python ints (see engine/cuda_graph.py). The GDN
+    layers run the rows as ``W`` batched one-row steps; attention runs them as decode rows.
+    Recorded for rollback like a ``record`` span; records are keyed by stream index ``0..n-1``."""
+
+    rows: torch.Tensor  # [n, W] packed row of each window row
+    slots: torch.Tensor  # [n]
+    as_decode: DecodeRows  # every row as a decode row (slot repeated, its own position)
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each row in its stream
@@ -92,6 +104,24 @@ class ForwardBatch:
     multi_row: tuple[SeqSpan, ...]  # spans of several rows (prefill chunks, verify windows)
     multi: MultiRows | None = None
     trees: tuple[SeqSpan, ...] = ()  # tree verify windows, run one by one (reference ops)
+    windows: WindowRows | None = None  # graph-capturable verify windows (alone in a batch)
+
+    @classmethod
+    def windows_of(cls, input_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                   width: int) -> ForwardBatch:
+        """``n`` verify windows of ``width`` rows: ``input_ids`` [n * width] stream after
+        stream, window j at positions ``starts[j] ..`` of ``slots[j]``. Built from tensors
+        only (no host values), so the static buffers of a graph can be passed in."""
+        n = slots.shape[0]
+        dev = input_ids.device
+        rows = torch.arange(n * width, device=dev).view(n, width)
+        positions = (starts[:, None] + torch.arange(width, device=dev)).reshape(-1)
+        decode = DecodeRows(rows=rows.reshape(-1), slots=slots.repeat_interleave(width),
+                            positions=positions,
+                            fresh=torch.zeros(n * width, dtype=torch.bool, device=dev))
+        return cls(input_ids=input_ids, positions=positions, spans=(),
+                   logit_index=rows.reshape(-1), decode=None, multi_row=(), multi=None,
+                   windows=WindowRows(rows=rows, slots=slots, as_decode=decode))
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:

@@ -265,6 +265,8 @@ class Qwen35Model:
         cfg, w = self.cfg, self.w
         records: dict[int, GDNRecord] = {s.slot: GDNRecord() for s in batch.spans
                                          if s.record or s.parents is not None}
+        if batch.windows is not None:  # keyed by stream index: slots are tensors there
+            records.update({j: GDNRecord() for j in range(batch.windows.rows.shape[0])})
         tapped: list[torch.Tensor] = []
         for span in batch.spans:
             if span.start + span.length > pool.max_tokens:
@@ -366,6 +368,12 @@ class Qwen35Model:
             values[d.slots, :, d.positions] = v[d.rows]
             out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
                                                    d.positions + 1)
+        if batch.windows is not None:  # verify windows: every row a decode row of its stream
+            d = batch.windows.as_decode
+            keys[d.slots, :, d.positions] = k[d.rows]  # all rows first: later ones are masked
+            values[d.slots, :, d.positions] = v[d.rows]
+            out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
+                                                   d.positions + 1)
         for s in batch.multi_row:
             end = s.start + s.length
             keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
@@ -410,6 +418,24 @@ class Qwen35Model:
                                         v.reshape(n, Hv, Dv), g[d.rows], beta[d.rows], d.slots,
                                         d.fresh, states)
             core[d.rows] = o.to(x.dtype)
+        wd = batch.windows
+        if wd is not None:  # verify windows as W batched one-row steps (graph-capturable)
+            n, W = wd.rows.shape
+            if records is not None:  # inputs to replay any prefix of each window (rollback)
+                flat = wd.rows.reshape(-1)
+                tail0, state0 = tails[wd.slots], states[wd.slots]  # gathers: copies
+                mixed_w, g_w, beta_w = (t[flat].view(n, W, -1) for t in (mixed, g, beta))
+                for j in range(n):
+                    records[j].layers[i] = (tail0[j], state0[j], mixed_w[j], g_w[j], beta_w[j])
+            kept = torch.zeros(n, dtype=torch.bool, device=x.device)  # no window is fresh
+            for t in range(W):
+                r = wd.rows[:, t]
+                y, tails[wd.slots] = causal_conv_step(mixed[r], tails[wd.slots], conv_w)
+                q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+                o = self.kernels.gdn_decode(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
+                                            v.reshape(n, Hv, Dv), g[r], beta[r], wd.slots, kept,
+                                            states)
+                core[r] = o.to(x.dtype)
         m = batch.multi
         if m is not None:  # multi-row spans: conv per span, then one varlen recurrence
             ys = []

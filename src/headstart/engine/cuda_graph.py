@@ -14,7 +14,10 @@
   most, tens of microseconds. Exact lengths, not padded buckets: padding rows would run through
   the recurrence and corrupt the state.
 
-Continued chunks (a stream past position 0) and verify windows stay eager.
+* :class:`WindowGraphs`: chain verify windows, one graph per (stream-count bucket, width),
+  off by default (``Engine(window_graphs=True)``) until measured on a GPU.
+
+Continued chunks (a stream past position 0) and tree windows stay eager.
 
 Both take ``capture=False`` to run the same forward eagerly on the same static buffers, with the
 same slot bookkeeping: that is how the CPU tests check everything here but the capture itself.
@@ -72,7 +75,7 @@ class _Replayable:
                 self.out.logits.copy_(out.logits)
                 if out.taps is not None:
                     self.out.taps.copy_(out.taps)
-            return self.out
+            return ForwardOutput(self.out.logits, self.out.taps, out.records)
         self.graph.replay()
         assert self.out is not None
         return self.out
@@ -164,3 +167,53 @@ class PrefillGraphs:
         p.keys[:, slot, :, :n].copy_(p.keys[:, s, :, :n])
         p.values[:, slot, :, :n].copy_(p.values[:, s, :, :n])
         return out
+
+
+class WindowGraphs:
+    """Chain verify windows: one graph per (stream-count bucket, window width). The windows run
+    as ``W`` batched one-row GDN steps and decode-style attention (``ForwardBatch.windows_of``),
+    so slots and positions live in static tensors. Rows of padding streams point at the scratch
+    slot (at position 1) and are dropped. The GDN records for rollback come back keyed by
+    slot; like every output they are valid until the next replay."""
+
+    def __init__(self, model: Qwen35Model, pool: StatePool, max_streams: int,
+                 widths: Sequence[int], scratch_slot: int, taps: Sequence[int] = (),
+                 capture: bool = True, mempool: object | None = None) -> None:
+        self.scratch = scratch_slot
+        self.widths = sorted(set(widths))
+        dev = model.device
+        self.ids = torch.zeros(max_streams * max(self.widths), dtype=torch.int64, device=dev)
+        self.slots = torch.full((max_streams,), scratch_slot, dtype=torch.int64, device=dev)
+        self.starts = torch.ones(max_streams, dtype=torch.int64, device=dev)
+        if capture and mempool is None:
+            mempool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _Replayable] = {}
+        for n in sorted(buckets_for(max_streams), reverse=True):
+            for w in sorted(self.widths, reverse=True):
+                # Built inside the captured function: its positions and repeated slots are
+                # computed from the static buffers on every replay.
+                self.graphs[n, w] = _Replayable(
+                    lambda n=n, w=w: model.forward_ex(
+                        ForwardBatch.windows_of(self.ids[:n * w], self.slots[:n],
+                                                self.starts[:n], w), pool, tuple(taps)),
+                    capture, mempool)
+        self.buckets = sorted({n for n, _ in self.graphs})
+
+    def covers(self, n: int, width: int) -> bool:
+        return width in self.widths and n <= self.buckets[-1]
+
+    def run(self, windows: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int]
+            ) -> ForwardOutput:
+        """Windows of one width for ``len(windows)`` streams; logits and taps of every row,
+        stream after stream, and the GDN records by slot."""
+        n, w = len(windows), len(windows[0])
+        b = min(x for x in self.buckets if x >= n)
+        pad = b - n
+        ids = [t for win in windows for t in win] + [0] * (pad * w)
+        self.ids[:b * w].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.slots[:b].copy_(torch.tensor(list(slots) + [self.scratch] * pad), non_blocking=True)
+        self.starts[:b].copy_(torch.tensor(list(starts) + [1] * pad), non_blocking=True)
+        out = self.graphs[b, w].replay()
+        taps = out.taps[:n * w] if out.taps is not None else None
+        return ForwardOutput(out.logits[:n * w], taps,
+                             {slot: out.records[j] for j, slot in enumerate(slots)})

@@ -89,10 +89,11 @@ class Engine:
                  graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
                  tree_budget: int | None = None, max_snapshots: int = 256,
                  host_cache_bytes: int = 0, prefill_graph_tokens: int = 64,
-                 graph_capture: bool = True) -> None:
+                 window_graphs: bool = False, graph_capture: bool = True) -> None:
         """``graphs``: replay the decode step (and fresh prefills of 2 .. prefill_graph_tokens
         tokens) from CUDA graphs; default: when the kernels allow it. ``graph_capture=False``
-        keeps the graph bookkeeping but runs eagerly (tests on a CPU)."""
+        keeps the graph bookkeeping but runs eagerly (tests on a CPU). ``window_graphs``: with
+        a drafter, also replay chain verify windows from graphs (not yet measured on a GPU)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -134,8 +135,22 @@ class Engine:
                 self.prefill_graphs = PrefillGraphs(
                     model, self.pool, min(prefill_graph_tokens, context - 1), num_slots,
                     self.taps, capture=graph_capture, mempool=self.graphs.mempool)
+        self.window_graphs = None
+        self._ran_rows: dict[int, int] = {}  # slot -> rows its window ran (padded), this step
+        runners = None
+        if self.graphs is not None and window_graphs and self.spec is not None \
+                and self.spec.block >= 2:
+            from headstart.engine.cuda_graph import WindowGraphs
+
+            wg = WindowGraphs(model, self.pool, num_slots, range(2, self.spec.block + 1),
+                              num_slots, self.taps, capture=graph_capture,
+                              mempool=self.graphs.mempool)
+            self.window_graphs = wg
+            scratch = num_slots
+            runners = (lambda: self.graphs.run([0], [1], [scratch]),
+                       lambda rows: wg.run([[0] * rows], [1], [scratch]))
         if self.spec is not None:  # after the warm-up, so no timing includes compilation
-            self.spec.measure(self.pool, slot=0)
+            self.spec.measure(self.pool, slot=0, runners=runners)
         self._live: dict[str, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
         self._commands: list[tuple[str, object]] = []
@@ -452,6 +467,25 @@ class Engine:
             return None
         return decode, fresh
 
+    def _windows_fit(self, work: list[Work], drafts: dict[int, Draft]) -> bool:
+        wg = self.window_graphs
+        return (wg is not None and len(drafts) == len(work)
+                and all(d.parents is None for d in drafts.values())
+                and wg.covers(len(work), max(len(w.tokens) for w in work)))
+
+    def _window_forward(self, work: list[Work]) -> ForwardOutput:
+        """Every item a chain window: one replay at the widest window's width (shorter ones
+        padded; the padding rows are rolled back like rejected drafts), outputs laid out as the
+        eager forward's."""
+        width = max(len(w.tokens) for w in work)
+        out = self.window_graphs.run([w.tokens + (0,) * (width - len(w.tokens)) for w in work],
+                                     [w.start for w in work], [w.seq.slot for w in work])
+        rows = torch.cat([torch.arange(j * width, j * width + len(w.tokens))
+                          for j, w in enumerate(work)]).to(out.logits.device)
+        self._ran_rows = {w.seq.slot: width for w in work}
+        return ForwardOutput(out.logits[rows], out.taps[rows] if out.taps is not None else None,
+                             out.records)
+
     def _graph_forward(self, work: list[Work], decode: list[int], fresh: list[int]
                        ) -> ForwardOutput:
         """One step from graph replays, its outputs laid out as the eager forward's would be
@@ -489,8 +523,11 @@ class Engine:
                            parents=drafts[j].window_parents if j in drafts else None)
                   for j, w in enumerate(work)]
         graphed = self._graph_plan(work) if not drafts else None
+        self._ran_rows = {}
         if graphed is not None:
             out = self._graph_forward(work, *graphed)
+        elif self._windows_fit(work, drafts):
+            out = self._window_forward(work)
         else:
             out = self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
                                         self.taps if any(self._live[w.seq.id].draft for w in work)
@@ -551,7 +588,7 @@ class Engine:
         keep = len(emitted)  # the path's rows (anchor + accepted drafts) are committed
         if draft.parents is not None:
             self.model.commit_tree(self.pool, seq.slot, w.start, record, path)
-        elif keep < len(w.tokens):
+        elif keep < self._ran_rows.get(seq.slot, len(w.tokens)):
             self.model.rollback(self.pool, seq.slot, record, keep)
         seq.output.extend(emitted)
         seq.computed = w.start + keep

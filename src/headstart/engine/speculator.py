@@ -10,7 +10,7 @@ and running acceptance). Verifying and committing a window is the engine's part
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,27 +52,40 @@ class Speculator:
         self.planner: SpecPlanner | None = None
         self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tree_rounds": 0}
 
-    def measure(self, pool: StatePool, slot: int) -> None:
+    def measure(self, pool: StatePool, slot: int,
+                runners: tuple[Callable[[], object], Callable[[int], object]] | None = None
+                ) -> None:
         """Time verify windows (chains of 2..block rows, a tree of the node budget) on an idle
-        slot; the planner weighs expected accepted tokens against these costs."""
-        def timed(chunk: SeqChunk) -> float:
-            batch = ForwardBatch.build([chunk], self.model.device)
+        slot; the planner weighs expected accepted tokens against these costs. ``runners``:
+        (one decode step, a chain window of n rows) as the engine will run them (graph
+        replays), instead of eager forwards."""
+        def timed(fn: Callable[[], object]) -> float:
             best = float("inf")
             for _ in range(3):
                 _sync(self.model.device)
                 t0 = time.perf_counter()
-                self.model.forward_ex(batch, pool, self.taps)
+                fn()
                 _sync(self.model.device)
                 best = min(best, time.perf_counter() - t0)
             return best
 
+        def eager(chunk: SeqChunk) -> Callable[[], object]:
+            batch = ForwardBatch.build([chunk], self.model.device)
+            return lambda: self.model.forward_ex(batch, pool, self.taps)
+
         if self.block < 2:
             return
-        costs = {1: timed(SeqChunk(slot, 1, (0,), 1))}
-        for rows in range(2, self.block + 1):
-            costs[rows] = timed(SeqChunk(slot, 1, (0,) * rows, rows, record=True))
+        if runners is not None:
+            step, window = runners
+            costs = {1: timed(step)}
+            for rows in range(2, self.block + 1):
+                costs[rows] = timed(lambda rows=rows: window(rows))
+        else:
+            costs = {1: timed(eager(SeqChunk(slot, 1, (0,), 1)))}
+            for rows in range(2, self.block + 1):
+                costs[rows] = timed(eager(SeqChunk(slot, 1, (0,) * rows, rows, record=True)))
         n = self.tree_budget + 1
-        tree = timed(SeqChunk(slot, 1, (0,) * n, n, parents=(-1, *range(n - 1))))
+        tree = timed(eager(SeqChunk(slot, 1, (0,) * n, n, parents=(-1, *range(n - 1)))))
         self.planner = SpecPlanner(self.block, costs, tree)
 
     def reset(self, slot: int) -> None:

@@ -60,6 +60,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "reference", "gpu"],
                    help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere")
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--window-graphs", action="store_true",
+                   help="with a drafter, replay chain verify windows from CUDA graphs "
+                        "(experimental: not yet measured on a GPU)")
     p.add_argument("--prefill-graph-tokens", type=int, default=64,
                    help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
                         "(one graph per length; 0 or 1: none)")
@@ -137,7 +140,8 @@ def serve(args: argparse.Namespace) -> int:
                     host_cache_bytes=max(0, args.prompt_cache_host_mib) << 20,
                     draft_block=args.draft_block, draft_window=args.draft_window,
                     graphs=False if args.no_graphs else None,
-                    prefill_graph_tokens=args.prefill_graph_tokens)
+                    prefill_graph_tokens=args.prefill_graph_tokens,
+                    window_graphs=args.window_graphs)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model
