@@ -146,7 +146,7 @@ def test_rollback_equals_plain_steps(target):
 
 def test_first_token_is_delivered_before_any_draft(target, tokenizer):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter)
+    e = engine_for(target, tokenizer, drafter, spec_mode="chain")  # always drafts
     try:
         c = Collector(drafter)
         e.submit(EngineRequest("a", PROMPTS[3], GREEDY, 24, c))
@@ -299,3 +299,20 @@ def test_seeded_sampling_with_drafter_is_reproducible(target, tokenizer, mode):
         assert a == b and all(len(t) == 16 for r in a for t in r)
     finally:
         e.stop()
+
+
+def test_planner_drafts_only_while_rounds_beat_plain_steps():
+    """Costs: a plain step 1.0, windows a little more, the drafter 0.1. With the optimistic
+    start drafting pays; once nothing is accepted it does not, and the planner declines except
+    for rechecks after 4, then 8 steps; when drafts are accepted again, it drafts every step."""
+    from headstart.engine.speculative import SpecPlanner
+
+    p = SpecPlanner(4, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, None, draft_cost=0.1, recheck=4)
+    assert p.worth_drafting()
+    for _ in range(30):
+        p.observe_chain(3, 0)
+    answers = [p.worth_drafting() for _ in range(12)]
+    assert answers == [False] * 3 + [True] + [False] * 7 + [True]
+    for _ in range(30):
+        p.observe_chain(3, 3)
+    assert all(p.worth_drafting() for _ in range(5))

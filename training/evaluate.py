@@ -1,6 +1,7 @@
 """Measure a trained default model where it will run: held-out perplexity (headstart's forward
 on the exported 4-bit checkpoint), and mean accepted length and decode speed-up with its drafter
-(greedy, through headstart's Engine, with and without the drafter).
+(greedy, through headstart's Engine, with and without the drafter): drafting every step
+("acceptance"), and as serving runs it, drafting only while it pays ("auto").
 
     python -m training.evaluate --model src/headstart/default_model --device cpu
 
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> dict:
     report["acceptance"] = evaluate_acceptance(model, model / "drafter", prompts,
                                                max_tokens=args.max_tokens, device=args.device,
                                                dtype=dtype, strict=args.device == "cpu")
+    # As `headstart serve --drafter` runs it: the planner drafts only while rounds pay.
+    report["auto"] = evaluate_acceptance(model, model / "drafter", prompts,
+                                         max_tokens=args.max_tokens, device=args.device,
+                                         dtype=dtype, strict=args.device == "cpu",
+                                         spec_mode="auto")
     report["seconds"] = time.perf_counter() - t0
     print(json.dumps(report, indent=1))
     return report

@@ -431,23 +431,28 @@ class Engine:
     def _propose(self, work: list[Work]) -> dict[int, Draft]:
         """Drafts for the decoding rows of drafting streams, by work index."""
         assert self.spec is not None
-        picked, jobs = [], []
+        picked, rooms = [], []
         for j, w in enumerate(work):
             live = self._live[w.seq.id]
             if not (live.draft and w.samples and len(w.tokens) == 1 and not w.seq.prefilling):
                 continue
             room = min(live.out.max_new_tokens - live.out.produced,
                        self.context - w.start)  # tokens this stream may still emit / hold
-            if min(self.spec.block, room) < 2:
-                continue
-            picked.append(j)
+            if min(self.spec.block, room) >= 2:
+                picked.append(j)
+                rooms.append(room)
+        # A step that does not draft keeps its features queued for the next one that does.
+        if not picked or not self.spec.worth_drafting():
+            return {}
+        jobs = []
+        for j, room in zip(picked, rooms, strict=True):
+            w = work[j]
+            live = self._live[w.seq.id]
             jobs.append(DraftJob(live.seq.slot, w.tokens[0], w.start, room, live.features,
                                  live.features_start))
             if live.features is not None:  # handed to the drafter's ring now
                 live.features_start += live.features.shape[0]
                 live.features = live.features[:0]
-        if not jobs:
-            return {}
         return dict(zip(picked, self.spec.propose(jobs), strict=True))
 
     # At most this many fresh prefills are replayed one by one in a step; more go eager, where

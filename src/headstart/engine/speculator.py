@@ -86,7 +86,17 @@ class Speculator:
                 costs[rows] = timed(eager(SeqChunk(slot, 1, (0,) * rows, rows, record=True)))
         n = self.tree_budget + 1
         tree = timed(eager(SeqChunk(slot, 1, (0,) * n, n, parents=(-1, *range(n - 1)))))
-        self.planner = SpecPlanner(self.block, costs, tree)
+        # One drafter forward over a short context, as a round pays it.
+        feats = self.model.forward_ex(ForwardBatch.build([SeqChunk(slot, 0, (0,) * 8, 1)],
+                                                         self.model.device), pool, self.taps).taps
+        dpool = self.drafter.new_pool(1, 16)
+        self.drafter.add_context(dpool, 0, feats, 0)
+        before = self.drafter.forwards
+        # The network's own forward (a subclass may wrap propose_logits with other work).
+        draft = timed(lambda: DFlashDrafter.propose_logits(self.drafter, dpool, [0], [0], [8],
+                                                           self.block))
+        self.drafter.forwards = before  # measuring is not drafting
+        self.planner = SpecPlanner(self.block, costs, tree, draft_cost=draft)
 
     def reset(self, slot: int) -> None:
         self.pool.reset(slot)
@@ -113,6 +123,10 @@ class Speculator:
             else:
                 drafts.append(Draft(tuple(proposals[k][:depth])))
         return drafts
+
+    def worth_drafting(self) -> bool:
+        """In "auto" mode, whether this step should draft at all (see SpecPlanner)."""
+        return self.mode != "auto" or self.planner is None or self.planner.worth_drafting()
 
     def plan(self, b: int) -> tuple[str, int]:
         """Chain depth or tree for a stream that may emit up to ``b`` tokens this round."""
