@@ -48,7 +48,7 @@ class _Replayable:
     eagerly on each replay."""
 
     def __init__(self, fn: Callable[[], ForwardOutput], capture: bool,
-                 mempool: object | None) -> None:
+                 mempool: object | None, warmups: int = 2) -> None:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: ForwardOutput | None = None
@@ -56,7 +56,7 @@ class _Replayable:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: autotuning and lazy init happen here
-                for _ in range(2):
+                for _ in range(warmups):
                     fn()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
@@ -148,8 +148,12 @@ class PrefillGraphs:
         for n in range(self.max_tokens, 1, -1):  # longest first: the shared pool fits them all
             batch = replace(ForwardBatch.build([SeqChunk(scratch_slot, 0, (0,) * n, 1)],
                                                model.device), input_ids=self.ids[:n])
+            # One warm-up run: the decode graphs and the engine's warm-up already initialised
+            # everything lazy; the run compiles and tunes kernels for this length. 63 lengths
+            # of a 27B prefill make a second run cost seconds at start-up.
             self.graphs[n] = _Replayable(
-                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, mempool)
+                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, mempool,
+                warmups=1)
 
     def covers(self, n: int) -> bool:
         return n in self.graphs
