@@ -180,3 +180,39 @@ def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
     finally:
         e.stop()
     assert calls["windows"] > 0
+
+
+def test_window_graphs_at_the_context_edge(target, tokenizer):
+    """A stream whose last windows end at the context's end, next to a stream with wider
+    windows: padding it to their width would write past the pool, so that step runs eagerly;
+    greedy output still equals decoding without a drafter."""
+    def make(drafter, **kw):
+        e = Engine(target, tokenizer, (), num_slots=2, context=40, prefill_chunk=16,
+                   step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
+                   prefill_graph_tokens=20, spec_mode="chain", **kw)
+        e.start()
+        return e
+
+    cases = [(PROMPTS[5][:24], 16), (PROMPTS[1][:6], 30)]  # ends at 40 (the context), and 36
+
+    def run(e):
+        cs = []
+        for i, (ids, n) in enumerate(cases):
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            c = Collector()
+            e.submit(EngineRequest(f"e{i}", ids, params, n, c))
+            cs.append(c)
+        for c in cs:
+            assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+        return [c.tokens for c in cs]
+
+    plain = make(None)
+    try:
+        expected = run(plain)
+    finally:
+        plain.stop()
+    e = make(DFlashDrafter.load(target.drafter_dir, target), window_graphs=True)
+    try:
+        assert run(e) == expected
+    finally:
+        e.stop()

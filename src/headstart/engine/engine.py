@@ -474,9 +474,13 @@ class Engine:
 
     def _windows_fit(self, work: list[Work], drafts: dict[int, Draft]) -> bool:
         wg = self.window_graphs
-        return (wg is not None and len(drafts) == len(work)
-                and all(d.parents is None for d in drafts.values())
-                and wg.covers(len(work), max(len(w.tokens) for w in work)))
+        if wg is None or len(drafts) != len(work) or any(d.parents is not None
+                                                          for d in drafts.values()):
+            return False
+        width = max(len(w.tokens) for w in work)
+        # Padded windows write rows up to start + width: they must stay inside the pool.
+        return wg.covers(len(work), width) and all(w.start + width <= self.pool.max_tokens
+                                                   for w in work)
 
     def _window_forward(self, work: list[Work]) -> ForwardOutput:
         """Every item a chain window: one replay at the widest window's width (shorter ones
