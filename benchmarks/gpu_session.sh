@@ -11,9 +11,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
   && export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-timeout 150 python -m pytest tests/test_gpu_ops.py tests/test_gpu_model.py -q -p no:cacheprovider \
+timeout 240 python -m pytest tests/test_gpu_ops.py tests/test_gpu_model.py -q -p no:cacheprovider \
   2>&1 | tail -8 | tee "$out/tests.log"
-timeout 330 python benchmarks/gpu_engine.py --shape 2b 27b --format bf16 4bit --hf --spec \
+timeout 300 python benchmarks/gpu_engine.py --shape 2b 27b --format bf16 4bit --hf --spec \
   --out "$out/gpu.json" 2>&1 | grep -v Warning | tee "$out/gpu.log" | tail -6
 # TTFT with and without prefill graphs at 27B (about 2-3 minutes; a separate call if needed):
 #   python benchmarks/ttft_graphs.py --shape 27b

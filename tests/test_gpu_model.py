@@ -172,10 +172,13 @@ def test_window_graph_replay_equals_eager_bit_for_bit(ckpt):
     windows = [torch.randint(0, 512, (5,), generator=gen).tolist() for _ in prompts]
     starts = [len(p) for p in prompts]
     out = graphs.run(windows, starts, [0, 1, 2])
+    # The same bucket eagerly: the padding stream on the scratch slot (4) at position 1, so
+    # every matmul has the graph's row count.
+    ids = [t for w in windows for t in w] + [0] * 5
     ref = model.forward_ex(ForwardBatch.windows_of(
-        torch.tensor(sum(windows, []), device="cuda"), torch.tensor([0, 1, 2], device="cuda"),
-        torch.tensor(starts, device="cuda"), 5), pools[0], (0, 2))
-    assert torch.equal(out.logits, ref.logits) and torch.equal(out.taps, ref.taps)
+        torch.tensor(ids, device="cuda"), torch.tensor([0, 1, 2, 4], device="cuda"),
+        torch.tensor([*starts, 1], device="cuda"), 5), pools[0], (0, 2))
+    assert torch.equal(out.logits, ref.logits[:15]) and torch.equal(out.taps, ref.taps[:15])
     assert torch.equal(pools[1].recurrent[:, :3], pools[0].recurrent[:, :3])
     for s in range(3):
         for a, b in zip(out.records[s].layers.values(), ref.records[s].layers.values()):
@@ -184,3 +187,42 @@ def test_window_graph_replay_equals_eager_bit_for_bit(ckpt):
     model.rollback(pools[1], 1, out.records[1], 2)
     assert torch.equal(pools[1].recurrent[:, 1], pools[0].recurrent[:, 1])
     assert torch.equal(pools[1].conv[:, 1], pools[0].conv[:, 1])
+
+
+@pytest.mark.parametrize("spec_mode", ["chain", "auto"])
+def test_engine_with_every_graph_serves(ckpt, tmp_path, spec_mode):
+    """The engine with decode, prefill and verify-window graphs captured at start (a capture
+    that syncs with the host fails here) serves concurrent requests to their end. Token
+    equality beyond the first is not asserted: on random bf16 weights near-ties flip between
+    differently tiled kernels; the bit-exact tests above cover each graph."""
+    from engine_helpers import Collector
+
+    from headstart.drafter import DFlashDrafter
+    from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
+    from headstart.sampling import SamplingParams
+
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    drafter_dir = tiny.save_drafter(tmp_path / "drafter", tiny.causal_lm(seed=41, **SHAPE).config,
+                                    taps=[0, 2], block=5)
+    tok = tiny.small_tokenizer(512)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([7, 30, 70, 3])]
+    results = []
+    for drafter in (None, DFlashDrafter.load(drafter_dir, model)):
+        e = Engine(model, tok, (), num_slots=4, context=256, drafter=drafter,
+                   window_graphs=drafter is not None, spec_mode=spec_mode)
+        assert e.prefill_graphs is not None and (drafter is None or e.window_graphs is not None)
+        e.start()
+        try:
+            cs = [Collector() for _ in prompts]
+            for i, (ids, c) in enumerate(zip(prompts, cs)):
+                e.submit(EngineRequest(f"g{i}", ids, params, 12, c))
+            for c in cs:
+                assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+            assert wait_idle(e)
+            results.append([c.tokens for c in cs])
+        finally:
+            e.stop()
+    assert all(len(t) == 12 for r in results for t in r)
+    # The first token comes from the same captured prefill in both engines.
+    assert [t[0] for t in results[1]] == [t[0] for t in results[0]]
