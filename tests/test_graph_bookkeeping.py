@@ -149,9 +149,9 @@ def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
 
 
 def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
-    """Chain verify windows replayed from (emulated) window graphs, several streams at once and
-    windows of different widths padded to one: greedy output equals decoding without a
-    drafter, and the window path was taken."""
+    """Proposals and chain verify windows replayed from (emulated) graphs, several streams at
+    once and windows of different widths padded to one: greedy output equals decoding without
+    a drafter, and both graph paths were taken."""
     def make(drafter, **kw):
         e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
                    step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
@@ -174,12 +174,19 @@ def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
         return real(windows, *a)
 
     e.window_graphs.run = run
+    real_draft = e.spec.graphs.run
+
+    def draft(*a):
+        calls["drafts"] = calls.get("drafts", 0) + 1
+        return real_draft(*a)
+
+    e.spec.graphs.run = draft
     try:
         assert run_all(e) == expected
         assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
     finally:
         e.stop()
-    assert calls["windows"] > 0
+    assert calls["windows"] > 0 and calls["drafts"] > 0
 
 
 def test_window_graphs_at_the_context_edge(target, tokenizer):

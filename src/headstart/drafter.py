@@ -249,15 +249,24 @@ class DFlashDrafter:
                        positions: Sequence[int], block: int) -> torch.Tensor:
         """Logits ``[n, block-1, vocab]`` for the tokens after each anchor (anchor at
         ``positions[j]``, context already in the ring)."""
-        c, w = self.cfg, self.w
-        n, B = len(slots), block
         self.forwards += 1
         dev = self.device
+        return self.propose_from(pool, torch.tensor(list(slots), device=dev),
+                                 torch.tensor(list(anchors), device=dev),
+                                 torch.tensor(list(positions), device=dev), block)
+
+    @torch.no_grad()
+    def propose_from(self, pool: DrafterPool, slot_t: torch.Tensor, anchor_t: torch.Tensor,
+                     position_t: torch.Tensor, block: int) -> torch.Tensor:
+        """:meth:`propose_logits` from device tensors, with no host work: what a CUDA graph
+        captures (engine/cuda_graph.py DraftGraphs). Not counted in ``forwards``."""
+        c, w = self.cfg, self.w
+        n, B = slot_t.shape[0], block
+        dev = self.device
         ids = torch.full((n, B), c.mask_token_id, dtype=torch.int64, device=dev)
-        ids[:, 0] = torch.tensor(list(anchors), device=dev)
+        ids[:, 0] = anchor_t
         x = self.target.embed(ids.view(-1)).view(n, B, -1)
-        pos = torch.tensor(list(positions), device=dev)[:, None] + torch.arange(B, device=dev)
-        slot_t = torch.tensor(list(slots), device=dev)
+        pos = position_t[:, None] + torch.arange(B, device=dev)
         ctx_pos = pool.positions[slot_t]  # [n, W]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         for i in range(c.num_layers):

@@ -14,8 +14,9 @@
   most, tens of microseconds. Exact lengths, not padded buckets: padding rows would run through
   the recurrence and corrupt the state.
 
-* :class:`WindowGraphs`: chain verify windows, one graph per (stream-count bucket, width),
-  off by default (``Engine(window_graphs=True)``) until measured on a GPU.
+* :class:`WindowGraphs`: chain verify windows, one graph per (stream-count bucket, width), and
+  :class:`DraftGraphs`: the drafter's proposal forward per stream-count bucket; both off by
+  default (``Engine(window_graphs=True)``) until measured on a GPU.
 
 Continued chunks (a stream past position 0) and tree windows stay eager.
 
@@ -221,3 +222,40 @@ class WindowGraphs:
         taps = out.taps[:n * w] if out.taps is not None else None
         return ForwardOutput(out.logits[:n * w], taps,
                              {slot: out.records[j] for j, slot in enumerate(slots)})
+
+
+class DraftGraphs:
+    """The drafter's proposal forward (``DFlashDrafter.propose_from``) for full blocks, one
+    graph per stream-count bucket. Padding streams read the ring's spare slot (empty: every row
+    masked) and are dropped."""
+
+    def __init__(self, drafter, pool, max_streams: int, spare_slot: int, block: int,
+                 capture: bool = True, mempool: object | None = None) -> None:
+        self.drafter, self.block, self.spare = drafter, block, spare_slot
+        dev = drafter.device
+        self.slots = torch.full((max_streams,), spare_slot, dtype=torch.int64, device=dev)
+        self.anchors = torch.zeros(max_streams, dtype=torch.int64, device=dev)
+        self.positions = torch.ones(max_streams, dtype=torch.int64, device=dev)
+        if capture and mempool is None:
+            mempool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, _Replayable] = {}
+        for n in sorted(buckets_for(max_streams), reverse=True):
+            self.graphs[n] = _Replayable(
+                lambda n=n: ForwardOutput(drafter.propose_from(
+                    pool, self.slots[:n], self.anchors[:n], self.positions[:n], block), None, {}),
+                capture, mempool)
+
+    def covers(self, n: int, block: int) -> bool:
+        return block == self.block and n <= max(self.graphs)
+
+    def run(self, slots: Sequence[int], anchors: Sequence[int], positions: Sequence[int]
+            ) -> torch.Tensor:
+        """Logits ``[n, block-1, vocab]``, a view of the static output (until the next replay)."""
+        n = len(slots)
+        b = min(x for x in self.graphs if x >= n)
+        pad = b - n
+        self.slots[:b].copy_(torch.tensor(list(slots) + [self.spare] * pad), non_blocking=True)
+        self.anchors[:b].copy_(torch.tensor(list(anchors) + [0] * pad), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(list(positions) + [1] * pad), non_blocking=True)
+        self.drafter.forwards += 1
+        return self.graphs[b].replay().logits[:n]

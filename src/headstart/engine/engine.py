@@ -146,6 +146,7 @@ class Engine:
                               num_slots, self.taps, capture=graph_capture,
                               mempool=self.graphs.mempool)
             self.window_graphs = wg
+            self.spec.capture_graphs(num_slots, graph_capture, self.graphs.mempool)
             scratch = num_slots
             runners = (lambda: self.graphs.run([0], [1], [scratch]),
                        lambda rows: wg.run([[0] * rows], [1], [scratch]))

@@ -48,7 +48,9 @@ class Speculator:
         self.mode = mode
         self.tree_width = tree_width
         self.tree_budget = tree_budget or 2 * max(1, self.block - 1)
-        self.pool = drafter.new_pool(num_slots, window)
+        self.spare = num_slots  # a ring slot no stream owns (padding rows of draft graphs)
+        self.pool = drafter.new_pool(num_slots + 1, window)
+        self.graphs = None  # DraftGraphs, see capture_graphs
         self.planner: SpecPlanner | None = None
         self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tree_rounds": 0}
 
@@ -92,9 +94,11 @@ class Speculator:
         dpool = self.drafter.new_pool(1, 16)
         self.drafter.add_context(dpool, 0, feats, 0)
         before = self.drafter.forwards
-        # The network's own forward (a subclass may wrap propose_logits with other work).
-        draft = timed(lambda: DFlashDrafter.propose_logits(self.drafter, dpool, [0], [0], [8],
-                                                           self.block))
+        if self.graphs is not None:
+            draft = timed(lambda: self.graphs.run([self.spare], [0], [8]))
+        else:  # the network's own forward (a subclass may wrap propose_logits)
+            draft = timed(lambda: DFlashDrafter.propose_logits(self.drafter, dpool, [0], [0],
+                                                               [8], self.block))
         self.drafter.forwards = before  # measuring is not drafting
         self.planner = SpecPlanner(self.block, costs, tree, draft_cost=draft)
 
@@ -107,9 +111,11 @@ class Speculator:
             if job.features is not None and job.features.shape[0]:
                 self.drafter.add_context(self.pool, job.slot, job.features, job.features_start)
         block = max(min(self.block, job.room) for job in jobs)
-        logits = self.drafter.propose_logits(self.pool, [j.slot for j in jobs],
-                                             [j.anchor for j in jobs], [j.start for j in jobs],
-                                             block)
+        args = ([j.slot for j in jobs], [j.anchor for j in jobs], [j.start for j in jobs])
+        if self.graphs is not None and self.graphs.covers(len(jobs), block):
+            logits = self.graphs.run(*args)
+        else:
+            logits = self.drafter.propose_logits(self.pool, *args, block)
         logits[..., self.vocab_size:] = float("-inf")
         proposals = logits.argmax(-1).tolist()
         drafts = []
@@ -123,6 +129,13 @@ class Speculator:
             else:
                 drafts.append(Draft(tuple(proposals[k][:depth])))
         return drafts
+
+    def capture_graphs(self, max_streams: int, capture: bool, mempool: object | None) -> None:
+        """Replay full-block proposals from CUDA graphs from now on."""
+        from headstart.engine.cuda_graph import DraftGraphs
+
+        self.graphs = DraftGraphs(self.drafter, self.pool, max_streams, self.spare, self.block,
+                                  capture, mempool)
 
     def worth_drafting(self) -> bool:
         """In "auto" mode, whether this step should draft at all (see SpecPlanner)."""
