@@ -158,8 +158,8 @@ def test_generate_runs_on_the_gpu(ckpt):
 def test_window_graph_replay_equals_eager_bit_for_bit(ckpt):
     """Captured verify windows (3 streams in a bucket of 4, so one padding stream) against the
     same window batch run eagerly: logits, taps, states and the rollback records, bit for bit;
-    then a rollback gives the same state on both."""
-    from headstart.engine.cuda_graph import WindowGraphs
+    then a captured rollback against the reference one."""
+    from headstart.engine.cuda_graph import RollbackGraphs, WindowGraphs
 
     model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(4)
@@ -169,6 +169,7 @@ def test_window_graph_replay_equals_eager_bit_for_bit(ckpt):
         model.forward(ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)],
                                          model.device), pool)
     graphs = WindowGraphs(model, pools[1], 4, [3, 5], 4, taps=(0, 2))
+    rollbacks = RollbackGraphs(model, pools[1], graphs.records, 5, 4)
     windows = [torch.randint(0, 512, (5,), generator=gen).tolist() for _ in prompts]
     starts = [len(p) for p in prompts]
     out = graphs.run(windows, starts, [0, 1, 2])
@@ -183,10 +184,13 @@ def test_window_graph_replay_equals_eager_bit_for_bit(ckpt):
     for s in range(3):
         for a, b in zip(out.records[s].layers.values(), ref.records[s].layers.values()):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # Rollback: the reference replay eagerly, the captured one (FLA's span kernel) on the graph
+    # side; the same conv tail, the state up to the kernels' rounding.
     model.rollback(pools[0], 1, ref.records[1], 2)
-    model.rollback(pools[1], 1, out.records[1], 2)
-    assert torch.equal(pools[1].recurrent[:, 1], pools[0].recurrent[:, 1])
+    rollbacks.run(1, 1, 2)
     assert torch.equal(pools[1].conv[:, 1], pools[0].conv[:, 1])
+    torch.testing.assert_close(pools[1].recurrent[:, 1], pools[0].recurrent[:, 1],
+                               atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("spec_mode", ["chain", "auto"])

@@ -149,9 +149,9 @@ def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
 
 
 def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
-    """Proposals and chain verify windows replayed from (emulated) graphs, several streams at
-    once and windows of different widths padded to one: greedy output equals decoding without
-    a drafter, and both graph paths were taken."""
+    """Proposals, chain verify windows and rollbacks replayed from (emulated) graphs, several
+    streams at once and windows of different widths padded to one: greedy output equals
+    decoding without a drafter, and every graph path was taken."""
     def make(drafter, **kw):
         e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
                    step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
@@ -181,12 +181,19 @@ def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
         return real_draft(*a)
 
     e.spec.graphs.run = draft
+    real_rollback = e.rollback_graphs.run
+
+    def rollback(*a):
+        calls["rollbacks"] = calls.get("rollbacks", 0) + 1
+        return real_rollback(*a)
+
+    e.rollback_graphs.run = rollback
     try:
         assert run_all(e) == expected
         assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
     finally:
         e.stop()
-    assert calls["windows"] > 0 and calls["drafts"] > 0
+    assert calls["windows"] > 0 and calls["drafts"] > 0 and calls["rollbacks"] > 0
 
 
 def test_window_graphs_at_the_context_edge(target, tokenizer):

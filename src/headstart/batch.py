@@ -92,6 +92,7 @@ class WindowRows:
     rows: torch.Tensor  # [n, W] packed row of each window row
     slots: torch.Tensor  # [n]
     as_decode: DecodeRows  # every row as a decode row (slot repeated, its own position)
+    records: object | None = None  # a state.WindowRecords to write the records into
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class ForwardBatch:
 
     @classmethod
     def windows_of(cls, input_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                   width: int) -> ForwardBatch:
+                   width: int, records: object | None = None) -> ForwardBatch:
         """``n`` verify windows of ``width`` rows: ``input_ids`` [n * width] stream after
         stream, window j at positions ``starts[j] ..`` of ``slots[j]``. Built from tensors
         only (no host values), so the static buffers of a graph can be passed in."""
@@ -121,7 +122,8 @@ class ForwardBatch:
                             fresh=torch.zeros(n * width, dtype=torch.bool, device=dev))
         return cls(input_ids=input_ids, positions=positions, spans=(),
                    logit_index=rows.reshape(-1), decode=None, multi_row=(), multi=None,
-                   windows=WindowRows(rows=rows, slots=slots, as_decode=decode))
+                   windows=WindowRows(rows=rows, slots=slots, as_decode=decode,
+                                      records=records))
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:

@@ -25,7 +25,7 @@ from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, rec
 from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
 from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
-from headstart.state import StatePool
+from headstart.state import StatePool, WindowRecords
 from headstart.weights import Weight, load_weights
 
 
@@ -333,6 +333,35 @@ class Qwen35Model:
                 q.reshape(keep, Hk, Dk), k.reshape(keep, Hk, Dk), v.reshape(keep, Hv, Dv),
                 g[:keep], beta[:keep], state)
 
+    @torch.no_grad()
+    def rollback_window(self, pool: StatePool, slot: torch.Tensor, records: WindowRecords,
+                        window: torch.Tensor, keep: int) -> None:
+        """:meth:`rollback` for a window recorded into shared buffers by a graphed window batch
+        (``records``, window index ``window`` [1]), with ``slot`` [1] a tensor: no host work,
+        so it can be captured. Replays the kept rows through the kernels' span recurrence."""
+        cfg = self.cfg
+        Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        dev = pool.conv.device
+        cu = torch.tensor([0, keep], dtype=torch.int32)  # host copy: the reference kernels
+        # [0, keep] made on the device (a copy from the host cannot be captured).
+        cu_dev = torch.arange(0, 2 * keep, keep, dtype=torch.int32, device=dev)
+        kept = torch.zeros(1, dtype=torch.bool, device=dev)
+        for i in cfg.linear_layers:
+            li = self.state_index[i]
+            def pick(t: torch.Tensor, li: int = li) -> torch.Tensor:
+                return t[li].index_select(0, window)[0]
+
+            y, tail = causal_conv(pick(records.mixed)[:keep], pick(records.tail),
+                                  self.w[f"layers.{i}.linear_attn.conv1d.weight"])
+            pool.conv[li].index_copy_(0, slot, tail[None])
+            pool.recurrent[li].index_copy_(0, slot, records.state[li].index_select(0, window))
+            q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+            self.kernels.gdn_spans(q.reshape(keep, Hk, Dk), k.reshape(keep, Hk, Dk),
+                                   v.reshape(keep, Hv, Dv), pick(records.g)[:keep],
+                                   pick(records.beta)[:keep], cu_dev, slot, kept,
+                                   pool.recurrent[li], cu)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.w["embed_tokens.weight"]
         if isinstance(table, QuantizedTensor):
@@ -425,6 +454,15 @@ class Qwen35Model:
                 flat = wd.rows.reshape(-1)
                 tail0, state0 = tails[wd.slots], states[wd.slots]  # gathers: copies
                 mixed_w, g_w, beta_w = (t[flat].view(n, W, -1) for t in (mixed, g, beta))
+                buf = wd.records
+                if buf is not None:  # into the shared buffers (graphs), kept as views
+                    li = self.state_index[i]
+                    parts = (buf.tail[li, :n], buf.state[li, :n], buf.mixed[li, :n, :W],
+                             buf.g[li, :n, :W], buf.beta[li, :n, :W])
+                    for dst, src in zip(parts, (tail0, state0, mixed_w, g_w, beta_w),
+                                        strict=True):
+                        dst.copy_(src)
+                    tail0, state0, mixed_w, g_w, beta_w = parts
                 for j in range(n):
                     records[j].layers[i] = (tail0[j], state0[j], mixed_w[j], g_w[j], beta_w[j])
             kept = torch.zeros(n, dtype=torch.bool, device=x.device)  # no window is fresh

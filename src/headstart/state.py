@@ -63,3 +63,31 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.conv, self.recurrent, self.keys, self.values))
+
+
+@dataclass
+class WindowRecords:
+    """Where graphed verify windows leave what a rollback replays (see ``Qwen35Model.rollback``):
+    per GDN layer and window (stream index), the conv tail and recurrent state before the window
+    and the window's pre-conv rows, log decays and betas. Allocated once and shared by every
+    window graph: per-graph outputs of this size would multiply the state pool's memory by the
+    number of graphs."""
+
+    tail: torch.Tensor  # [linear layers, n, conv_dim, K-1]
+    state: torch.Tensor  # [linear layers, n, Hv, Dk, Dv] fp32
+    mixed: torch.Tensor  # [linear layers, n, W, conv_dim]
+    g: torch.Tensor  # [linear layers, n, W, Hv] fp32
+    beta: torch.Tensor  # [linear layers, n, W, Hv]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, streams: int, width: int, dtype: torch.dtype,
+                 device: torch.device | str) -> WindowRecords:
+        L, Hv = len(cfg.linear_layers), cfg.linear_num_value_heads
+        return cls(
+            tail=torch.zeros(L, streams, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1,
+                             dtype=dtype, device=device),
+            state=torch.zeros(L, streams, Hv, cfg.linear_key_head_dim,
+                              cfg.linear_value_head_dim, dtype=torch.float32, device=device),
+            mixed=torch.zeros(L, streams, width, cfg.conv_dim, dtype=dtype, device=device),
+            g=torch.zeros(L, streams, width, Hv, dtype=torch.float32, device=device),
+            beta=torch.zeros(L, streams, width, Hv, dtype=dtype, device=device))

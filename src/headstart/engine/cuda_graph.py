@@ -33,7 +33,7 @@ import torch
 
 from headstart.batch import DecodeRows, ForwardBatch, SeqChunk
 from headstart.model import ForwardOutput, Qwen35Model
-from headstart.state import StatePool
+from headstart.state import StatePool, WindowRecords
 
 
 def buckets_for(max_streams: int) -> list[int]:
@@ -64,11 +64,13 @@ class _Replayable:
             with torch.cuda.graph(self.graph, pool=mempool):
                 self.out = fn()
 
-    def replay(self) -> ForwardOutput:
+    def replay(self) -> ForwardOutput | None:
         if self.graph is None:
             # Like a graph, write into the same output tensors every time (so code that keeps
             # a view past the next replay fails here too).
             out = self.fn()
+            if out is None:  # a graph with no outputs (a rollback)
+                return None
             if self.out is None:
                 self.out = ForwardOutput(out.logits.clone(), None if out.taps is None
                                          else out.taps.clone(), {})
@@ -179,7 +181,8 @@ class WindowGraphs:
     as ``W`` batched one-row GDN steps and decode-style attention (``ForwardBatch.windows_of``),
     so slots and positions live in static tensors. Rows of padding streams point at the scratch
     slot (at position 1) and are dropped. The GDN records for rollback come back keyed by
-    slot; like every output they are valid until the next replay."""
+    slot, as views of one :class:`WindowRecords` that every window graph writes; like every
+    output they are valid until the next replay."""
 
     def __init__(self, model: Qwen35Model, pool: StatePool, max_streams: int,
                  widths: Sequence[int], scratch_slot: int, taps: Sequence[int] = (),
@@ -190,6 +193,8 @@ class WindowGraphs:
         self.ids = torch.zeros(max_streams * max(self.widths), dtype=torch.int64, device=dev)
         self.slots = torch.full((max_streams,), scratch_slot, dtype=torch.int64, device=dev)
         self.starts = torch.ones(max_streams, dtype=torch.int64, device=dev)
+        self.records = WindowRecords.allocate(model.cfg, max(buckets_for(max_streams)),
+                                              max(self.widths), model.dtype, dev)
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Replayable] = {}
@@ -200,7 +205,8 @@ class WindowGraphs:
                 self.graphs[n, w] = _Replayable(
                     lambda n=n, w=w: model.forward_ex(
                         ForwardBatch.windows_of(self.ids[:n * w], self.slots[:n],
-                                                self.starts[:n], w), pool, tuple(taps)),
+                                                self.starts[:n], w, self.records),
+                        pool, tuple(taps)),
                     capture, mempool)
         self.buckets = sorted({n for n, _ in self.graphs})
 
@@ -259,3 +265,27 @@ class DraftGraphs:
         self.positions[:b].copy_(torch.tensor(list(positions) + [1] * pad), non_blocking=True)
         self.drafter.forwards += 1
         return self.graphs[b].replay().logits[:n]
+
+
+class RollbackGraphs:
+    """Rolling a stream back to the first ``keep`` rows of its last graphed window
+    (``Qwen35Model.rollback_window`` over the window graphs' shared records), one graph per
+    ``keep``. Eagerly, a rollback is tens of small kernels per GDN layer."""
+
+    def __init__(self, model: Qwen35Model, pool: StatePool, records: WindowRecords,
+                 max_width: int, scratch_slot: int, capture: bool = True,
+                 mempool: object | None = None) -> None:
+        dev = model.device
+        # Start on the scratch slot: capturing runs the rollback.
+        self.slot = torch.full((1,), scratch_slot, dtype=torch.int64, device=dev)
+        self.window = torch.zeros(1, dtype=torch.int64, device=dev)
+        if capture and mempool is None:
+            mempool = torch.cuda.graph_pool_handle()
+        self.graphs = {keep: _Replayable(
+            lambda keep=keep: model.rollback_window(pool, self.slot, records, self.window, keep),
+            capture, mempool) for keep in range(1, max_width)}
+
+    def run(self, slot: int, window: int, keep: int) -> None:
+        self.slot.fill_(slot)
+        self.window.fill_(window)
+        self.graphs[keep].replay()

@@ -136,16 +136,22 @@ class Engine:
                     model, self.pool, min(prefill_graph_tokens, context - 1), num_slots,
                     self.taps, capture=graph_capture, mempool=self.graphs.mempool)
         self.window_graphs = None
-        self._ran_rows: dict[int, int] = {}  # slot -> rows its window ran (padded), this step
+        self.rollback_graphs = None
+        # slot -> (rows its graphed window ran, padded; its index in the window batch), this step
+        self._ran_rows: dict[int, tuple[int, int]] = {}
         runners = None
         if self.graphs is not None and window_graphs and self.spec is not None \
                 and self.spec.block >= 2:
-            from headstart.engine.cuda_graph import WindowGraphs
+            from headstart.engine.cuda_graph import RollbackGraphs, WindowGraphs
 
             wg = WindowGraphs(model, self.pool, num_slots, range(2, self.spec.block + 1),
                               num_slots, self.taps, capture=graph_capture,
                               mempool=self.graphs.mempool)
             self.window_graphs = wg
+            self.rollback_graphs = RollbackGraphs(model, self.pool, wg.records,
+                                                  self.spec.block, num_slots,
+                                                  capture=graph_capture,
+                                                  mempool=self.graphs.mempool)
             self.spec.capture_graphs(num_slots, graph_capture, self.graphs.mempool)
             scratch = num_slots
             runners = (lambda: self.graphs.run([0], [1], [scratch]),
@@ -492,7 +498,7 @@ class Engine:
                                      [w.start for w in work], [w.seq.slot for w in work])
         rows = torch.cat([torch.arange(j * width, j * width + len(w.tokens))
                           for j, w in enumerate(work)]).to(out.logits.device)
-        self._ran_rows = {w.seq.slot: width for w in work}
+        self._ran_rows = {w.seq.slot: (width, j) for j, w in enumerate(work)}
         return ForwardOutput(out.logits[rows], out.taps[rows] if out.taps is not None else None,
                              out.records)
 
@@ -598,7 +604,11 @@ class Engine:
         keep = len(emitted)  # the path's rows (anchor + accepted drafts) are committed
         if draft.parents is not None:
             self.model.commit_tree(self.pool, seq.slot, w.start, record, path)
-        elif keep < self._ran_rows.get(seq.slot, len(w.tokens)):
+        elif seq.slot in self._ran_rows:  # a graphed window: roll back from its records
+            width, index = self._ran_rows[seq.slot]
+            if keep < width:
+                self.rollback_graphs.run(seq.slot, index, keep)
+        elif keep < len(w.tokens):
             self.model.rollback(self.pool, seq.slot, record, keep)
         seq.output.extend(emitted)
         seq.computed = w.start + keep
