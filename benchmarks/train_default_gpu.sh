@@ -5,7 +5,10 @@
 # (benchmarks/device_wheels.sh) and, for the second call, `.work` carried:
 #   bash benchmarks/train_default_gpu.sh target    # GPU smoke run, the target (5.5 min), GPU tests
 #   bash benchmarks/train_default_gpu.sh drafter   # the drafter (4 min) and every evaluation
-# The first call returns the target in $OUT/bundle.tgz.* ; unpack it here with
+# or, in one call: bash benchmarks/train_default_gpu.sh all (then the 2B prefill-graph TTFT).
+# For `all`, `python -m training.data --tar .work/stdlib.tgz` first packs a standard library
+# with its test suite (carry it too). The first call returns the target in $OUT/bundle.tgz.*;
+# unpack it here with
 #   mkdir -p .work && cat FILES_AT/bundle.tgz.* | tar xz -C .work
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

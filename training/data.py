@@ -65,3 +65,25 @@ def token_rows(tokenizer: Tokenizer, split: str, seq_len: int, max_chars: int) -
             stream.append(eot)
     n = len(stream) // seq_len
     return torch.tensor(stream[: n * seq_len], dtype=torch.int64).view(n, seq_len)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m training.data --tar OUT.tgz``: pack this machine's corpus (the files
+    :func:`stdlib_files` picks) for a machine whose Python lacks part of its standard library;
+    there, unpack it and pass ``--stdlib DIR/stdlib`` to ``training.run``."""
+    import argparse
+    import tarfile
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--tar", required=True)
+    args = ap.parse_args(argv)
+    root = stdlib_root()
+    files = stdlib_files()
+    with tarfile.open(args.tar, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=f"stdlib/{f.relative_to(root)}")
+    print(f"{len(files)} files from {root} -> {args.tar}")
+
+
+if __name__ == "__main__":
+    main()
