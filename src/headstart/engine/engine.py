@@ -125,37 +125,13 @@ class Engine:
         self.taps: tuple[int, ...] = self.spec.taps if self.spec else ()
         self.graphs = None
         self.prefill_graphs = None
-        if graphs:
-            from headstart.engine.cuda_graph import DecodeGraphs, PrefillGraphs
-
-            self._warm_up(scratch=num_slots)
-            self.graphs = DecodeGraphs(model, self.pool, num_slots, num_slots, self.taps,
-                                       capture=graph_capture)
-            if prefill_graph_tokens >= 2:
-                self.prefill_graphs = PrefillGraphs(
-                    model, self.pool, min(prefill_graph_tokens, context - 1), num_slots,
-                    self.taps, capture=graph_capture, mempool=self.graphs.mempool)
         self.window_graphs = None
         self.rollback_graphs = None
         # slot -> (rows its graphed window ran, padded; its index in the window batch), this step
         self._ran_rows: dict[int, tuple[int, int]] = {}
         runners = None
-        if self.graphs is not None and window_graphs and self.spec is not None \
-                and self.spec.block >= 2:
-            from headstart.engine.cuda_graph import RollbackGraphs, WindowGraphs
-
-            wg = WindowGraphs(model, self.pool, num_slots, range(2, self.spec.block + 1),
-                              num_slots, self.taps, capture=graph_capture,
-                              mempool=self.graphs.mempool)
-            self.window_graphs = wg
-            self.rollback_graphs = RollbackGraphs(model, self.pool, wg.records,
-                                                  self.spec.block, num_slots,
-                                                  capture=graph_capture,
-                                                  mempool=self.graphs.mempool)
-            self.spec.capture_graphs(num_slots, graph_capture, self.graphs.mempool)
-            scratch = num_slots
-            runners = (lambda: self.graphs.run([0], [1], [scratch]),
-                       lambda rows: wg.run([[0] * rows], [1], [scratch]))
+        if graphs:
+            runners = self._capture_graphs(graph_capture, prefill_graph_tokens, window_graphs)
         if self.spec is not None:  # after the warm-up, so no timing includes compilation
             self.spec.measure(self.pool, slot=0, runners=runners)
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -223,6 +199,39 @@ class Engine:
                 c.stats.failed_restores, **{f"spec_{k}": v for k, v in (self.spec.stats if self.spec else
                                                   {"rounds": 0, "drafted": 0, "accepted": 0,
                                                    "tree_rounds": 0}).items()}}
+
+    def _capture_graphs(self, capture: bool, prefill_tokens: int, windows: bool):
+        """Warm up, then capture: decode steps, fresh prefills and (with a drafter and
+        ``windows``) proposals, verify windows and rollbacks. Returns the speculator's cost
+        runners when rounds run from graphs (their costs are measured on them)."""
+        from headstart.engine.cuda_graph import (
+            DecodeGraphs,
+            PrefillGraphs,
+            RollbackGraphs,
+            WindowGraphs,
+        )
+
+        scratch = self.num_slots
+        model, pool = self.model, self.pool
+        self._warm_up(scratch=scratch)
+        self.graphs = DecodeGraphs(model, pool, self.num_slots, scratch, self.taps,
+                                   capture=capture)
+        mempool = self.graphs.mempool
+        if prefill_tokens >= 2:
+            self.prefill_graphs = PrefillGraphs(model, pool, min(prefill_tokens, self.context - 1),
+                                                scratch, self.taps, capture=capture,
+                                                mempool=mempool)
+        if not (windows and self.spec is not None and self.spec.block >= 2):
+            return None
+        block = self.spec.block
+        wg = WindowGraphs(model, pool, self.num_slots, range(2, block + 1), scratch, self.taps,
+                          capture=capture, mempool=mempool)
+        self.window_graphs = wg
+        self.rollback_graphs = RollbackGraphs(model, pool, wg.records, block, scratch,
+                                              capture=capture, mempool=mempool)
+        self.spec.capture_graphs(self.num_slots, capture, mempool)
+        return (lambda: self.graphs.run([0], [1], [scratch]),
+                lambda rows: wg.run([[0] * rows], [1], [scratch]))
 
     def _warm_up(self, scratch: int) -> None:
         """Run each eager path once on the scratch slot so the first request pays no kernel
