@@ -256,3 +256,31 @@ def test_draft_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path):
         want = drafter.propose_from(pool, t(slots + [4] * pad), t(anchors + [0] * pad),
                                     t(positions + [1] * pad), 5)[:len(slots)]
         assert torch.equal(got, want)
+
+
+def test_continuation_graph_replay_equals_eager(ckpt):
+    """Captured continued chunks (several lengths and starts, one graph per length) against the
+    same span batch run eagerly, bit for bit; and against the ordinary eager continued chunk
+    (SDPA over the span, FLA's varlen form) up to bf16 rounding."""
+    from headstart.engine.cuda_graph import ContinuationGraphs
+
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(10)
+    pools = [model.new_state_pool(4, 256) for _ in range(3)]
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (17, 40)]
+    for pool in pools:
+        model.forward(ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)],
+                                         model.device), pool)
+    graphs = ContinuationGraphs(model, pools[2], 32, 3, taps=(0, 2))
+    for slot, n in ((0, 9), (1, 32), (0, 2)):
+        start = int((pools[2].keys[0, slot, 0].abs().sum(-1) > 0).sum())  # rows filled so far
+        ids = torch.randint(0, 512, (n,), generator=gen).tolist()
+        got = graphs.run(ids, start, slot)
+        same = model.forward_ex(ForwardBatch.windows_of(
+            torch.tensor(ids, device="cuda"), torch.tensor([slot], device="cuda"),
+            torch.tensor([start], device="cuda"), n, span=True), pools[1], (0, 2))
+        assert torch.equal(got.logits, same.logits) and torch.equal(got.taps, same.taps)
+        assert torch.equal(pools[2].recurrent[:, slot], pools[1].recurrent[:, slot])
+        plain = model.forward_ex(ForwardBatch.build([SeqChunk(slot, start, ids)], model.device),
+                                 pools[0], (0, 2))
+        torch.testing.assert_close(got.logits.float(), plain.logits.float(), atol=0.1, rtol=0.05)

@@ -230,3 +230,61 @@ def test_window_graphs_at_the_context_edge(target, tokenizer):
         assert run(e) == expected
     finally:
         e.stop()
+
+
+def test_span_batch_equals_a_continued_chunk(target):
+    """A continued prefill chunk built from tensors (decode-style attention, the span GDN by
+    slot tensor) against the same chunk as an ordinary span: last-row logits, taps, state."""
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(5, 150, (19,), generator=gen).tolist()
+    chunk = torch.randint(5, 150, (11,), generator=gen).tolist()
+    pools = [target.new_state_pool(3, 64) for _ in range(2)]
+    for pool in pools:
+        target.forward(ForwardBatch.build([SeqChunk(1, 0, prompt)]), pool)
+    ref = target.forward_ex(ForwardBatch.build([SeqChunk(1, 19, chunk)]), pools[0], (0, 2))
+    got = target.forward_ex(ForwardBatch.windows_of(
+        torch.tensor(chunk), torch.tensor([1]), torch.tensor([19]), 11, span=True),
+        pools[1], (0, 2))
+    assert got.records == {}
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.taps, ref.taps, atol=1e-4, rtol=1e-4)
+    for name in ("conv", "recurrent"):
+        torch.testing.assert_close(getattr(pools[1], name)[:, 1], getattr(pools[0], name)[:, 1],
+                                   atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pools[1].keys[:, 1, :, :30], pools[0].keys[:, 1, :, :30])
+
+
+def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
+    """Long prompts in chunks of 16 and growing conversations served from the prompt cache
+    (a hit, then the new turn as a continued chunk), through an engine that replays continued
+    chunks from (emulated) graphs and one that does not: the same greedy tokens."""
+    first = PROMPTS[:6]
+    grown = [p + [(7 * i) % 150 + 5 for i in range(9)] for p in first]
+
+    def make(graphs):
+        e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
+                   step_tokens=48, graphs=graphs, graph_capture=False, prefill_graph_tokens=20,
+                   continuation_graphs=True, cache_bytes=1 << 24)
+        e.start()
+        return e
+
+    outputs = []
+    counts = None
+    for graphs in (False, True):
+        e = make(graphs)
+        if graphs:
+            counts = {"n": 0}
+            real = e.continuation_graphs.run
+
+            def run(*a, _real=real):
+                counts["n"] += 1
+                return _real(*a)
+
+            e.continuation_graphs.run = run
+        try:
+            outputs.append((run_all(e, first), run_all(e, grown)))
+            assert e.stats()["cache_hits"] >= len(grown)
+        finally:
+            e.stop()
+    assert outputs[1] == outputs[0]
+    assert counts["n"] > 0

@@ -93,6 +93,9 @@ class WindowRows:
     slots: torch.Tensor  # [n]
     as_decode: DecodeRows  # every row as a decode row (slot repeated, its own position)
     records: object | None = None  # a state.WindowRecords to write the records into
+    # One stream's rows as one span through the kernels' span recurrence: a continued prefill
+    # chunk (not recorded; logits of its last row only).
+    span: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,12 @@ class ForwardBatch:
 
     @classmethod
     def windows_of(cls, input_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                   width: int, records: object | None = None) -> ForwardBatch:
+                   width: int, records: object | None = None, span: bool = False
+                   ) -> ForwardBatch:
         """``n`` verify windows of ``width`` rows: ``input_ids`` [n * width] stream after
         stream, window j at positions ``starts[j] ..`` of ``slots[j]``. Built from tensors
-        only (no host values), so the static buffers of a graph can be passed in."""
+        only (no host values), so the static buffers of a graph can be passed in. ``span``: one
+        continued prefill chunk instead (see :class:`WindowRows`)."""
         n = slots.shape[0]
         dev = input_ids.device
         rows = torch.arange(n * width, device=dev).view(n, width)
@@ -120,10 +125,12 @@ class ForwardBatch:
         decode = DecodeRows(rows=rows.reshape(-1), slots=slots.repeat_interleave(width),
                             positions=positions,
                             fresh=torch.zeros(n * width, dtype=torch.bool, device=dev))
+        assert not span or n == 1, "a span batch holds one stream"
         return cls(input_ids=input_ids, positions=positions, spans=(),
-                   logit_index=rows.reshape(-1), decode=None, multi_row=(), multi=None,
+                   logit_index=rows[:, -1] if span else rows.reshape(-1), decode=None,
+                   multi_row=(), multi=None,
                    windows=WindowRows(rows=rows, slots=slots, as_decode=decode,
-                                      records=records))
+                                      records=records, span=span))
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:

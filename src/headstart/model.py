@@ -265,7 +265,7 @@ class Qwen35Model:
         cfg, w = self.cfg, self.w
         records: dict[int, GDNRecord] = {s.slot: GDNRecord() for s in batch.spans
                                          if s.record or s.parents is not None}
-        if batch.windows is not None:  # keyed by stream index: slots are tensors there
+        if batch.windows is not None and not batch.windows.span:  # keyed by stream index
             records.update({j: GDNRecord() for j in range(batch.windows.rows.shape[0])})
         tapped: list[torch.Tensor] = []
         for span in batch.spans:
@@ -448,7 +448,18 @@ class Qwen35Model:
                                         d.fresh, states)
             core[d.rows] = o.to(x.dtype)
         wd = batch.windows
-        if wd is not None:  # verify windows as W batched one-row steps (graph-capturable)
+        if wd is not None and wd.span:  # a continued chunk by slot tensor (graph-capturable)
+            rows, L = wd.rows[0], wd.rows.shape[1]
+            y, tail = causal_conv(mixed[rows], tails.index_select(0, wd.slots)[0], conv_w)
+            tails.index_copy_(0, wd.slots, tail[None])
+            q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+            o = self.kernels.gdn_spans(
+                q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk), v.reshape(L, Hv, Dv), g[rows],
+                beta[rows], torch.arange(0, 2 * L, L, dtype=torch.int32, device=x.device),
+                wd.slots, torch.zeros(1, dtype=torch.bool, device=x.device), states,
+                torch.tensor([0, L], dtype=torch.int32))
+            core[rows] = o.to(x.dtype)
+        elif wd is not None:  # verify windows as W batched one-row steps (graph-capturable)
             n, W = wd.rows.shape
             if records is not None:  # inputs to replay any prefix of each window (rollback)
                 flat = wd.rows.reshape(-1)

@@ -289,3 +289,40 @@ class RollbackGraphs:
         self.slot.fill_(slot)
         self.window.fill_(window)
         self.graphs[keep].replay()
+
+
+class ContinuationGraphs:
+    """Continued prefill chunks of 2 .. ``max_tokens`` tokens (a stream past position 0: the
+    new turn after a prompt-cache hit, the later chunks of a long prompt), one graph per length,
+    with slot and start position in static tensors (``ForwardBatch.windows_of(span=True)``).
+    Attention runs as decode rows over the pool; the GDN through the kernels' span recurrence."""
+
+    def __init__(self, model: Qwen35Model, pool: StatePool, max_tokens: int, scratch_slot: int,
+                 taps: Sequence[int] = (), capture: bool = True, mempool: object | None = None
+                 ) -> None:
+        dev = model.device
+        self.max_tokens = min(max_tokens, pool.max_tokens - 1)
+        self.ids = torch.zeros(max(self.max_tokens, 1), dtype=torch.int64, device=dev)
+        self.slot = torch.full((1,), scratch_slot, dtype=torch.int64, device=dev)
+        self.start = torch.ones(1, dtype=torch.int64, device=dev)
+        if capture and mempool is None:
+            mempool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, _Replayable] = {}
+        for n in range(self.max_tokens, 1, -1):
+            self.graphs[n] = _Replayable(
+                lambda n=n: model.forward_ex(
+                    ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
+                    pool, tuple(taps)),
+                capture, mempool, warmups=1)
+
+    def covers(self, n: int) -> bool:
+        return n in self.graphs
+
+    def run(self, tokens: Sequence[int], start: int, slot: int) -> ForwardOutput:
+        """Prefill ``tokens`` at positions ``start ..`` of ``slot``; the last row's logits and
+        every row's taps, views valid until the next replay."""
+        n = len(tokens)
+        self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
+        self.slot.fill_(slot)
+        self.start.fill_(start)
+        return self.graphs[n].replay()

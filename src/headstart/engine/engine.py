@@ -89,11 +89,14 @@ class Engine:
                  graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
                  tree_budget: int | None = None, max_snapshots: int = 256,
                  host_cache_bytes: int = 0, prefill_graph_tokens: int = 64,
-                 window_graphs: bool = False, graph_capture: bool = True) -> None:
+                 window_graphs: bool = False, continuation_graphs: bool = False,
+                 graph_capture: bool = True) -> None:
         """``graphs``: replay the decode step (and fresh prefills of 2 .. prefill_graph_tokens
         tokens) from CUDA graphs; default: when the kernels allow it. ``graph_capture=False``
         keeps the graph bookkeeping but runs eagerly (tests on a CPU). ``window_graphs``: with
-        a drafter, also replay chain verify windows from graphs (not yet measured on a GPU)."""
+        a drafter, also replay proposals, chain verify windows and rollbacks from graphs;
+        ``continuation_graphs``: continued prefill chunks of up to prefill_graph_tokens tokens
+        (both not yet run on a GPU)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -125,13 +128,15 @@ class Engine:
         self.taps: tuple[int, ...] = self.spec.taps if self.spec else ()
         self.graphs = None
         self.prefill_graphs = None
+        self.continuation_graphs = None
         self.window_graphs = None
         self.rollback_graphs = None
         # slot -> (rows its graphed window ran, padded; its index in the window batch), this step
         self._ran_rows: dict[int, tuple[int, int]] = {}
         runners = None
         if graphs:
-            runners = self._capture_graphs(graph_capture, prefill_graph_tokens, window_graphs)
+            runners = self._capture_graphs(graph_capture, prefill_graph_tokens, window_graphs,
+                                           continuation_graphs)
         if self.spec is not None:  # after the warm-up, so no timing includes compilation
             self.spec.measure(self.pool, slot=0, runners=runners)
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -200,11 +205,13 @@ class Engine:
                                                   {"rounds": 0, "drafted": 0, "accepted": 0,
                                                    "tree_rounds": 0}).items()}}
 
-    def _capture_graphs(self, capture: bool, prefill_tokens: int, windows: bool):
+    def _capture_graphs(self, capture: bool, prefill_tokens: int, windows: bool,
+                        continuations: bool):
         """Warm up, then capture: decode steps, fresh prefills and (with a drafter and
         ``windows``) proposals, verify windows and rollbacks. Returns the speculator's cost
         runners when rounds run from graphs (their costs are measured on them)."""
         from headstart.engine.cuda_graph import (
+            ContinuationGraphs,
             DecodeGraphs,
             PrefillGraphs,
             RollbackGraphs,
@@ -221,6 +228,10 @@ class Engine:
             self.prefill_graphs = PrefillGraphs(model, pool, min(prefill_tokens, self.context - 1),
                                                 scratch, self.taps, capture=capture,
                                                 mempool=mempool)
+            if continuations:
+                self.continuation_graphs = ContinuationGraphs(
+                    model, pool, prefill_tokens, scratch, self.taps, capture=capture,
+                    mempool=mempool)
         if not (windows and self.spec is not None and self.spec.block >= 2):
             return None
         block = self.spec.block
@@ -471,22 +482,23 @@ class Engine:
                 live.features = live.features[:0]
         return dict(zip(picked, self.spec.propose(jobs), strict=True))
 
-    # At most this many fresh prefills are replayed one by one in a step; more go eager, where
+    # At most this many prefill chunks are replayed one by one in a step; more go eager, where
     # they share one batched forward.
     MAX_GRAPH_PREFILLS = 4
 
     def _graph_plan(self, work: list[Work]) -> tuple[list[int], list[int]] | None:
-        """(decode items, fresh-prefill items) when the whole step can replay graphs."""
-        g, pg = self.graphs, self.prefill_graphs
+        """(decode items, prefill-chunk items) when the whole step can replay graphs."""
+        g, pg, cg = self.graphs, self.prefill_graphs, self.continuation_graphs
         if g is None:
             return None
         decode = [j for j, w in enumerate(work) if len(w.tokens) == 1 and w.start > 0 and w.samples]
-        fresh = [j for j, w in enumerate(work)
-                 if pg is not None and w.start == 0 and pg.covers(len(w.tokens))]
-        if (len(decode) + len(fresh) != len(work) or len(fresh) > self.MAX_GRAPH_PREFILLS
+        chunks = [j for j, w in enumerate(work) if len(w.tokens) > 1 and (
+            pg.covers(len(w.tokens)) if w.start == 0 and pg is not None else
+            cg is not None and w.start > 0 and cg.covers(len(w.tokens)))]
+        if (len(decode) + len(chunks) != len(work) or len(chunks) > self.MAX_GRAPH_PREFILLS
                 or len(decode) > self.num_slots):
             return None
-        return decode, fresh
+        return decode, chunks
 
     def _windows_fit(self, work: list[Work], drafts: dict[int, Draft]) -> bool:
         wg = self.window_graphs
@@ -519,7 +531,8 @@ class Engine:
         taps: dict[int, torch.Tensor | None] = {}
         for j in fresh:
             w = work[j]
-            out = self.prefill_graphs.run(w.tokens, w.seq.slot)
+            out = (self.prefill_graphs.run(w.tokens, w.seq.slot) if w.start == 0 else
+                   self.continuation_graphs.run(w.tokens, w.start, w.seq.slot))
             # Cloned: another prefill of the same length in this step replays the same graph.
             logits[j] = out.logits.clone() if w.samples else out.logits[:0]
             taps[j] = out.taps.clone() if out.taps is not None else None

@@ -63,6 +63,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-graphs", action="store_true",
                    help="with a drafter, replay chain verify windows from CUDA graphs "
                         "(experimental: not yet measured on a GPU)")
+    p.add_argument("--continuation-graphs", action="store_true",
+                   help="also replay continued prefill chunks (a new turn after a prompt-cache "
+                        "hit) from CUDA graphs (experimental: not yet run on a GPU)")
     p.add_argument("--prefill-graph-tokens", type=int, default=64,
                    help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
                         "(one graph per length; 0 or 1: none)")
@@ -141,7 +144,8 @@ def serve(args: argparse.Namespace) -> int:
                     draft_block=args.draft_block, draft_window=args.draft_window,
                     graphs=False if args.no_graphs else None,
                     prefill_graph_tokens=args.prefill_graph_tokens,
-                    window_graphs=args.window_graphs)
+                    window_graphs=args.window_graphs,
+                    continuation_graphs=args.continuation_graphs)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model
