@@ -276,8 +276,8 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
             counts = {"n": 0}
             real = e.continuation_graphs.run
 
-            def run(*a, _real=real):
-                counts["n"] += 1
+            def run(*a, _real=real, _counts=counts):
+                _counts["n"] += 1
                 return _real(*a)
 
             e.continuation_graphs.run = run
