@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-
 import pytest
-
 from engine_helpers import Collector
-from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull, wait_idle
+
+from headstart.engine.engine import (
+    Engine,
+    EngineRequest,
+    Failed,
+    Finish,
+    Piece,
+    QueueFull,
+    wait_idle,
+)
 from headstart.generate import generate
 from headstart.loading import load
 from headstart.sampling import SamplingParams
@@ -136,3 +143,25 @@ def test_warm_up_paths_run_and_leave_no_trace(loaded):
         assert c.done.wait(30) and c.tokens == alone(loaded, ids, params)
     finally:
         e.stop()
+
+
+def test_queued_drafter_features_keep_the_newest_window():
+    """Rows queued for the drafter arrive in pieces (a prompt, then one per step); reading them
+    gives the newest ``window`` rows and their first position, as one concatenation would."""
+    import torch
+
+    from headstart.engine.engine import _Live
+
+    live = _Live(None, None, None, None)
+    assert live.features is None
+    ref, start = torch.zeros(0, 3), 10
+    for n in (4, 1, 1, 3, 1, 7, 1, 1):
+        rows = torch.randn(n, 3)
+        live.add_features(rows, start + ref.shape[0], window=6)
+        ref = torch.cat([ref, rows])
+        drop = max(0, ref.shape[0] - 6)
+        ref, start = ref[drop:], start + drop
+        assert torch.equal(live.features, ref) and live.features_start == start
+    live.features = live.features[:0]  # handed to the drafter's ring
+    live.add_features(torch.ones(2, 3), 99, window=6)
+    assert live.features_start == 99 and live.features.shape == (2, 3)

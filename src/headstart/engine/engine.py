@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,20 +64,50 @@ class _Live:
     rng: torch.Generator | None
     draft: bool = False  # this stream drafts (the engine has a drafter and the request allows)
     # Target features (tapped hidden states) of committed rows not yet in the drafter's ring,
-    # for positions features_start .. ; capped to the ring's window.
-    features: torch.Tensor | None = None
+    # for positions features_start .. ; capped to the ring's window. Kept as a list of pieces,
+    # joined only when read: while a stream does not draft, rows arrive one per step, and
+    # joining on every step would copy up to the whole window each time.
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    held: int = 0  # rows in pieces
     features_start: int = 0
 
+    @property
+    def features(self) -> torch.Tensor | None:
+        if len(self.pieces) > 1:
+            self.pieces = [torch.cat(self.pieces)]
+        return self.pieces[0] if self.pieces else None
+
+    @features.setter
+    def features(self, value: torch.Tensor | None) -> None:
+        self.pieces = [] if value is None else [value]
+        self.held = 0 if value is None else value.shape[0]
+
     def add_features(self, rows: torch.Tensor, start: int, window: int) -> None:
-        rows = rows[-window:].clone()  # may be a view of a graph's static output
-        if self.features is None or self.features.shape[0] == 0:
-            self.features, self.features_start = rows, start
+        """Queue ``rows`` (positions ``start ..``), keeping the newest ``window`` rows."""
+        if self.held and self.features_start + self.held != start:
+            raise AssertionError("features must arrive in position order, without gaps")
+        if rows.shape[0] >= window:  # the new rows alone fill the window
+            drop = rows.shape[0] - window
+            self.pieces, self.held = [rows[drop:].clone()], window
+            self.features_start = start + drop
+            return
+        rows = rows.clone()  # may be a view of a graph's static output
+        if self.held == 0:
+            self.pieces, self.held, self.features_start = [rows], rows.shape[0], start
         else:
-            assert self.features_start + self.features.shape[0] == start
-            self.features = torch.cat([self.features, rows])
-        if self.features.shape[0] > window:
-            self.features_start += self.features.shape[0] - window
-            self.features = self.features[-window:]
+            self.pieces.append(rows)
+            self.held += rows.shape[0]
+        excess = self.held - window
+        while excess > 0:  # drop the oldest rows (whole pieces, then part of one: a view)
+            first = self.pieces[0]
+            cut = min(excess, first.shape[0])
+            if cut == first.shape[0]:
+                self.pieces.pop(0)
+            else:
+                self.pieces[0] = first[cut:]
+            self.features_start += cut
+            self.held -= cut
+            excess -= cut
 
 
 class Engine:
