@@ -116,6 +116,15 @@ def test_engine_with_graph_paths_equals_eager(target, tokenizer, with_drafter, c
         assert counts["decode"] > 0
 
 
+def emulated(target, tokenizer, drafter=None, *, num_slots: int = 4, context: int = 128, **kw):
+    """A started engine whose graphs run with capture off (prefill graphs up to 20 tokens)."""
+    e = Engine(target, tokenizer, (), num_slots=num_slots, context=context, prefill_chunk=16,
+               step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
+               prefill_graph_tokens=20, **kw)
+    e.start()
+    return e
+
+
 def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
     """Verify windows built from tensors (W one-row GDN steps, attention as decode rows) against
     the same windows as recorded spans (chunked GDN, span attention): logits, taps, and the
@@ -153,11 +162,7 @@ def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
     streams at once and windows of different widths padded to one: greedy output equals
     decoding without a drafter, and every graph path was taken."""
     def make(drafter, **kw):
-        e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
-                   step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
-                   prefill_graph_tokens=20, spec_mode="chain", **kw)
-        e.start()
-        return e
+        return emulated(target, tokenizer, drafter, spec_mode="chain", **kw)
 
     plain = make(None)
     try:
@@ -201,11 +206,8 @@ def test_window_graphs_at_the_context_edge(target, tokenizer):
     windows: padding it to their width would write past the pool, so that step runs eagerly;
     greedy output still equals decoding without a drafter."""
     def make(drafter, **kw):
-        e = Engine(target, tokenizer, (), num_slots=2, context=40, prefill_chunk=16,
-                   step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
-                   prefill_graph_tokens=20, spec_mode="chain", **kw)
-        e.start()
-        return e
+        return emulated(target, tokenizer, drafter, num_slots=2, context=40, spec_mode="chain",
+                        **kw)
 
     cases = [(PROMPTS[5][:24], 16), (PROMPTS[1][:6], 30)]  # ends at 40 (the context), and 36
 
@@ -262,9 +264,10 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
     grown = [p + [(7 * i) % 150 + 5 for i in range(9)] for p in first]
 
     def make(graphs):
+        if graphs:
+            return emulated(target, tokenizer, continuation_graphs=True, cache_bytes=1 << 24)
         e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
-                   step_tokens=48, graphs=graphs, graph_capture=False, prefill_graph_tokens=20,
-                   continuation_graphs=True, cache_bytes=1 << 24)
+                   step_tokens=48, graphs=False, cache_bytes=1 << 24)
         e.start()
         return e
 
