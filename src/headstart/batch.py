@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from headstart.state import WindowRecords
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class WindowRows:
     rows: torch.Tensor  # [n, W] packed row of each window row
     slots: torch.Tensor  # [n]
     as_decode: DecodeRows  # every row as a decode row (slot repeated, its own position)
-    records: object | None = None  # a state.WindowRecords to write the records into
+    records: WindowRecords | None = None  # where to write the records (shared by graphs)
     # One stream's rows as one span through the kernels' span recurrence: a continued prefill
     # chunk (not recorded; logits of its last row only).
     span: bool = False
@@ -112,7 +116,7 @@ class ForwardBatch:
 
     @classmethod
     def windows_of(cls, input_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                   width: int, records: object | None = None, span: bool = False
+                   width: int, records: WindowRecords | None = None, span: bool = False
                    ) -> ForwardBatch:
         """``n`` verify windows of ``width`` rows: ``input_ids`` [n * width] stream after
         stream, window j at positions ``starts[j] ..`` of ``slots[j]``. Built from tensors

@@ -391,18 +391,15 @@ class Qwen35Model:
         layer = self.state_index[i]
         keys, values = pool.keys[layer], pool.values[layer]
         out = torch.empty_like(q)
-        d = batch.decode
-        if d is not None:  # one row per stream: write the rows, attend from the pool in place
-            keys[d.slots, :, d.positions] = k[d.rows]
-            values[d.slots, :, d.positions] = v[d.rows]
-            out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
-                                                   d.positions + 1)
-        if batch.windows is not None:  # verify windows: every row a decode row of its stream
-            d = batch.windows.as_decode
-            keys[d.slots, :, d.positions] = k[d.rows]  # all rows first: later ones are masked
-            values[d.slots, :, d.positions] = v[d.rows]
-            out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
-                                                   d.positions + 1)
+        # Decode rows (one per stream), and graphed windows whose every row is a decode row of
+        # its stream: write all the rows, then attend from the pool in place (a window's later
+        # rows are masked by length).
+        for d in (batch.decode, batch.windows.as_decode if batch.windows else None):
+            if d is not None:
+                keys[d.slots, :, d.positions] = k[d.rows]
+                values[d.slots, :, d.positions] = v[d.rows]
+                out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
+                                                       d.positions + 1)
         for s in batch.multi_row:
             end = s.start + s.length
             keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)

@@ -14,16 +14,17 @@
   most, tens of microseconds. Exact lengths, not padded buckets: padding rows would run through
   the recurrence and corrupt the state.
 
-* :class:`WindowGraphs`: chain verify windows, one graph per (stream-count bucket, width), and
-  :class:`DraftGraphs`: the drafter's proposal forward per stream-count bucket; both off by
-  default (``Engine(window_graphs=True)``) until measured on a GPU.
+Off by default until run on a GPU (``Engine(window_graphs=True, continuation_graphs=True)``):
 
-Continued chunks (a stream past position 0) and tree windows stay eager.
+* :class:`WindowGraphs` (chain verify windows per stream bucket and width),
+  :class:`DraftGraphs` (the drafter's proposal forward per stream bucket) and
+  :class:`RollbackGraphs` (per kept length): a whole speculative round without eager launches.
+* :class:`ContinuationGraphs`: prefill chunks of a stream past position 0, per length.
 
-Both take ``capture=False`` to run the same forward eagerly on the same static buffers, with the
-same slot bookkeeping: that is how the CPU tests check everything here but the capture itself.
+Tree windows and longer chunks stay eager. Every class takes ``capture=False`` to run the same
+forward eagerly on the same static buffers, with the same slot bookkeeping: that is how the CPU
+tests check everything here but the capture itself.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -553,13 +553,13 @@ class Engine:
         return ForwardOutput(out.logits[rows], out.taps[rows] if out.taps is not None else None,
                              out.records)
 
-    def _graph_forward(self, work: list[Work], decode: list[int], fresh: list[int]
+    def _graph_forward(self, work: list[Work], decode: list[int], chunks: list[int]
                        ) -> ForwardOutput:
         """One step from graph replays, its outputs laid out as the eager forward's would be
         (logit rows and tap rows in work order)."""
         logits: dict[int, torch.Tensor] = {}
         taps: dict[int, torch.Tensor | None] = {}
-        for j in fresh:
+        for j in chunks:
             w = work[j]
             out = (self.prefill_graphs.run(w.tokens, w.seq.slot) if w.start == 0 else
                    self.continuation_graphs.run(w.tokens, w.start, w.seq.slot))
