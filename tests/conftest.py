@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py builds the refer
 sys.path.insert(1, str(Path(__file__).parent.parent))  # the training/ package (not installed)
 
 torch.set_num_threads(2)
+if not torch.cuda.is_available():
+    # Triton kernels (where Triton is installed) run on the CPU through Triton's interpreter;
+    # read when a kernel is defined, so it must be set before headstart.ops imports Triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -114,6 +114,17 @@ class ForwardBatch:
     trees: tuple[SeqSpan, ...] = ()  # tree verify windows, run one by one (reference ops)
     windows: WindowRows | None = None  # graph-capturable verify windows (alone in a batch)
 
+    @property
+    def all_decode(self) -> DecodeRows | None:
+        """The decode rows when they are all the rows of the batch, in row order (by
+        construction: :meth:`build` packs single-row chunks in order, windows are ``arange``), so
+        per-row kernels may write their outputs whole, with no scatter; else None."""
+        if self.multi_row or self.trees:
+            return None
+        if self.windows is not None:
+            return self.windows.as_decode if self.decode is None else None
+        return self.decode
+
     @classmethod
     def windows_of(cls, input_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                    width: int, records: WindowRecords | None = None, span: bool = False

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from headstart.ops import pointwise
 from headstart.ops.attention import attend, attend_decode
 from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
 
@@ -32,6 +33,11 @@ def _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states):
     state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
     o, states[slots] = gated_delta_step(q, k, v, g, beta, state)
     return o
+
+
+def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states):
+    g, beta = pointwise.gdn_gates(a[rows], b[rows], A_log, dt_bias)
+    return _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states)
 
 
 def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):
@@ -71,14 +77,25 @@ class Kernels:
     # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
     prepare: Callable[[Any], Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
+    # gdn_decode with the gates computed from the raw projections: (q, k, v, a [T,Hv], b [T,Hv],
+    # rows [n], A_log, dt_bias, slots, fresh, state pool) -> o [n,Hv,Dv]
+    gdn_decode_gates: Callable[..., torch.Tensor] = _ref_gdn_decode_gates
+    # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.add_rms_norm
+    gated_rms_norm: Callable[..., torch.Tensor] = pointwise.gated_rms_norm
+    silu_mul: Callable[..., torch.Tensor] = pointwise.silu_mul
+    sigmoid_mul: Callable[..., torch.Tensor] = pointwise.sigmoid_mul
+    conv_step_rows: Callable[..., torch.Tensor] = pointwise.conv_step_rows
+    attn_decode_inputs: Callable[..., torch.Tensor] = pointwise.attn_decode_inputs
 
 
 REFERENCE = Kernels("reference", _ref_gdn_decode, _ref_gdn_spans, _ref_attn_decode)
 
 
 def gpu_kernels() -> Kernels:
+    from headstart.ops import gpu_fused
     from headstart.ops.decode_attention import decode_attention
-    from headstart.ops.gpu_gdn import gdn_decode, gdn_prefill_varlen
+    from headstart.ops.gpu_gdn import gdn_decode, gdn_decode_gates, gdn_prefill_varlen
     from headstart.ops.quant_matmul import prepare as prepare_quant
     from headstart.quant import QuantizedTensor
 
@@ -104,7 +121,11 @@ def gpu_kernels() -> Kernels:
                                                                  enable_gqa=nh != nkv)
         return o[0].transpose(0, 1)
 
-    return Kernels("gpu", gdn_decode, spans, decode_attention, attn_span, prepare, graphs=True)
+    return Kernels("gpu", gdn_decode, spans, decode_attention, attn_span, prepare, graphs=True,
+                   gdn_decode_gates=gdn_decode_gates, add_rms_norm=gpu_fused.add_rms_norm,
+                   gated_rms_norm=gpu_fused.gated_rms_norm, silu_mul=gpu_fused.silu_mul,
+                   sigmoid_mul=gpu_fused.sigmoid_mul, conv_step_rows=gpu_fused.conv_step_rows,
+                   attn_decode_inputs=gpu_fused.attn_decode_inputs)
 
 
 def select_kernels(device: torch.device | str, want: str = "auto") -> Kernels:

@@ -22,6 +22,7 @@ from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
 from headstart.kernels import Kernels, select_kernels
 from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, recurrent_gated_delta
+from headstart.ops.pointwise import gdn_gates, rms_norm
 from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
 from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
@@ -37,22 +38,6 @@ def linear(x: torch.Tensor, w: Weight | PreparedQuant) -> torch.Tensor:
     if isinstance(w, QuantizedTensor):
         return x @ w.dequantize(x.dtype).T
     return F.linear(x, w)
-
-
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm; ``scale`` is the multiplier ``1 + w`` in fp32. Rounds once at the end."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale
-    return y.to(x.dtype)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
-    """GDN output norm (plain weight, no +1), then ``* silu(gate)``; rounds twice, as HF does."""
-    x32 = x.float()
-    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    y = weight.to(x.dtype) * n
-    return (y * F.silu(gate.float())).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -275,22 +260,28 @@ class Qwen35Model:
                     f"{pool.max_tokens}"
                 )
         x = self.embed(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        # Rows that are all decode rows get RoPE inside the attention-input kernel.
+        cos, sin = (None, None) if batch.all_decode is not None else \
+            self.rotary.cos_sin(batch.positions, self.dtype)
+        add_norm, eps = self.kernels.add_rms_norm, cfg.rms_norm_eps
+        pending: torch.Tensor | None = None  # the last MLP's output, added with the next norm
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            x, h = add_norm(x, pending, w[p + "input_layernorm.weight"], eps)
+            if i - 1 in taps:
+                tapped.append(x)
             if kind == FULL:
                 h = self.attention(i, h, cos, sin, batch, pool)
             else:
                 h = self.gated_deltanet(i, h, batch, pool, records)
-            x = x + h
-            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + self.mlp(p + "mlp.", h)
-            if i in taps:
-                tapped.append(x)
+            x, h = add_norm(x, h, w[p + "post_attention_layernorm.weight"], eps)
+            pending = self.mlp(p + "mlp.", h)
+        x = x + pending
+        if cfg.num_hidden_layers - 1 in taps:
+            tapped.append(x)
         if taps:
             assert len(tapped) == len(taps), "tap ids must be distinct layer indices"
-        h = rms_norm(x[batch.logit_index], w["norm.weight"], cfg.rms_norm_eps)
+        h = rms_norm(x[batch.logit_index], w["norm.weight"], eps)
         return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None,
                              records)
 
@@ -370,26 +361,33 @@ class Qwen35Model:
 
     def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        gate, up = linear(x, w[p + "gate_up_proj.weight"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up,
+        return linear(self.kernels.silu_mul(linear(x, w[p + "gate_up_proj.weight"])),
                       w[p + "down_proj.weight"])
 
-    def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, batch: ForwardBatch, pool: StatePool
+                  ) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
         T, hd = x.shape[0], cfg.head_dim
         # q_proj is laid out per head as [query (hd) | gate (hd)].
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        qg, k, v = torch.split(linear(x, w[p + "qkv_proj.weight"]),
-                               [2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
-        qg = qg.reshape(T, nh, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, -1)
+        qkv = linear(x, w[p + "qkv_proj.weight"])
+        gate = qkv[:, :2 * nh * hd].view(T, nh, 2 * hd)[..., hd:]
+        layer = self.state_index[i]
+        keys, values = pool.keys[layer], pool.values[layer]
+        d = batch.all_decode
+        if d is not None:  # every row a decode row: norms, RoPE and the KV write in one kernel
+            q = self.kernels.attn_decode_inputs(
+                qkv, d.rows, nh, nkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"],
+                cfg.rms_norm_eps, self.rotary.inv_freq, keys, values, d.slots, d.positions)
+            out = self.kernels.attn_decode(q, keys, values, d.slots, d.positions + 1)
+            return linear(self.kernels.sigmoid_mul(out.reshape(T, -1), gate),
+                          w[p + "o_proj.weight"])
+        qg, k, v = torch.split(qkv, [2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = qg.reshape(T, nh, 2 * hd)[..., :hd]
         k, v = k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
         q = Rotary.apply(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), cos, sin)
         k = Rotary.apply(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), cos, sin)
-
-        layer = self.state_index[i]
-        keys, values = pool.keys[layer], pool.values[layer]
         out = torch.empty_like(q)
         # Decode rows (one per stream), and graphed windows whose every row is a decode row of
         # its stream: write all the rows, then attend from the pool in place (a window's later
@@ -413,8 +411,7 @@ class Qwen35Model:
             out[s.begin:s.end] = attend_tree(q[s.begin:s.end], keys[s.slot, :, :end],
                                              values[s.slot, :, :end], s.start,
                                              ancestry(s.parents))
-        out = out.reshape(T, -1) * torch.sigmoid(gate)
-        return linear(out, w[p + "o_proj.weight"])
+        return linear(self.kernels.sigmoid_mul(out.reshape(T, -1), gate), w[p + "o_proj.weight"])
 
     def gated_deltanet(self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: StatePool,
                        records: dict[int, GDNRecord] | None = None) -> torch.Tensor:
@@ -425,25 +422,32 @@ class Qwen35Model:
         # One matmul for all four input projections: [q | k | v] (conv input), z, b, a.
         mixed, z, b, a = torch.split(linear(x, w[p + "in_proj.weight"]),
                                      [cfg.conv_dim, cfg.value_dim, Hv, Hv], dim=-1)
-        z = z.reshape(T, Hv, Dv)
-        beta = torch.sigmoid(b)
-        g = -w[p + "A_log"].exp() * F.softplus(a.float() + w[p + "dt_bias"])  # log decay, fp32
+        z = z.view(T, Hv, Dv)
+        A_log, dt_bias = w[p + "A_log"], w[p + "dt_bias"]
+        d = batch.decode
+        if d is None or batch.all_decode is None or batch.windows is not None:
+            g, beta = gdn_gates(a, b, A_log, dt_bias)  # log decay (fp32), write strength
 
         layer = self.state_index[i]
         tails, states = pool.conv[layer], pool.recurrent[layer]
         conv_w = w[p + "conv1d.weight"]
-        core = torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
-        d = batch.decode
+        if d is not None and batch.all_decode is d:
+            core = None  # the decode step's output is every row, in order
+        else:
+            core = torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
         if d is not None:  # one row per stream: the step form, batched over streams
-            # A new stream starts from zero tail and state, whatever its slot held (even NaN).
-            tail = torch.where(d.fresh[:, None, None], 0.0, tails[d.slots])
-            y, tails[d.slots] = causal_conv_step(mixed[d.rows], tail, conv_w)
+            # A new stream starts from zero tail and state, whatever its slot held (even NaN);
+            # the kernels read the rows and compute the gates themselves (no gathers).
+            y = self.kernels.conv_step_rows(mixed, d.rows, conv_w, tails, d.slots, d.fresh)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             n = q.shape[0]
-            o = self.kernels.gdn_decode(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
-                                        v.reshape(n, Hv, Dv), g[d.rows], beta[d.rows], d.slots,
-                                        d.fresh, states)
-            core[d.rows] = o.to(x.dtype)
+            o = self.kernels.gdn_decode_gates(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
+                                              v.reshape(n, Hv, Dv), a, b, d.rows, A_log,
+                                              dt_bias, d.slots, d.fresh, states).to(x.dtype)
+            if core is None:
+                core = o
+            else:
+                core[d.rows] = o
         wd = batch.windows
         if wd is not None and wd.span:  # a continued chunk by slot tensor (graph-capturable)
             rows, L = wd.rows[0], wd.rows.shape[1]
@@ -510,5 +514,5 @@ class Qwen35Model:
             core[s.begin:s.end] = o.to(x.dtype)
             if records is not None and s.slot in records:
                 records[s.slot].tree[i] = (node_states, node_tails)
-        out = gated_rms_norm(core, z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        return linear(out.reshape(T, -1), w[p + "out_proj.weight"])
+        out = self.kernels.gated_rms_norm(core, z, w[p + "norm.weight"], cfg.rms_norm_eps)
+        return linear(out, w[p + "out_proj.weight"])

@@ -83,10 +83,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, slot_ptr, fresh_ptr,
-                         state_ptr, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
-                         stride_vh, stride_gn, stride_bn, stride_on, stride_oh, stride_slot,
-                         HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
-                         DV: tl.constexpr, BV: tl.constexpr):
+                         state_ptr, rows_ptr, a_log_ptr, dt_bias_ptr, stride_qn, stride_qh,
+                         stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
+                         stride_on, stride_oh, stride_slot, HV: tl.constexpr, R: tl.constexpr,
+                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                         RAW_GATES: tl.constexpr):
         pid = tl.program_id(0)  # stream * HV + value head
         pv = tl.program_id(1)  # Dv slice
         i_n = pid // HV
@@ -98,8 +99,18 @@ if HAVE_TRITON:
         q = tl.load(q_ptr + i_n * stride_qn + i_hk * stride_qh + dk).to(tl.float32)
         k = tl.load(k_ptr + i_n * stride_kn + i_hk * stride_kh + dk).to(tl.float32)
         v = tl.load(v_ptr + i_n * stride_vn + i_hv * stride_vh + dv).to(tl.float32)
-        g = tl.load(g_ptr + i_n * stride_gn + i_hv).to(tl.float32)
-        beta = tl.load(beta_ptr + i_n * stride_bn + i_hv).to(tl.float32)
+        if RAW_GATES:
+            # g and beta from the raw projections a, b at the stream's packed row, as
+            # pointwise.gdn_gates computes them (beta rounded to b's dtype, as a tensor of it is).
+            row = tl.load(rows_ptr + i_n).to(tl.int64)
+            a = tl.load(g_ptr + row * stride_gn + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv)
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold 20
+            g = -tl.exp(tl.load(a_log_ptr + i_hv)) * softplus
+            b = tl.load(beta_ptr + row * stride_bn + i_hv)
+            beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + i_n * stride_gn + i_hv).to(tl.float32)
+            beta = tl.load(beta_ptr + i_n * stride_bn + i_hv).to(tl.float32)
         # Same normalisation as the reference (rsqrt of sum of squares + 1e-6; q also * Dk^-0.5).
         q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5))
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
@@ -121,7 +132,9 @@ if HAVE_TRITON:
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-               state_pool: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               state_pool: torch.Tensor, out_dtype: torch.dtype | None = None,
+               rows: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
+               dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One GDN step for n streams; updates ``state_pool[slots]`` in place.
 
     q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool;
@@ -142,9 +155,22 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     BV = 32 if n * Hv * (Dv // 32) >= 512 else 16
     BV = min(BV, Dv)
     grid = (n * Hv, Dv // BV)
+    raw = rows is not None
     _gdn_step_kernel[grid](
         q, k, v, g, beta, o, slots, fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
-        state_pool, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        state_pool, rows if raw else slots, A_log if raw else g, dt_bias if raw else g,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_pool.stride(0),
-        HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, num_warps=4)
+        HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, RAW_GATES=raw, num_warps=4)
     return o
+
+
+def gdn_decode_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, rows: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                     state_pool: torch.Tensor) -> torch.Tensor:
+    """:func:`gdn_decode` with the gates computed in the kernel from the raw projections a, b
+    ``[T, Hv]`` at packed rows ``rows [n]`` (``pointwise.gdn_gates``): no gate kernels, no
+    gathers."""
+    return gdn_decode(q, k, v, a, b, slots, fresh, state_pool, rows=rows, A_log=A_log,
+                      dt_bias=dt_bias)

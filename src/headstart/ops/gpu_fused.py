@@ -1,0 +1,262 @@
+"""One Triton kernel for each piece of :mod:`headstart.ops.pointwise` (same signatures).
+
+Why: a profile of the 27B decode step on an H200 (``benchmarks/profile_decode.py``) had 3,842
+kernel launches per step, 3,473 of them elementwise ops, gathers and copies between the matmuls:
+5.9 ms of kernel time plus 1.6 ms of gaps, against a 12.1 ms bf16 floor. Fusing each norm, gate and
+conv step into one kernel (reading its rows by index, writing states in place) leaves about ten
+launches per layer.
+
+Rounding follows the references: values are rounded to the activation dtype wherever the
+reference materialises a bf16 tensor, except inside the conv step and RoPE, where products are
+kept in fp32 (the reference rounds each product; the difference is within one bf16 ulp of the
+result). Tests: ``tests/test_gpu_ops.py`` (GPU) and ``tests/test_fused_interpret.py`` (Triton's
+CPU interpreter, when Triton is installed).
+
+Non-goals: autograd; fp32 activations are supported but not tuned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headstart.ops.triton_support import HAVE_TRITON, tl, triton
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """fp32 -> the activation dtype -> fp32, as materialising a tensor of that dtype does."""
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, s_ptr, sum_ptr, y_ptr, D, stride_x, stride_r,
+                             stride_sum, stride_y, eps, HAS_RES: tl.constexpr,
+                             BD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BD)
+        m = d < D
+        x = tl.load(x_ptr + row * stride_x + d, mask=m, other=0.0)
+        DT: tl.constexpr = x.dtype
+        x = x.to(tl.float32)
+        if HAS_RES:
+            x = _round(x + tl.load(r_ptr + row * stride_r + d, mask=m, other=0.0).to(tl.float32),
+                       DT)
+            tl.store(sum_ptr + row * stride_sum + d, x.to(DT), mask=m)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        s = tl.load(s_ptr + d, mask=m, other=0.0)
+        tl.store(y_ptr + row * stride_y + d, (x * rstd * s).to(DT), mask=m)
+
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, H, stride_x, stride_z, stride_y, eps,
+                               D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        d = tl.arange(0, BD)
+        m = (h < H)[:, None] & (d < D)[None, :]
+        off = h[:, None] * D + d[None, :]
+        x = tl.load(x_ptr + row * stride_x + off, mask=m, other=0.0)
+        DT: tl.constexpr = x.dtype
+        x = x.to(tl.float32)
+        n = _round(x * tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None], DT)
+        w = _round(tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32), DT)
+        y = _round(w[None, :] * n, DT)
+        z = tl.load(z_ptr + row * stride_z + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + off, (y * (z * tl.sigmoid(z))).to(DT), mask=m)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < N
+        g = tl.load(gu_ptr + row * stride_gu + c, mask=m, other=0.0)
+        DT: tl.constexpr = g.dtype
+        g = g.to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + N + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + c, (_round(g * tl.sigmoid(g), DT) * u).to(DT), mask=m)
+
+    @triton.jit
+    def _sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, F, HD, stride_x, stride_gr, stride_gh, stride_y,
+                            BLOCK: tl.constexpr):
+        # gate [T, F] given as [T, F / HD, HD] strides: a per-head view of the projection.
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < F
+        x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
+        DT: tl.constexpr = x.dtype
+        g = tl.load(g_ptr + row * stride_gr + (c // HD) * stride_gh + c % HD, mask=m,
+                    other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + c, (x.to(tl.float32) * _round(tl.sigmoid(g), DT)
+                                             ).to(DT), mask=m)
+
+    @triton.jit
+    def _conv_step_kernel(x_ptr, rows_ptr, w_ptr, tail_ptr, slot_ptr, fresh_ptr, y_ptr, C,
+                          stride_x, stride_slot, stride_y, K: tl.constexpr, KP: tl.constexpr,
+                          BC: tl.constexpr):
+        i = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        j = tl.arange(0, KP)
+        cm = c < C
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        keep = tl.load(fresh_ptr + i) == 0
+        x = tl.load(x_ptr + row * stride_x + c, mask=cm, other=0.0)
+        t_ptrs = tail_ptr + slot * stride_slot + c[:, None] * (K - 1)
+        # window [BC, KP]: columns 0..K-2 the tail (zeros for a fresh stream: never read), K-1 x.
+        win = tl.load(t_ptrs + j[None, :], mask=cm[:, None] & (j[None, :] < K - 1) & keep,
+                      other=0.0)
+        win = tl.where(j[None, :] == K - 1, x[:, None], win)
+        w = tl.load(w_ptr + c[:, None] * K + j[None, :], mask=cm[:, None] & (j[None, :] < K),
+                    other=0.0)
+        DT: tl.constexpr = x.dtype
+        acc = _round(tl.sum(win.to(tl.float32) * w.to(tl.float32), 1), DT)
+        tl.store(y_ptr + i * stride_y + c, (acc * tl.sigmoid(acc)).to(DT), mask=cm)
+        # New tail: the window shifted left by one (column j <- column j + 1).
+        nxt = tl.load(t_ptrs + j[None, :] + 1, mask=cm[:, None] & (j[None, :] < K - 2) & keep,
+                      other=0.0)
+        nxt = tl.where(j[None, :] == K - 2, x[:, None], nxt)
+        tl.store(t_ptrs + j[None, :], nxt.to(tail_ptr.dtype.element_ty),
+                 mask=cm[:, None] & (j[None, :] < K - 1))
+
+    @triton.jit
+    def _attn_inputs_kernel(qkv_ptr, rows_ptr, qs_ptr, ks_ptr, inv_ptr, k_pool, v_pool, slot_ptr,
+                            pos_ptr, q_out, stride_qkv, stride_ks, stride_kh, stride_kt,
+                            stride_vs, stride_vh, stride_vt, stride_qn, stride_qh, eps,
+                            NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+                            RD: tl.constexpr):
+        i = tl.program_id(0)
+        h = tl.program_id(1)  # 0..NH-1: query heads; NH..NH+NKV-1: key/value heads
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        pos = tl.load(pos_ptr + i)
+        d = tl.arange(0, HD)
+        HALF: tl.constexpr = RD // 2
+        partner = tl.where(d < HALF, d + HALF, tl.where(d < RD, d - HALF, d))
+        is_q = h < NH
+        if is_q:
+            base = qkv_ptr + row * stride_qkv + h * (2 * HD)
+            s_ptr = qs_ptr
+        else:
+            hk = h - NH
+            base = qkv_ptr + row * stride_qkv + 2 * NH * HD + hk * HD
+            s_ptr = ks_ptr
+        raw = tl.load(base + d)
+        DT: tl.constexpr = raw.dtype
+        x = raw.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / HD + eps)
+        n = _round(x * rstd * tl.load(s_ptr + d), DT)
+        pn = _round(tl.load(base + partner).to(tl.float32) * rstd * tl.load(s_ptr + partner), DT)
+        ang = pos.to(tl.float32) * tl.load(inv_ptr + d % HALF, mask=d < RD, other=0.0)
+        cos = _round(tl.cos(ang), DT)
+        sin = _round(tl.sin(ang), DT)
+        rot = _round(_round(n * cos, DT) + _round(tl.where(d < HALF, -pn, pn) * sin, DT), DT)
+        out = tl.where(d < RD, rot, n).to(DT)
+        if is_q:
+            tl.store(q_out + i * stride_qn + h * stride_qh + d, out)
+        else:
+            hk = h - NH
+            tl.store(k_pool + slot * stride_ks + hk * stride_kh + pos * stride_kt + d, out)
+            v = tl.load(base + NKV * HD + d)  # the value head sits NKV heads further on
+            tl.store(v_pool + slot * stride_vs + hk * stride_vh + pos * stride_vt + d, v)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _rows(x)
+    T, D = x.shape
+    y = torch.empty_like(x)
+    if T == 0:
+        return x, y
+    if residual is not None:
+        residual = _rows(residual)
+        out = torch.empty_like(x)
+    else:
+        out = x
+    BD = triton.next_power_of_2(D)
+    _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, scale, out, y, D,
+                               x.stride(0), (residual if residual is not None else x).stride(0),
+                               out.stride(0), y.stride(0), eps, HAS_RES=residual is not None,
+                               BD=BD, num_warps=8 if BD >= 4096 else 4)
+    return out, y
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    T, H, D = x.shape
+    x = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
+    if gate.stride(2) != 1 or gate.stride(1) != D:
+        gate = gate.contiguous()
+    y = torch.empty(T, H * D, dtype=x.dtype, device=x.device)
+    if T:
+        _gated_rms_norm_kernel[(T,)](x, gate, weight, y, H, x.stride(0), gate.stride(0),
+                                     y.stride(0), eps, D=D, BH=triton.next_power_of_2(H),
+                                     BD=triton.next_power_of_2(D), num_warps=8)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate_up = _rows(gate_up)
+    T, N2 = gate_up.shape
+    N = N2 // 2
+    y = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        BLOCK = 2048
+        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](gate_up, y, N, gate_up.stride(0),
+                                                    y.stride(0), BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, F] contiguous rows; gate [T, H, HD] (a per-head view) or [T, F]."""
+    x = _rows(x)
+    T, F = x.shape
+    g3 = gate if gate.dim() == 3 else gate.reshape(T, 1, F)
+    if g3.stride(2) != 1:
+        g3 = g3.contiguous()
+    y = torch.empty_like(x)
+    if T:
+        BLOCK = 1024
+        _sigmoid_mul_kernel[(T, triton.cdiv(F, BLOCK))](
+            x, g3, y, F, g3.shape[2], x.stride(0), g3.stride(0), g3.stride(1), y.stride(0),
+            BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                   tails: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    mixed = _rows(mixed)
+    n = rows.shape[0]
+    C, K = weight.shape
+    if tails.stride(2) != 1 or tails.stride(1) != K - 1 or weight.stride() != (K, 1):
+        raise ValueError("conv tails need contiguous [C, K-1] per slot and weight [C, K]")
+    y = torch.empty(n, C, dtype=mixed.dtype, device=mixed.device)
+    if n:
+        BC = 256
+        _conv_step_kernel[(n, triton.cdiv(C, BC))](
+            mixed, rows, weight, tails, slots, fresh.view(torch.uint8), y, C, mixed.stride(0),
+            tails.stride(0), y.stride(0), K=K, KP=triton.next_power_of_2(K), BC=BC,
+            num_warps=4)
+    return y
+
+
+def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float,
+                       inv_freq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    qkv = _rows(qkv)
+    n = rows.shape[0]
+    hd = keys.shape[-1]
+    rd = 2 * inv_freq.shape[0]
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values need a contiguous head dimension")
+    q = torch.empty(n, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    if n:
+        _attn_inputs_kernel[(n, num_heads + num_kv_heads)](
+            qkv, rows, q_scale, k_scale, inv_freq, keys, values, slots, positions, q,
+            qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
+            values.stride(1), values.stride(2), q.stride(0), q.stride(1), eps, NH=num_heads,
+            NKV=num_kv_heads, HD=hd, RD=rd, num_warps=2)
+    return q

@@ -1,0 +1,100 @@
+"""The per-row pieces of a layer around its matmuls and mixers: norms, gates, the conv step, and
+the decode rows' attention inputs. Pure PyTorch: the executable spec.
+
+Each function rounds where HF transformers' ``modeling_qwen3_5`` rounds (bf16 activations), and
+:mod:`headstart.ops.gpu_fused` implements the same signatures as single Triton kernels (a decode
+step is otherwise a few thousand tiny elementwise launches, ~30% of its time on an H200).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headstart.ops.short_conv import causal_conv_step
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm; ``scale`` is the multiplier ``1 + w`` in fp32. Rounds once at the end."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale
+    return y.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` (rounded to x's dtype; ``residual`` None: x itself) and its RMSNorm."""
+    if residual is not None:
+        x = x + residual
+    return x, rms_norm(x, scale, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """GDN output norm per head (plain weight, no +1), then ``* silu(gate)``; rounds twice, as HF
+    does. x, gate: [T, H, D] (gate may be a strided view); returns [T, H * D]."""
+    x32 = x.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = weight.to(x.dtype) * n
+    return (y * F.silu(gate.float())).to(x.dtype).reshape(x.shape[0], -1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's middle: ``[T, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` (attention's output gate); x [T, F], gate [T, F] or [T, H, F / H]
+    (a per-head view of the projection; any strides)."""
+    return x * torch.sigmoid(gate).reshape(x.shape)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN's log decay ``g`` (fp32) and write strength ``beta`` (a's dtype) from the raw
+    projections a, b [T, Hv]."""
+    return -A_log.exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                   tails: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """The GDN conv for one new row of each of n streams: row ``rows[i]`` of ``mixed [T, C]``
+    continues the tail ``tails[slots[i]]`` (``[slots, C, K-1]``, updated in place; zeros when
+    ``fresh[i]``, whatever the slot held). Returns ``silu(conv)`` [n, C]."""
+    tail = torch.where(fresh[:, None, None], 0.0, tails[slots])
+    y, tails[slots] = causal_conv_step(mixed[rows], tail, weight)
+    return y
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Partial rotate-half RoPE (the model's ``Rotary``), x: [n, heads, hd]."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    rd = cos.shape[-1]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float,
+                       inv_freq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Attention inputs of one decode row per stream, from the fused projection ``qkv [T, 2*nh*hd
+    + 2*nkv*hd]`` (per query head ``[query | gate]``, then keys, then values): q and k get their
+    RMSNorm and RoPE at ``positions``; k and v are written into the pools ``keys``/``values``
+    (``[slots, nkv, max_tokens, hd]``) at ``(slots[i], positions[i])``. Returns q ``[n, nh, hd]``."""
+    hd = keys.shape[-1]
+    x = qkv[rows]
+    n = x.shape[0]
+    qg, k, v = torch.split(x, [2 * num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], dim=-1)
+    q = qg.reshape(n, num_heads, 2 * hd)[..., :hd]
+    q = _rope(rms_norm(q, q_scale, eps), positions, inv_freq)
+    k = _rope(rms_norm(k.reshape(n, num_kv_heads, hd), k_scale, eps), positions, inv_freq)
+    keys[slots, :, positions] = k
+    values[slots, :, positions] = v.reshape(n, num_kv_heads, hd)
+    return q

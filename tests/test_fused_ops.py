@@ -1,0 +1,165 @@
+"""The fused per-row kernels (``ops/gpu_fused.py``, the gated GDN step) against their PyTorch
+references (``ops/pointwise.py``) on fresh random inputs, and a model whose decode steps run them
+against the reference model.
+
+On a GPU they run as compiled; without one, under Triton's CPU interpreter (conftest sets
+``TRITON_INTERPRET=1``) when Triton is installed, else the module skips. Tolerances: the kernels
+round where the references round, except inside the conv step and RoPE (fp32 products instead of
+bf16-rounded ones), reduction order, and, under the interpreter only, its fp32 -> bf16
+conversion (toward zero): within 2 bf16 ulps (``rtol=atol=1.6e-2``) elementwise;
+in-place state updates are compared whole, slots that must not change exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from headstart.kernels import REFERENCE, _ref_gdn_decode_gates  # noqa: E402
+from headstart.ops import gpu_fused, pointwise  # noqa: E402
+from headstart.ops.gpu_gdn import gdn_decode_gates  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Triton's interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest even as torch does.
+EXACT = DEV.type == "cuda"
+BF = torch.bfloat16
+
+
+def rand(*shape, seed, scale=1.0, dtype=BF):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
+
+
+def close(out, ref, tol=1.6e-2):
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_rms_norm(residual):
+    x, r = rand(3, 300, seed=1), rand(3, 300, seed=2)
+    scale = rand(300, seed=3, dtype=torch.float32) * 0.1 + 1
+    got = gpu_fused.add_rms_norm(x, r if residual else None, scale, 1e-6)
+    want = pointwise.add_rms_norm(x, r if residual else None, scale, 1e-6)
+    if EXACT:
+        assert torch.equal(got[0], want[0])  # one rounding of the same fp32 sum
+    close(got[0], want[0])
+    close(got[1], want[1])
+
+
+def test_gated_rms_norm_on_a_strided_gate():
+    core = rand(2, 3, 32, seed=4)
+    proj = rand(2, 3 * 32 + 7, seed=5)
+    z = proj[:, 7:].view(2, 3, 32)
+    w = rand(32, seed=6, dtype=torch.float32)
+    close(gpu_fused.gated_rms_norm(core, z, w, 1e-6), pointwise.gated_rms_norm(core, z, w, 1e-6))
+
+
+def test_silu_mul_and_sigmoid_mul():
+    gu = rand(3, 2 * 100, seed=7, scale=3)
+    close(gpu_fused.silu_mul(gu), pointwise.silu_mul(gu))
+    qg = rand(3, 4, 2 * 16, seed=8, scale=3)
+    x = rand(3, 4 * 16, seed=9)
+    gate = qg[..., 16:]
+    close(gpu_fused.sigmoid_mul(x, gate), pointwise.sigmoid_mul(x, gate))
+
+
+def _pools(seed):
+    tails = rand(4, 40, 3, seed=seed)
+    tails[1] = float("nan")  # a fresh stream's slot may hold anything
+    return tails
+
+
+def test_conv_step_rows_updates_tails_in_place():
+    mixed = rand(5, 40, seed=10)
+    weight = rand(40, 4, seed=11, scale=0.5)
+    rows = torch.tensor([2, 4, 0], device=DEV)
+    slots = torch.tensor([3, 1, 0], device=DEV)
+    fresh = torch.tensor([False, True, False], device=DEV)
+    got_tails, want_tails = _pools(12), _pools(12)
+    got = gpu_fused.conv_step_rows(mixed, rows, weight, got_tails, slots, fresh)
+    want = pointwise.conv_step_rows(mixed, rows, weight, want_tails, slots, fresh)
+    close(got, want)
+    assert torch.equal(got_tails[[0, 1, 3]], want_tails[[0, 1, 3]])
+    assert torch.equal(got_tails[2], want_tails[2])  # untouched slot
+
+
+def test_gdn_decode_gates_reads_rows_and_updates_states():
+    n, T, Hk, Hv, D = 3, 5, 2, 4, 16
+    q, k = rand(n, Hk, D, seed=13), rand(n, Hk, D, seed=14)
+    v = rand(n, Hv, D, seed=15)
+    a, b = rand(T, Hv, seed=16, scale=4), rand(T, Hv, seed=17, scale=2)
+    a[4, 0] = 30.0  # softplus past its linear threshold
+    A_log = rand(Hv, seed=18, dtype=torch.float32)
+    dt_bias = rand(Hv, seed=19, dtype=torch.float32)
+    rows = torch.tensor([4, 0, 2], device=DEV)
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    fresh = torch.tensor([False, True, False], device=DEV)
+    states = rand(4, Hv, D, D, seed=20, dtype=torch.float32)
+    states[0] = float("nan")
+    want_states = states.clone()
+    got = gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states)
+    want = _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, want_states)
+    close(got, want)
+    tol = 1e-4 if EXACT else 1.6e-2  # beta rounds toward zero under the interpreter
+    torch.testing.assert_close(states, want_states, rtol=tol, atol=tol)
+    assert torch.equal(states[1], want_states[1])
+
+
+def test_attn_decode_inputs_writes_kv_and_returns_q():
+    nh, nkv, hd, rd = 4, 2, 32, 8
+    T = 4
+    qkv = rand(T, 2 * nh * hd + 2 * nkv * hd, seed=21)
+    rows = torch.tensor([3, 0, 1], device=DEV)
+    slots = torch.tensor([1, 2, 0], device=DEV)
+    positions = torch.tensor([5, 0, 15], device=DEV)
+    q_scale = rand(hd, seed=22, dtype=torch.float32) * 0.1 + 1
+    k_scale = rand(hd, seed=23, dtype=torch.float32) * 0.1 + 1
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, rd, 2, device=DEV).float() / rd))
+    pools = [rand(3, nkv, 16, hd, seed=24 + i) for i in range(2)]
+    pools += [t.clone() for t in pools]
+    got = gpu_fused.attn_decode_inputs(qkv, rows, nh, nkv, q_scale, k_scale, 1e-6, inv_freq,
+                                       pools[0], pools[1], slots, positions)
+    want = pointwise.attn_decode_inputs(qkv, rows, nh, nkv, q_scale, k_scale, 1e-6, inv_freq,
+                                        pools[2], pools[3], slots, positions)
+    close(got, want)
+    close(pools[0], pools[2])
+    assert torch.equal(pools[1], pools[3])  # values are copied, not computed
+
+
+FUSED = replace(REFERENCE, gdn_decode_gates=gdn_decode_gates,
+                add_rms_norm=gpu_fused.add_rms_norm, gated_rms_norm=gpu_fused.gated_rms_norm,
+                silu_mul=gpu_fused.silu_mul, sigmoid_mul=gpu_fused.sigmoid_mul,
+                conv_step_rows=gpu_fused.conv_step_rows,
+                attn_decode_inputs=gpu_fused.attn_decode_inputs)
+
+
+def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
+    """Two streams prefilled by the reference, then batched decode steps (one stream fresh at
+    position 0, as a new request can be) through the fused kernels. bf16 has no exact reference:
+    the fused model's logit error against the fp32 reference is held to 1.5x that of the same
+    reference path run in bf16."""
+    import tiny
+    from headstart.batch import ForwardBatch, SeqChunk
+    from headstart.model import Qwen35Model
+
+    ckpt = tiny.save_text_only(tiny.causal_lm(seed=5, linear_value_head_dim=16),
+                               tmp_path / "ckpt")
+    exact = Qwen35Model.load(ckpt, dtype=torch.float32, device=DEV, kernels=REFERENCE)
+    ref = Qwen35Model.load(ckpt, dtype=BF, device=DEV, kernels=REFERENCE)
+    fused = Qwen35Model(ref.cfg, ref.w, BF, DEV, kernels=FUSED)
+    fused.head = ref.head
+    models = (exact, ref, fused)
+    pools = [m.new_state_pool(3, 64) for m in models]
+    prompt = tuple(range(3, 12))
+    for m, pool in zip(models, pools, strict=True):  # the prefill: reference kernels only
+        (exact if m is exact else ref).forward(ForwardBatch.build([SeqChunk(0, 0, prompt)], DEV),
+                                               pool)
+    for step in range(3):
+        chunks = [SeqChunk(0, len(prompt) + step, (7 + step,)), SeqChunk(2, step, (9 + step,))]
+        want, bf16, got = (m.forward(ForwardBatch.build(chunks, DEV), pool).float()
+                           for m, pool in zip(models, pools, strict=True))
+        assert (got - want).abs().max() <= 1.5 * (bf16 - want).abs().max() + 1e-3, step
