@@ -87,7 +87,8 @@ def test_conv_step_rows_updates_tails_in_place():
     assert torch.equal(got_tails[2], want_tails[2])  # untouched slot
 
 
-def test_gdn_decode_gates_reads_rows_and_updates_states():
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_gdn_decode_gates_reads_rows_and_updates_states(with_norm):
     n, T, Hk, Hv, D = 3, 5, 2, 4, 16
     q, k = rand(n, Hk, D, seed=13), rand(n, Hk, D, seed=14)
     v = rand(n, Hv, D, seed=15)
@@ -101,8 +102,12 @@ def test_gdn_decode_gates_reads_rows_and_updates_states():
     states = rand(4, Hv, D, D, seed=20, dtype=torch.float32)
     states[0] = float("nan")
     want_states = states.clone()
-    got = gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states)
-    want = _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, want_states)
+    proj = rand(T, Hv * D + 3, seed=21, scale=2)
+    norm = (proj[:, 3:].view(T, Hv, D), rand(D, seed=22, dtype=torch.float32), 1e-6) \
+        if with_norm else None
+    got = gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states, norm=norm)
+    want = _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, want_states,
+                                 norm=norm)
     close(got, want)
     tol = 1e-4 if EXACT else 1.6e-2  # beta rounds toward zero under the interpreter
     torch.testing.assert_close(states, want_states, rtol=tol, atol=tol)

@@ -35,9 +35,14 @@ def _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states):
     return o
 
 
-def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states):
+def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states,
+                          norm=None):
     g, beta = pointwise.gdn_gates(a[rows], b[rows], A_log, dt_bias)
-    return _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states)
+    o = _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states)
+    if norm is None:
+        return o
+    z, weight, eps = norm
+    return pointwise.gated_rms_norm(o.to(v.dtype), z[rows], weight, eps).view(o.shape)
 
 
 def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):
@@ -78,7 +83,8 @@ class Kernels:
     prepare: Callable[[Any], Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
     # gdn_decode with the gates computed from the raw projections: (q, k, v, a [T,Hv], b [T,Hv],
-    # rows [n], A_log, dt_bias, slots, fresh, state pool) -> o [n,Hv,Dv]
+    # rows [n], A_log, dt_bias, slots, fresh, state pool, norm=None) -> o [n,Hv,Dv]; with
+    # norm=(z [T,Hv,Dv], weight, eps), o after pointwise.gated_rms_norm with z at the same rows
     gdn_decode_gates: Callable[..., torch.Tensor] = _ref_gdn_decode_gates
     # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.add_rms_norm

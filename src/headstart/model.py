@@ -263,6 +263,8 @@ class Qwen35Model:
         # Rows that are all decode rows get RoPE inside the attention-input kernel.
         cos, sin = (None, None) if batch.all_decode is not None else \
             self.rotary.cos_sin(batch.positions, self.dtype)
+        # Their attention lengths (the new row included), once for all layers.
+        lengths = batch.all_decode.positions + 1 if batch.all_decode is not None else None
         add_norm, eps = self.kernels.add_rms_norm, cfg.rms_norm_eps
         pending: torch.Tensor | None = None  # the last MLP's output, added with the next norm
         for i, kind in enumerate(cfg.layer_types):
@@ -271,7 +273,7 @@ class Qwen35Model:
             if i - 1 in taps:
                 tapped.append(x)
             if kind == FULL:
-                h = self.attention(i, h, cos, sin, batch, pool)
+                h = self.attention(i, h, cos, sin, batch, pool, lengths)
             else:
                 h = self.gated_deltanet(i, h, batch, pool, records)
             x, h = add_norm(x, h, w[p + "post_attention_layernorm.weight"], eps)
@@ -365,8 +367,8 @@ class Qwen35Model:
                       w[p + "down_proj.weight"])
 
     def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor | None,
-                  sin: torch.Tensor | None, batch: ForwardBatch, pool: StatePool
-                  ) -> torch.Tensor:
+                  sin: torch.Tensor | None, batch: ForwardBatch, pool: StatePool,
+                  lengths: torch.Tensor | None = None) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
         T, hd = x.shape[0], cfg.head_dim
         # q_proj is laid out per head as [query (hd) | gate (hd)].
@@ -380,7 +382,7 @@ class Qwen35Model:
             q = self.kernels.attn_decode_inputs(
                 qkv, d.rows, nh, nkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"],
                 cfg.rms_norm_eps, self.rotary.inv_freq, keys, values, d.slots, d.positions)
-            out = self.kernels.attn_decode(q, keys, values, d.slots, d.positions + 1)
+            out = self.kernels.attn_decode(q, keys, values, d.slots, lengths)
             return linear(self.kernels.sigmoid_mul(out.reshape(T, -1), gate),
                           w[p + "o_proj.weight"])
         qg, k, v = torch.split(qkv, [2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -431,23 +433,21 @@ class Qwen35Model:
         layer = self.state_index[i]
         tails, states = pool.conv[layer], pool.recurrent[layer]
         conv_w = w[p + "conv1d.weight"]
-        if d is not None and batch.all_decode is d:
-            core = None  # the decode step's output is every row, in order
-        else:
-            core = torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
+        norm = (z, w[p + "norm.weight"], cfg.rms_norm_eps)
+        only_decode = d is not None and batch.all_decode is d
+        core = None if only_decode else torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
         if d is not None:  # one row per stream: the step form, batched over streams
             # A new stream starts from zero tail and state, whatever its slot held (even NaN);
             # the kernels read the rows and compute the gates themselves (no gathers).
             y = self.kernels.conv_step_rows(mixed, d.rows, conv_w, tails, d.slots, d.fresh)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             n = q.shape[0]
-            o = self.kernels.gdn_decode_gates(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
-                                              v.reshape(n, Hv, Dv), a, b, d.rows, A_log,
-                                              dt_bias, d.slots, d.fresh, states).to(x.dtype)
-            if core is None:
-                core = o
-            else:
-                core[d.rows] = o
+            o = self.kernels.gdn_decode_gates(
+                q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk), v.reshape(n, Hv, Dv), a, b, d.rows,
+                A_log, dt_bias, d.slots, d.fresh, states, norm=norm if only_decode else None)
+            if only_decode:  # the rows in order, output norm applied: straight to out_proj
+                return linear(o.to(x.dtype).view(T, -1), w[p + "out_proj.weight"])
+            core[d.rows] = o.to(x.dtype)
         wd = batch.windows
         if wd is not None and wd.span:  # a continued chunk by slot tensor (graph-capturable)
             rows, L = wd.rows[0], wd.rows.shape[1]
@@ -514,5 +514,4 @@ class Qwen35Model:
             core[s.begin:s.end] = o.to(x.dtype)
             if records is not None and s.slot in records:
                 records[s.slot].tree[i] = (node_states, node_tails)
-        out = self.kernels.gated_rms_norm(core, z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        return linear(out, w[p + "out_proj.weight"])
+        return linear(self.kernels.gated_rms_norm(core, *norm), w[p + "out_proj.weight"])

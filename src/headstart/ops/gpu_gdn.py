@@ -83,11 +83,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, slot_ptr, fresh_ptr,
-                         state_ptr, rows_ptr, a_log_ptr, dt_bias_ptr, stride_qn, stride_qh,
-                         stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn,
-                         stride_on, stride_oh, stride_slot, HV: tl.constexpr, R: tl.constexpr,
-                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                         RAW_GATES: tl.constexpr):
+                         state_ptr, rows_ptr, a_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                         stride_gn, stride_bn, stride_on, stride_oh, stride_slot, stride_zn, eps,
+                         HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BV: tl.constexpr, RAW_GATES: tl.constexpr, NORM: tl.constexpr):
         pid = tl.program_id(0)  # stream * HV + value head
         pv = tl.program_id(1)  # Dv slice
         i_n = pid // HV
@@ -127,14 +127,25 @@ if HAVE_TRITON:
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], 0)
         tl.store(s_ptrs, S)
-        tl.store(o_ptr + i_n * stride_on + i_hv * stride_oh + dv, o.to(o_ptr.dtype.element_ty))
+        ODT: tl.constexpr = o_ptr.dtype.element_ty
+        if NORM:
+            # The gated output norm (pointwise.gated_rms_norm) over the whole head (BV == DV),
+            # rounding where it rounds: o, the normalised o, the weighted o, the gated result.
+            o = o.to(ODT).to(tl.float32)
+            o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(ODT).to(tl.float32)
+            w = tl.load(norm_w_ptr + dv).to(ODT).to(tl.float32)
+            o = (w * o).to(ODT).to(tl.float32)
+            z = tl.load(z_ptr + row * stride_zn + i_hv * DV + dv).to(tl.float32)
+            o = o * (z * tl.sigmoid(z))
+        tl.store(o_ptr + i_n * stride_on + i_hv * stride_oh + dv, o.to(ODT))
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
                state_pool: torch.Tensor, out_dtype: torch.dtype | None = None,
                rows: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
-               dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+               dt_bias: torch.Tensor | None = None,
+               norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """One GDN step for n streams; updates ``state_pool[slots]`` in place.
 
     q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool;
@@ -151,26 +162,39 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     g = g if g.stride(-1) == 1 else g.contiguous()
     beta = beta if beta.stride(-1) == 1 else beta.contiguous()
-    # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head).
+    # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head); the
+    # output norm needs whole heads.
     BV = 32 if n * Hv * (Dv // 32) >= 512 else 16
-    BV = min(BV, Dv)
+    BV = Dv if norm is not None else min(BV, Dv)
     grid = (n * Hv, Dv // BV)
     raw = rows is not None
+    if norm is not None:
+        if not raw:
+            raise ValueError("the output norm reads z by packed row: pass rows")
+        z, norm_w, eps = norm
+        if z.stride(2) != 1 or z.stride(1) != Dv:
+            raise ValueError("z must be [T, Hv, Dv] with contiguous heads")
+    else:
+        z, norm_w, eps = g, g, 0.0
     _gdn_step_kernel[grid](
         q, k, v, g, beta, o, slots, fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
-        state_pool, rows if raw else slots, A_log if raw else g, dt_bias if raw else g,
+        state_pool, rows if raw else slots, A_log if raw else g, dt_bias if raw else g, z, norm_w,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_pool.stride(0),
-        HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, RAW_GATES=raw, num_warps=4)
+        z.stride(0), eps, HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, RAW_GATES=raw,
+        NORM=norm is not None, num_warps=8 if norm is not None else 4)
     return o
 
 
 def gdn_decode_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                      b: torch.Tensor, rows: torch.Tensor, A_log: torch.Tensor,
                      dt_bias: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-                     state_pool: torch.Tensor) -> torch.Tensor:
+                     state_pool: torch.Tensor,
+                     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                     ) -> torch.Tensor:
     """:func:`gdn_decode` with the gates computed in the kernel from the raw projections a, b
     ``[T, Hv]`` at packed rows ``rows [n]`` (``pointwise.gdn_gates``): no gate kernels, no
-    gathers."""
+    gathers. ``norm = (z [T, Hv, Dv], weight [Dv], eps)``: the output goes through
+    ``pointwise.gated_rms_norm`` with ``z`` at the same rows, in the same kernel."""
     return gdn_decode(q, k, v, a, b, slots, fresh, state_pool, rows=rows, A_log=A_log,
-                      dt_bias=dt_bias)
+                      dt_bias=dt_bias, norm=norm)
