@@ -478,13 +478,13 @@ class Qwen35Model:
                 for j in range(n):
                     records[j].layers[i] = (tail0[j], state0[j], mixed_w[j], g_w[j], beta_w[j])
             kept = torch.zeros(n, dtype=torch.bool, device=x.device)  # no window is fresh
-            for t in range(W):
-                r = wd.rows[:, t]
-                y, tails[wd.slots] = causal_conv_step(mixed[r], tails[wd.slots], conv_w)
+            for t in range(W):  # the decode step's own kernels, so a window == one-row steps
+                r = wd.rows[:, t].contiguous()
+                y = self.kernels.conv_step_rows(mixed, r, conv_w, tails, wd.slots, kept)
                 q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-                o = self.kernels.gdn_decode(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
-                                            v.reshape(n, Hv, Dv), g[r], beta[r], wd.slots, kept,
-                                            states)
+                o = self.kernels.gdn_decode_gates(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),
+                                                  v.reshape(n, Hv, Dv), a, b, r, A_log, dt_bias,
+                                                  wd.slots, kept, states)
                 core[r] = o.to(x.dtype)
         m = batch.multi
         if m is not None:  # multi-row spans: conv per span, then one varlen recurrence
