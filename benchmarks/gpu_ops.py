@@ -3,10 +3,14 @@
 Prints the measured device-to-device copy bandwidth (bytes read + bytes written over time, the
 convention of the device notes), then:
 
-* 4-bit quant_matmul for the 27B projections at M = 1, 4, 16: our kernel, torch's dequantize +
-  matmul, torch's int4 tinygemm (``_weight_int4pack_mm``, if this torch has it), bf16 cuBLAS on the
-  unquantized weight, and the floor = (packed words + scales + biases) / copy bandwidth. An
-  optional config sweep (``--sweep``) runs alongside.
+* 4-bit quant_matmul for the 27B projections (and, with ``--lm-head``, the 248320x5120 lm_head)
+  at M = 1, 4, 16: our kernel, torch's dequantize + matmul, torch's int4 tinygemm
+  (``_weight_int4pack_mm``, if this torch has it), bf16 cuBLAS on the unquantized weight, and the
+  floor = (packed words + scales + biases) / copy bandwidth. ``--quick`` skips the three torch
+  baselines; ``--before FILE`` also times the ``quant_matmul`` of another copy of the module (e.g.
+  the previous version) in the same process; an optional config sweep (``--sweep``) runs
+  alongside. A variant whose relative error against the fp32 reference exceeds 1e-2 is flagged
+  WRONG on its line (the lm_head, too large for an fp32 copy, is compared to our own output).
 * decode_attention at n = 16 streams, lengths 512 and 8192 (floor = K+V bytes / bandwidth), with
   the reference path (gather the slots' rows + attend_decode) for comparison.
 * gdn_decode for 48 layers of 27B state at n = 1 and 16 (floor = state read + write / bandwidth):
@@ -19,12 +23,14 @@ otherwise swamp a 5-20 us kernel ("eager" columns show that cost). Medians of
 ``triton.testing.do_bench``, which also flushes the L2 before every replay. The last lines are a
 short aligned table.
 
-    PYTHONPATH=src python benchmarks/gpu_ops.py [--sweep] [--skip gdn] [--json PATH]
+    PYTHONPATH=src python benchmarks/gpu_ops.py [--sweep] [--quick] [--lm-head] [--before FILE]
+        [--skip attention,gdn] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -53,13 +59,16 @@ SHAPES_27B = {  # name: (N out, K in)
     "mlp_down": (5120, 17408),
     "o_proj": (5120, 6144),
 }
+LM_HEAD = {"lm_head": (248320, 5120)}
 MS = (1, 4, 16)
-DEFAULT_BN = 32
-SWEEP = {  # name: (BN of the tiled layout, launch config); "ours" is (32, QmmConfig())
-    "bn32dot": (32, QmmConfig(use_dot=True)),
-    "bn32dot_nopf": (32, QmmConfig(use_dot=True, prefetch=False)),
-    "bn32c8": (32, QmmConfig(ctas_per_sm=8)),
-    "bn64w8": (64, QmmConfig(num_warps=8, prefetch=False, ctas_per_sm=2, use_dot=True)),
+SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, QmmConfig())
+    "w8": ({}, QmmConfig(num_warps=8)),
+    "bn256": ({"block_n": 256}, QmmConfig()),
+    "bn64": ({"block_n": 64}, QmmConfig()),
+    "c3": ({}, QmmConfig(ctas_per_sm=3)),
+    "c12": ({}, QmmConfig(ctas_per_sm=12)),
+    "nopf": ({}, QmmConfig(prefetch=False)),
+    "stages3": ({}, QmmConfig(num_stages=3)),
 }
 
 
@@ -131,49 +140,84 @@ def geomean(v: list[float]) -> float:
     return math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
 
 
-def bench_matmul(bw: float, sweep_on: bool) -> list[dict]:
+def load_module(path: str):
+    """A module from a file (``--before``: e.g. a copy of the previous quant_matmul.py)."""
+    spec = importlib.util.spec_from_file_location("qmm_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool = False,
+                 before=None) -> list[dict]:
     rows = []
     sweep = SWEEP if sweep_on else {}
     sweep_ratios: dict[tuple[str, int], list[float]] = {}
-    for name, (n, k) in SHAPES_27B.items():
+    shapes = dict(SHAPES_27B, **(LM_HEAD if lm_head else {}))
+    for name, (n, k) in shapes.items():
+        big = name in LM_HEAD  # only ours and before (memory, time)
         qt0 = random_qt(n, k)
         nbytes = qt0.nbytes()
         qts = [random_qt(n, k) for _ in range(copies_for(nbytes))]
-        preps = {bn: [prepare(qt, block_n=bn) for qt in qts]
-                 for bn in {DEFAULT_BN} | {bn for bn, _ in sweep.values()}}
+        w_ref = qts[0].dequantize(torch.float32) if n * k <= 2**27 else None
+        variants = {c: v for c, v in sweep.items() if not big}
+        ours = [prepare(qt) for qt in qts]
+        preps = {c: [prepare(qt, **kw) for qt in qts] for c, (kw, _) in variants.items()
+                 if kw}
+        olds = [before.prepare(qt) for qt in qts] if before is not None else None
         del qts
         floor = nbytes / (bw * 1e9) * 1e6
-        w16s = [qt0.dequantize(torch.bfloat16) for _ in range(2)]  # 2 x >100 MB: beyond L2
+        w16s = ([qt0.dequantize(torch.bfloat16) for _ in range(2)]  # 2 x >100 MB: beyond L2
+                if not quick else [])
         for m in MS:
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
             res = {"shape": name, "N": n, "K": k, "M": m, "bytes": nbytes, "floor_us": floor}
-            ours = preps[DEFAULT_BN]
-            y_ref = quant_matmul(x, ours[0]).float()
-            for cname, (bn, cfg) in sweep.items():
-                y = quant_matmul(x, preps[bn][0], cfg).float()  # same function, any config
-                err = ((y - y_ref).norm() / y_ref.norm()).item()
-                assert err < 1e-2, f"{cname} disagrees with the default config: {err:.2e}"
-                t = bench_graph([lambda p=p, cfg=cfg: quant_matmul(x, p, cfg) for p in preps[bn]])
+            y_ref = (x.float() @ w_ref.T if w_ref is not None
+                     else quant_matmul(x, ours[0]).float())
+            res["err"] = rel_err(quant_matmul(x, ours[0]), y_ref)
+            bad = [f"ours {res['err']:.1e}"] if res["err"] > 1e-2 else []
+            for cname, (kw, cfg) in variants.items():
+                ps = preps.get(cname, ours)
+                err = rel_err(quant_matmul(x, ps[0], cfg), y_ref)  # same function, any config
+                if err > 1e-2:
+                    bad.append(f"{cname} {err:.1e}")
+                t = bench_graph([lambda p=p, cfg=cfg: quant_matmul(x, p, cfg) for p in ps])
                 sweep_ratios.setdefault((cname, 1 if m == 1 else 16), []).append(t / floor)
                 res[f"cfg_{cname}"] = t
             res["ours_us"] = bench_graph([lambda p=p: quant_matmul(x, p) for p in ours])
             res["ours_eager_us"] = bench(lambda: quant_matmul(x, ours[0]))
-            res["torch_deq_mm_us"] = bench(
-                lambda: x @ dequantize(qt0.packed, qt0.scales, qt0.biases, 4, 64,
-                                       torch.bfloat16).T, rep=20)
-            int4 = torch_int4_calls(n, k, 64, x, len(ours))
-            res["torch_int4_us"] = bench_graph(int4) if int4 else float("nan")
-            del int4
-            res["bf16_cublas_us"] = bench_graph([lambda w=w: x @ w.T for w in w16s])
+            if olds is not None:
+                err = rel_err(before.quant_matmul(x, olds[0]), y_ref)
+                if err > 1e-2:
+                    bad.append(f"before {err:.1e}")
+                res["before_us"] = bench_graph([lambda p=p: before.quant_matmul(x, p)
+                                                for p in olds])
+            nan = float("nan")
+            res["torch_deq_mm_us"] = res["torch_int4_us"] = res["bf16_cublas_us"] = nan
+            if not quick:
+                res["torch_deq_mm_us"] = bench(
+                    lambda: x @ dequantize(qt0.packed, qt0.scales, qt0.biases, 4, 64,
+                                           torch.bfloat16).T, rep=20)
+                int4 = torch_int4_calls(n, k, 64, x, len(ours))
+                res["torch_int4_us"] = bench_graph(int4) if int4 else nan
+                del int4
+                res["bf16_cublas_us"] = bench_graph([lambda w=w: x @ w.T for w in w16s])
             res["ratio"] = res["ours_us"] / floor
             rows.append(res)
             print(f"  {name:12s} M={m:2d} ours {res['ours_us']:6.1f} us (eager "
                   f"{res['ours_eager_us']:5.1f})  floor {floor:5.1f}  ratio {res['ratio']:.2f}"
-                  f"  int4 {res['torch_int4_us']:6.1f}  deq+mm {res['torch_deq_mm_us']:6.1f}"
+                  + (f"  before {res['before_us']:6.1f}" if "before_us" in res else "")
+                  + f"  int4 {res['torch_int4_us']:6.1f}  deq+mm {res['torch_deq_mm_us']:6.1f}"
                   f"  bf16 {res['bf16_cublas_us']:6.1f}"
                   + "".join(f"  {c}={res[f'cfg_{c}']:.1f}" for c in sweep
-                            if f"cfg_{c}" in res), flush=True)
-        del preps, ours, w16s, qt0
+                            if f"cfg_{c}" in res)
+                  + (f"  WRONG: {', '.join(bad)}" if bad else ""), flush=True)
+        del preps, ours, olds, w16s, qt0, w_ref
         torch.cuda.empty_cache()
     if sweep_ratios:
         print("config sweep: geometric-mean ratio to floor (M=1 | M=4,16)")
@@ -246,6 +290,9 @@ def bench_gdn(bw: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time the config sweep")
+    ap.add_argument("--quick", action="store_true", help="skip the torch matmul baselines")
+    ap.add_argument("--lm-head", action="store_true", help="also time the 248320x5120 lm_head")
+    ap.add_argument("--before", default="", help="a quant_matmul.py to time alongside")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: matmul,attention,gdn")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_ops.json"))
     args = ap.parse_args()
@@ -255,7 +302,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bw:.0f} GB/s", flush=True)
     skip = set(args.skip.split(","))
-    mm = [] if "matmul" in skip else bench_matmul(bw, args.sweep)
+    before = load_module(args.before) if args.before else None
+    mm = [] if "matmul" in skip else bench_matmul(bw, args.sweep, args.quick, args.lm_head, before)
     att = [] if "attention" in skip else bench_attention(bw)
     gdn = [] if "gdn" in skip else bench_gdn(bw)
     try:
@@ -266,13 +314,14 @@ def main() -> None:
 
     print(f"\ncopy bandwidth {bw:.0f} GB/s; us per call (median); ours = CUDA-graph replay over "
           "weight copies (cold L2), eager = one Python launch; ratio = ours / floor")
-    print(f"{'matmul 4-bit g64':17s} {'M':>2s} {'ours':>6s} {'eager':>6s} {'floor':>6s} "
-          f"{'ratio':>5s} {'int4':>6s} {'deq+mm':>7s} {'bf16':>6s}")
+    print(f"{'matmul 4-bit g64':24s} {'M':>2s} {'ours':>6s} {'eager':>6s} {'floor':>6s} "
+          f"{'ratio':>5s} {'before':>6s} {'b.rat':>5s} {'int4':>6s} {'deq+mm':>7s} {'bf16':>6s}")
     for r in mm:
-        print(f"{r['shape'] + ' ' + str(r['N']) + 'x' + str(r['K']):17.17s} {r['M']:2d} "
+        b = r.get("before_us", float("nan"))
+        print(f"{r['shape'] + ' ' + str(r['N']) + 'x' + str(r['K']):24.24s} {r['M']:2d} "
               f"{r['ours_us']:6.1f} {r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} "
-              f"{r['ratio']:5.2f} {r['torch_int4_us']:6.1f} {r['torch_deq_mm_us']:7.1f} "
-              f"{r['bf16_cublas_us']:6.1f}")
+              f"{r['ratio']:5.2f} {b:6.1f} {b / r['floor_us']:5.2f} {r['torch_int4_us']:6.1f} "
+              f"{r['torch_deq_mm_us']:7.1f} {r['bf16_cublas_us']:6.1f}")
     for r in att:
         print(f"attention n={r['n']} len={r['length']:<5d}   {r['ours_us']:6.1f} "
               f"{r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} {r['ratio']:5.2f}  torch ref "

@@ -3,9 +3,9 @@
 Every check computes the reference in fp32 from the *same* bf16 inputs the kernel sees, so the
 tolerances below only have to cover the kernels' own roundings:
 
-* quant_matmul: the dequantized weight is rounded to bf16 for the tensor cores and y is rounded to
-  bf16 (each ~2**-9 relative, random): relative Frobenius error <= 6e-3, and every element within
-  3e-2 * max|ref|.
+* quant_matmul: y is rounded to bf16, and the tiled layout also rounds the dequantized weight to
+  bf16 for the tensor cores (each ~2**-9 relative, random; the MMA layout multiplies the exact
+  codes): relative Frobenius error <= 6e-3, and every element within 3e-2 * max|ref|.
 * gdn_decode: fp32 arithmetic throughout, only the summation order differs: outputs (asked in
   fp32) and states within 1e-4 relative Frobenius.
 * gdn_prefill_varlen (flash-linear-attention chunked kernels, bf16 intermediates inside FLA):
@@ -53,12 +53,13 @@ def make_weight(n: int, k: int, bits: int, group: int, seed: int,
     return quantize(w, bits=bits, group_size=group, scale_dtype=scale_dtype)
 
 
-def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None, block_n: int = 32) -> None:
-    p = prepare(qt, config, block_n=block_n)
+def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None, block_n: int | None = None,
+              layout: str = "auto", x_dtype: torch.dtype = torch.bfloat16) -> None:
+    p = prepare(qt, config, block_n=block_n, layout=layout)
     n, k = qt.shape
-    x = torch.randn(m, k, generator=gen(seed + 1), device=DEV).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen(seed + 1), device=DEV).to(x_dtype)
     y = quant_matmul(x, p)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert y.shape == (m, n) and y.dtype == x_dtype
     ref = x.float() @ qt.dequantize(torch.float32).T
     assert torch.isfinite(y).all()
     err = rel_err(y, ref)
@@ -81,21 +82,38 @@ def test_quant_matmul_real_shapes(n, k, m):
     check_qmm(make_weight(n, k, 4, 64, seed=n + k), m, seed=7 * m)
 
 
-@pytest.mark.parametrize("m", [1, 5, 40, 100])  # 40: fused with BLOCK_M 64; 100: dequant+cuBLAS
+# 9: two n8 tiles; 40: three m tiles of 16; 64: four; 100: dequant + cuBLAS
+@pytest.mark.parametrize("m", [1, 5, 9, 40, 64, 100])
 def test_quant_matmul_more_rows_and_configs(m):
     qt = make_weight(384, 2048, 4, 64, seed=m)
     check_qmm(qt, m, seed=m)
-    for bn, cfg in ((16, QmmConfig(prefetch=False, num_warps=2)),
-                    (64, QmmConfig(num_warps=8, ctas_per_sm=8)),
-                    (128, QmmConfig(num_warps=8, prefetch=False)),
-                    (32, QmmConfig(use_dot=True))):  # M == 1 through the tensor-core path too
-        check_qmm(qt, m, seed=m + 1, config=cfg, block_n=bn)
+    for layout, bn, cfg in (
+            ("mma", 128, QmmConfig(num_warps=8)),
+            ("mma", 64, QmmConfig(prefetch=False)),
+            ("mma", 256, QmmConfig(num_stages=3)),  # Triton's pipeliner instead of prefetch
+            ("mma", 128, QmmConfig(ctas_per_sm=1)),  # no split-K
+            ("tiled", 32, QmmConfig()),
+            ("tiled", 16, QmmConfig(prefetch=False, num_warps=2)),
+            ("tiled", 64, QmmConfig(num_warps=8, ctas_per_sm=8)),
+            ("tiled", 128, QmmConfig(num_warps=8, prefetch=False)),
+            ("tiled", 32, QmmConfig(use_dot=True))):  # M == 1 through the tensor-core path too
+        check_qmm(qt, m, seed=m + 1, config=cfg, block_n=bn, layout=layout)
 
 
 @pytest.mark.parametrize("m", [1, 16])
 def test_quant_matmul_8bit_and_fp16_scales(m):
     check_qmm(make_weight(256, 1024, 8, 64, seed=3), m, seed=m)
     check_qmm(make_weight(256, 1024, 4, 64, seed=4, scale_dtype=torch.float16), m, seed=m)
+    check_qmm(make_weight(256, 1024, 2, 64, seed=5), m, seed=m)
+
+
+@pytest.mark.parametrize("m", [1, 12])
+@pytest.mark.parametrize("group", [64, 128])
+def test_quant_matmul_fp16_x(m, group):
+    """fp16 activations: the MMA layout multiplies in fp16 (1024 + q codes)."""
+    qt = make_weight(320, 1152, 4, group, seed=group)  # 1152: an odd number of 64-chunks
+    check_qmm(qt, m, seed=m, x_dtype=torch.float16)
+    check_qmm(qt, m, seed=m, x_dtype=torch.float16, layout="tiled")
 
 
 def test_quant_matmul_leading_dims_and_empty():
@@ -105,12 +123,17 @@ def test_quant_matmul_leading_dims_and_empty():
     assert y.shape == (2, 3, 128)
     torch.testing.assert_close(y.reshape(6, 128), quant_matmul(x.reshape(6, 256), p))
     assert quant_matmul(x[:0].reshape(0, 256), p).shape == (0, 128)
+    # a strided view of x (row stride not a multiple of 8 elements) is copied, not misread
+    xs = torch.randn(4, 260, generator=gen(7), device=DEV).to(torch.bfloat16)[:, 2:258]
+    torch.testing.assert_close(quant_matmul(xs, p), quant_matmul(xs.contiguous(), p))
 
 
-def test_dequantize_prepared_matches_reference():
-    qt = make_weight(300, 640, 4, 64, seed=9)
-    w = dequantize_prepared(prepare(qt), torch.float32)
-    torch.testing.assert_close(w, qt.dequantize(torch.float32), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("layout", ["mma", "tiled"])
+def test_dequantize_prepared_matches_reference(layout):
+    for group in (64, 128):
+        qt = make_weight(300, 640, 4, group, seed=9)
+        w = dequantize_prepared(prepare(qt, layout=layout), torch.float32)
+        torch.testing.assert_close(w, qt.dequantize(torch.float32), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- GDN decode

@@ -2,63 +2,95 @@
 
 Job: the projections of a decode step multiply a handful of rows (M = 1..16) by a large quantized
 weight. That is memory-bound: the time floor is the bytes of packed words + scales + biases over
-the memory bandwidth. :func:`quant_matmul` reads each weight byte exactly once per call for
-M <= 64 (all rows of x ride along in the same program) and unpacks with a few integer/fp32
-instructions per weight so that the arithmetic hides under the loads. Larger M (prefill) is
-compute-bound and goes to dequantize + cuBLAS.
+the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 16 rows of x)
+for M <= 64 and keeps the per-weight work to about one integer instruction, so that the
+arithmetic hides under the loads. Larger M (prefill) is compute-bound and goes to dequantize +
+cuBLAS.
 
-Repacked layout (made once by :func:`prepare`; ``PW = 32 // bits`` codes per int32 word, ``G`` the
-group size, ``S = ceil(K / (PW * G))`` "superblocks" of ``PW`` consecutive groups, ``BN`` the tile
-width (32 by default), rows padded to ``Np`` = a multiple of 128, K padded to ``S * PW * G`` with
-zero codes and zero scale/bias so that padding contributes nothing):
+Two layouts, both made once by :func:`prepare`: "mma" for 4-bit weights with groups of 64 or 128
+(the checkpoints this server runs; the fast path) and "tiled" for every other format (2/8-bit,
+groups of 32).
 
-* ``words``: int32 ``[Np / BN, S, G, BN]``. Entry ``[n // BN, t, j, n % BN]`` is word ``j`` of
-  superblock ``t`` of row ``n``; its field ``i`` (bits ``bits*i ..``) holds the code of element
-  ``k = t*PW*G + i*G + j``. So field ``i`` of the ``[G, BN]`` tile ``[n // BN, t]`` is exactly group
-  ``t*PW + i`` of ``BN`` rows, with one scale/bias per row, and the matching ``x`` slice is ``G``
-  contiguous elements. (MLX keeps field ``i`` of word ``j`` at element ``8*j + i``, which would
-  force a reshape/interleave in registers.) Each tile is one contiguous block (8 KB for 4-bit,
-  G 64, BN 32): a program streams through consecutive memory. (A K-major ``[S*G, Np]`` layout
-  measured within 10% of this one: DRAM locality is not what limits the kernel today.)
-* ``sb``: int32 ``[Np / BN, S, PW, BN]``: for group ``t*PW + i`` of row ``n``, the 16-bit scale in
-  the low half and the 16-bit bias in the high half (bf16 or fp16, as the checkpoint stores them;
-  fp32 scales are rounded to bf16); the ``[BN]`` entries of one group are contiguous.
+**MMA layout** (``BN`` rows per tile, 128 by default; ``C = ceil(K / 64)`` chunks of 64 elements,
+rounded up to whole chunk pairs with zero codes and zero scale/bias; rows padded to tiles):
 
-Unpacking without int->float conversions: a field shifted into mantissa bits ``lo..lo+bits-1`` and
-OR-ed with the exponent of ``2**(23-lo)`` *is* the float ``2**(23-lo) + q``; one FFMA with the
-pre-shifted bias ``b - 2**(23-lo) * s`` then gives ``s*q + b`` (the offset is at most 256 for 4-bit,
-so rounding the shifted bias costs ~2**-16 relative: invisible after bf16). Fields are placed
-two at a time per shift (4-bit), so a weight costs about 0.5 SHF + 1 LOP3 + 1 FFMA. Then:
+* ``words``: int32 ``[Np / BN, C, BN / 16, 32, 4]``. Row ``n = tile*BN + 16 blk + 8 half + g``
+  and element ``k = 64 c + 16 t + 4 j + 2 khi + e`` go to word ``j`` of lane ``4 g + t`` of
+  block ``blk`` in chunk ``c``, nibble ``half + 2 khi + 4 e``. That is the register layout of the
+  A operand of the tensor cores' ``mma.m16n8k16`` (PTX ISA: lane ``4 g + t`` holds rows ``g`` and
+  ``g + 8``, columns ``2 t + {0, 1}`` and ``2 t + 8 + {0, 1}``), with the 16 columns of MMA step
+  ``j`` mapped to the elements above: each lane loads 16 contiguous bytes per (block, chunk) and
+  ``(w >> 4 h) & 0x000F000F | 0x43004300`` (one shift, one LOP3) is already its A register ``h``
+  of step ``j``: the bf16 pair ``(128 + q, 128 + q')`` (a nibble in the low mantissa bits of bf16
+  128.0 is exactly 128 + q; fp16 x uses fp16 1024.0). A lane's B registers for the chunk are then
+  ``x[m, 64 c + 16 t .. + 16]`` for ``m = g``: two 16-byte loads of x.
+* ``sb``: int32 ``[Np / BN, C / 2, BN / 16, 8, 4]``: entry ``2 sel + half`` of row group ``g``
+  is (scale | bias << 16) of row ``16 blk + 8 half + g`` for chunk ``2 pair + sel`` (bf16 or fp16
+  as the checkpoint stores them, fp32 rounded to bf16; groups of 128 repeat per chunk): the four
+  entries a lane's C fragment needs for a chunk pair, one 16-byte load.
 
-* M == 1 (default): an FMA per weight into a ``[G, BN]`` fp32 accumulator on the CUDA cores,
-  reduced over G once at the end (no shared memory, no barriers);
-* M > 1: a 0.5 CVT to bf16 and the tensor-core dot ``x_rows [16, G] @ W_group^T [G, BN]`` per
-  group (M padded to 16, masked rows are free; the weight is rounded to x's dtype for the tensor
-  cores, as a dequantize-then-matmul would do).
+Kernel (per program: BN rows, a range of chunk pairs; one warp per 16-row block, ``BN / 16 / W``
+blocks each): per chunk, four chained MMAs give ``D = sum_k (128 + q) x`` and four more with
+A = ones give ``E = sum_k x`` (shared by the warp's blocks); then ``acc += s D + (b - 128 s) E``,
+the affine term factored per group (fp32; the codes are exact in bf16, so unlike a dequantize +
+matmul the weight is never rounded). About 7/8 integer instructions per weight plus 1/8 of an MMA
+instruction. Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up to 16 two, more
+run one program column per 16 rows. Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one
+Triton blocked layout, so each lane's registers are exactly its fragments: the MMAs (inline PTX,
+``pack=4``) are the only place data crosses lanes, and the loop has no shared memory, no barrier
+and no layout conversion. The next chunk pair's words and scales are loaded (16-byte vectors)
+while this one is multiplied (register double-buffering). The grid is sized to be resident in one
+wave (``_MMA_REGS``: 75 registers, 6 programs per SM for M <= 8; 128 and 4 for M <= 16) and K is
+split until it fills that wave.
 
-Measured on the H200 (benchmarks/gpu_ops.py, CUDA-graph replay, cold L2; floor = weight bytes over
-the 4.25 TB/s copy bandwidth): 3.6-4.8x the floor at M = 1 and 4.7-5.7x at M = 4..16 for the 27B
-projections (e.g. q_proj 12288x5120: 30 us at M = 1, ~40 us at M = 16, floor 8.3 us). That beats
-torch's int4 tinygemm at M = 16 (1.8-2.1x) and its dequantize + matmul by 15-40x, but loses to the
-tinygemm at M = 1 (1.4-1.7x) and M = 4 (1.1-1.5x), and only matches bf16 cuBLAS reading 4x the
-bytes. The kernel is latency-bound, not bandwidth- or issue-bound: a program spends ~6 us per
-superblock because each group's small loads (x slice, scales) and, on the dot path, its shared-
-memory staging and barriers sit on the critical path, and only 5-7 programs fit per SM. The next
-step is to issue all of a superblock's x and scale loads up front (or double-buffer them with the
-words), e.g. one ``[PW, G]`` x load and a ``[PW, G, BN]`` formulation with a per-field rotate
-(``shf.l.wrap``) so that nothing is loaded per group.
+Measured on the H200 (``benchmarks/gpu_ops.py --skip attention,gdn --quick --sweep --lm-head
+--before <previous quant_matmul.py>``: CUDA-graph replay over weight copies, cold L2; floor =
+weight bytes over the 4.25 TB/s copy bandwidth), us and ratio to the floor, previous kernel in
+brackets:
 
-Split-K: when the N tiles alone do not fill the GPU, each (N tile, K split) program writes an fp32
-partial to a workspace and bumps a per-tile counter; the last one to arrive sums the partials in a
-fixed order (deterministic) and writes y, then resets the counter to zero. One launch, no memset,
-no host sync, launch shape depends only on tensor shapes (CUDA-graph friendly). A prepared weight
-must therefore not be used by two concurrently running streams at once.
+==========================  ============  ============  ============  =======
+shape                       M = 1         M = 4         M = 16        floor
+==========================  ============  ============  ============  =======
+q_proj 12288x5120           15.8 (30.1)   17.0 (38.9)   20.2 (40.8)     8.3
+in_proj_qkv 10240x5120      14.1 (29.5)   15.2 (34.5)   18.7 (35.4)     6.9
+mlp_gate_up 17408x5120      21.1 (49.9)   22.2 (55.6)   28.5 (58.9)    11.8
+mlp_down 5120x17408         22.4 (49.5)   24.1 (56.6)   28.3 (58.3)    11.8
+o_proj 5120x6144            11.3 (20.0)   12.6 (23.0)   15.8 (23.6)     4.2
+lm_head 248320x5120        225.4 (384.6) 250.4 (627.9) 237.3 (672.0)  168.3
+==========================  ============  ============  ============  =======
 
-Non-goals: autograd, bits other than 2/4/8, M > 64 in the fused kernel (falls back), fp32 x.
+That is 1.79-2.71x the floor at M = 1 (geometric mean 2.04 over the five projections, was 4.20),
+1.88-3.79x at M = 4..16 (2.44, was 5.02) and 1.34-1.49x for the lm_head. The lm_head, with 80
+chunks per program and no split-K, shows the steady state; the projections pay a roughly constant
+7-9 us on top of their floor: the first loads of each program (nothing to overlap them with),
+the x loads of each step (L2 latency, not prefetched), the split-K arrival and reduction. Sweep
+(same command, geometric means M = 1 | M = 4,16): 8 warps 2.13 | 2.93; BN 256 2.38 | 2.72;
+BN 64 2.02 | 2.65; 3 programs per SM 2.52 | 2.77; 12 (two waves) 2.36 | 3.05; no prefetch
+2.24 | 2.63; Triton's pipeliner (num_stages 3, through shared memory) instead of the prefetch
+6.15 | 8.92.
+
+Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
+writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
+the partials in a fixed order (deterministic) and writes y, then resets the counter to zero. One
+launch, no memset, no host sync, launch shape depends only on tensor shapes (CUDA-graph
+friendly). A prepared weight must therefore not be used by two concurrently running streams at
+once.
+
+**Tiled layout** (the previous kernel, kept for the formats above; ``PW = 32 // bits`` codes per
+word, ``S = ceil(K / (PW * G))`` superblocks of ``PW`` groups, tiles of ``BN`` rows, rows padded
+to 128): ``words`` int32 ``[Np / BN, S, G, BN]`` with field ``i`` of word ``j`` of superblock
+``t`` = element ``t*PW*G + i*G + j``, ``sb`` int32 ``[Np / BN, S, PW, BN]``. Fields are unpacked
+into fp32 with a shift, a LOP3 and an FFMA (magic-number exponent), then an FMA per weight (M == 1)
+or a bf16 tensor-core dot per group (M > 1). Measured 3.6-4.8x the floor at M = 1 and 4.7-5.7x at
+M = 4..16 for the 4-bit projections above (the brackets).
+
+Non-goals: autograd, bits other than 2/4/8, M > 64 in the fused kernels (falls back), fp32 x
+(the MMA layout falls back to dequantize + matmul).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -69,32 +101,41 @@ from headstart.quant import QuantizedTensor, unpack
 from headstart.ops.triton_support import HAVE_TRITON, sm_count, tl, triton
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used to check the kernels without a GPU) cannot run
-# inline PTX; the kernels then use the plain-Triton spelling of the same bit operation.
+# inline PTX; the kernels then use plain-Triton stand-ins with the same semantics.
 _USE_ASM = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
-ROW_PAD = 128  # rows padded to a multiple of the largest BN, so weight loads need no mask
+ROW_PAD = 128  # tiled layout: rows padded to a multiple of the largest BN (no load masks)
 MAX_FUSED_M = 64  # above this, dequantize + cuBLAS (compute-bound regime)
-_DOT_PF_RESIDENT = 5  # programs per SM of the default dot kernel with prefetch (96 registers)
+_DOT_PF_RESIDENT = 5  # tiled layout: programs per SM of the dot kernel with prefetch (96 registers)
+MMA_CHUNK = 64  # MMA layout: K elements per chunk (one scale/bias per row and chunk)
+MMA_BLOCK_N = 128  # MMA layout: default rows per tile
+_MMA_M_TILES = -(-MAX_FUSED_M // 16)  # MMA layout: split-K counters per n tile
+# MMA kernel registers per thread by (16-row blocks per warp, n8 tiles), Triton 3.6 for sm_90
+# (ptxas, offline): how many programs fit on an SM at once.
+_MMA_REGS = {(1, 1): 52, (2, 1): 75, (4, 1): 136, (1, 2): 70, (2, 2): 128, (4, 2): 255}
 
 
 @dataclass
 class QmmConfig:
     """Kernel launch knobs (defaults: the best of the H200 sweep in benchmarks/gpu_ops.py).
 
-    BLOCK_N is not here: it is fixed by the tiled layout made by :func:`prepare`."""
+    The tile height (BN rows) is not here: it is fixed by the layout made by :func:`prepare`."""
 
     num_warps: int = 4
+    # MMA layout: > 1 swaps the register prefetch for Triton's pipeliner (measured 3x slower)
     num_stages: int = 1
-    ctas_per_sm: int = 4  # split K until about this many programs per SM are in flight
-    prefetch: bool = True  # register double-buffering of the word tile
-    use_dot: bool = False  # M == 1 on CUDA cores (measured faster); M > 1 always uses the dot
+    # Split K until about this many programs per SM are in flight; 0: as many as fit at once
+    # (MMA layout, from the kernel's register count) or 4 (tiled layout).
+    ctas_per_sm: int = 0
+    prefetch: bool = True  # register double-buffering of the next K step's words and scales
+    use_dot: bool = False  # tiled layout only: M == 1 on the tensor cores too
 
 
 @dataclass
 class PreparedQuant:
-    """A quantized weight ``[N, K]`` repacked for :func:`quant_matmul` (layout: module doc)."""
+    """A quantized weight ``[N, K]`` repacked for :func:`quant_matmul` (layouts: module doc)."""
 
-    words: torch.Tensor  # int32 [Np / BN, S, G, BN]
-    sb: torch.Tensor  # int32 [Np / BN, S, PW, BN]: (scale | bias << 16) as 16-bit floats
+    words: torch.Tensor  # int32, "mma": [Np/BN, C, BN/16, 32, 4]; "tiled": [Np/BN, S, G, BN]
+    sb: torch.Tensor  # int32 (scale | bias << 16), "mma": [Np/BN, C/2, BN/16, 8, 4]
     block_n: int  # BN: output features per program, fixed by the tiling
     n: int
     k: int
@@ -103,6 +144,7 @@ class PreparedQuant:
     sb_bf16: bool  # True: scale/bias halves are bf16, False: fp16
     counters: torch.Tensor  # int32 split-K arrival counters, all zero between calls
     config: QmmConfig = field(default_factory=QmmConfig)
+    layout: str = "tiled"  # "mma" (4-bit, groups of 64 or 128) or "tiled" (any other format)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,12 +166,86 @@ class PreparedQuant:
         return sum(t.numel() * t.element_size() for t in (self.words, self.sb))
 
 
-def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int = 32,
-            rows_per_chunk: int = 4096) -> PreparedQuant:
-    """Repack an MLX affine weight (on its device) into the kernel layout. Done once at load.
+def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int | None = None,
+            rows_per_chunk: int = 2048, layout: str = "auto") -> PreparedQuant:
+    """Repack an MLX affine weight (on its device) into a kernel layout. Done once at load.
 
-    ``block_n`` (16..128, a power of two) is the tile width baked into the layout;
-    ``rows_per_chunk`` bounds the temporary int32 code buffer (rows * K * 4 bytes)."""
+    ``layout``: "mma" (4-bit with groups of 64 or 128; ``block_n`` 64, 128 (default) or 256
+    rows per tile), "tiled" (any of 2/4/8 bits; ``block_n`` 16..128, default 32) or "auto" (the
+    first that fits). ``rows_per_chunk`` bounds the temporary code buffers."""
+    if layout == "auto":
+        layout = "mma" if qt.bits == 4 and qt.group_size % MMA_CHUNK == 0 else "tiled"
+    if layout == "mma":
+        return _prepare_mma(qt, config, block_n or MMA_BLOCK_N, rows_per_chunk)
+    if layout == "tiled":
+        return _prepare_tiled(qt, config, block_n or 32, rows_per_chunk)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _scale_bias_words(qt: QuantizedTensor, rows: int, cols: int, repeat: int
+                      ) -> tuple[torch.Tensor, bool]:
+    """int32 ``[rows, cols]``: (scale | bias << 16) as 16-bit floats (bf16 or fp16 as stored;
+    fp32 is rounded to bf16), each group repeated ``repeat`` times along K; zero padding."""
+    sdt = qt.scales.dtype
+    if sdt not in (torch.bfloat16, torch.float16):
+        sdt = torch.bfloat16
+    N, n_groups = qt.scales.shape
+    dev = qt.scales.device
+    s = torch.zeros(rows, cols, dtype=sdt, device=dev)
+    b = torch.zeros(rows, cols, dtype=sdt, device=dev)
+    s[:N, :n_groups * repeat] = qt.scales.to(sdt).repeat_interleave(repeat, dim=1)
+    b[:N, :n_groups * repeat] = qt.biases.to(sdt).repeat_interleave(repeat, dim=1)
+    lo = s.view(torch.int16).to(torch.int32) & 0xFFFF
+    hi = b.view(torch.int16).to(torch.int32) << 16
+    return lo | hi, sdt == torch.bfloat16
+
+
+def _prepare_mma(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
+                 rows_per_chunk: int) -> PreparedQuant:
+    bits, G = qt.bits, qt.group_size
+    if bits != 4 or G % MMA_CHUNK:
+        raise ValueError(f"the mma layout needs 4-bit groups of a multiple of 64, not {bits}/{G}")
+    if block_n not in (64, 128, 256):
+        raise ValueError(f"block_n must be 64, 128 or 256 for the mma layout, not {block_n}")
+    N, K = qt.shape
+    if K % G:
+        raise ValueError(f"in-features {K} not a multiple of the group size {G}")
+    C = K // MMA_CHUNK
+    Cp = C + C % 2  # whole chunk pairs (a K step): zero codes and scales pad the last
+    Kp = Cp * MMA_CHUNK
+    nt = -(-N // block_n)
+    Np = nt * block_n
+    nb = block_n // 16
+    dev = qt.packed.device
+    words = torch.empty(nt, Cp, nb, 32, 4, dtype=torch.int32, device=dev)
+    rows_per_chunk = max(block_n, rows_per_chunk // block_n * block_n)
+    for r0 in range(0, Np, rows_per_chunk):
+        r1 = min(Np, r0 + rows_per_chunk)
+        codes = torch.zeros(r1 - r0, Kp, dtype=torch.int32, device=dev)
+        if r0 < N:
+            codes[:min(r1, N) - r0, :K] = unpack(qt.packed[r0:min(r1, N)], bits)
+        # Row n = tile*BN + 16 blk + 8 half + g and element k = 64 c + 16 t + 4 j + 2 khi + e
+        # go to word j of lane 4 g + t, nibble half + 2 khi + 4 e (module doc).
+        c9 = codes.view((r1 - r0) // block_n, nb, 2, 8, Cp, 4, 4, 2, 2)
+        c9 = c9.permute(0, 4, 1, 3, 5, 6, 8, 7, 2).reshape(-1, 8)  # [.., (e, khi, half)]
+        w = torch.zeros(c9.shape[0], dtype=torch.int64, device=dev)
+        for i in range(8):
+            w |= c9[:, i].to(torch.int64) << (4 * i)
+        w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # uint32 bits as int32
+        words[r0 // block_n:r1 // block_n] = w.view(-1, Cp, nb, 32, 4)
+        del codes, c9, w
+    sbw, sb_bf16 = _scale_bias_words(qt, Np, Cp, G // MMA_CHUNK)
+    # Row n = tile*BN + 16 blk + 8 half + g, chunk 2 pair + sel -> entry 2 sel + half of the
+    # lanes 4 g .. 4 g + 3 of block blk in the pair's tile.
+    sb = sbw.view(nt, nb, 2, 8, Cp // 2, 2).permute(0, 4, 1, 3, 5, 2).contiguous()
+    sb = sb.view(nt, Cp // 2, nb, 8, 4)
+    counters = torch.zeros(nt * _MMA_M_TILES, dtype=torch.int32, device=dev)
+    return PreparedQuant(words, sb, block_n, N, K, bits, G, sb_bf16, counters,
+                         config or QmmConfig(), "mma")
+
+
+def _prepare_tiled(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
+                   rows_per_chunk: int) -> PreparedQuant:
     if block_n not in (16, 32, 64, 128):
         raise ValueError(f"block_n must be 16, 32, 64 or 128, not {block_n}")
     bits, G = qt.bits, qt.group_size
@@ -142,9 +258,6 @@ def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int =
     S = -(-K // (PW * G))
     Kp, Np = S * PW * G, -(-N // ROW_PAD) * ROW_PAD
     dev = qt.packed.device
-    sdt = qt.scales.dtype
-    if sdt not in (torch.bfloat16, torch.float16):
-        sdt = torch.bfloat16
     words = torch.zeros(S * G, Np, dtype=torch.int32, device=dev)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=dev)
     for r0 in range(0, N, rows_per_chunk):
@@ -157,14 +270,8 @@ def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int =
         w = (codes << shifts).sum(-1, dtype=torch.int64)  # disjoint fields: sum == OR
         w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # uint32 bits as int32
         words[:, r0:r1] = w.reshape(r1 - r0, S * G).t()
-    n_groups = K // G
-    s = torch.zeros(Np, S * PW, dtype=sdt, device=dev)
-    b = torch.zeros(Np, S * PW, dtype=sdt, device=dev)
-    s[:N, :n_groups] = qt.scales.to(sdt)
-    b[:N, :n_groups] = qt.biases.to(sdt)
-    lo = s.view(torch.int16).to(torch.int32) & 0xFFFF
-    hi = b.view(torch.int16).to(torch.int32) << 16
-    sb = (lo | hi).t()  # [S*PW, Np]
+    sbw, sb_bf16 = _scale_bias_words(qt, Np, S * PW, 1)
+    sb = sbw.t()  # [S*PW, Np]
     # Tile: every program's [G, BN] word tile (and its scales) is one contiguous block, so a
     # program streams through consecutive memory instead of G rows Np words apart.
     nt = Np // block_n
@@ -172,8 +279,8 @@ def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int =
     sb = sb.reshape(S, PW, nt, block_n).permute(2, 0, 1, 3).contiguous()
     # Split-K arrival counters: one per N tile (M <= 64 is always one M tile).
     counters = torch.zeros(nt, dtype=torch.int32, device=dev)
-    return PreparedQuant(words, sb, block_n, N, K, bits, G, sdt == torch.bfloat16, counters,
-                         config or QmmConfig())
+    return PreparedQuant(words, sb, block_n, N, K, bits, G, sb_bf16, counters,
+                         config or QmmConfig(), "tiled")
 
 
 if HAVE_TRITON:
@@ -337,10 +444,366 @@ if HAVE_TRITON:
 
 
 
+if HAVE_TRITON:
+
+    @functools.cache
+    def _mma_asm(ones: bool, f16: bool) -> str:
+        """PTX: four chained ``m16n8k16`` MMAs (bf16 or fp16 in, fp32 out) from zero: one 64-wide
+        chunk of K for one 16-row block.
+
+        Operands (pack = 4, one C fragment per instance): $0..$3 the fp32 result; then the four
+        A-register tensors ($4.., $8.., $12.., $16..: element j is step j's register), then the
+        pairs of x, x_lo ($20..$23) and x_hi ($24..$27), two per step. ``ones``: A is all ones
+        and the only operands are x_lo ($4..$7) and x_hi ($8..$11): every row of the result is
+        then the chunk's column sum ``sum_k x[m, k]``."""
+        ty = "f16" if f16 else "bf16"
+        lines = ["{", ".reg .f32 d<4>;", ".reg .b32 one;",
+                 f"mov.b32 one, {'0x3C003C00' if f16 else '0x3F803F80'};"]
+        lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4)]
+        for j in range(4):
+            if ones:
+                a, b = "one, one, one, one", f"${4 + 2 * j}, ${5 + 2 * j}"
+            else:
+                a = f"${4 + j}, ${8 + j}, ${12 + j}, ${16 + j}"
+                b = f"${20 + 2 * j}, ${21 + 2 * j}"
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+                         f"{{d0, d1, d2, d3}}, {{{a}}}, {{{b}}}, {{d0, d1, d2, d3}};")
+        lines += [f"mov.f32 ${i}, d{i};" for i in range(4)]
+        lines.append("}")
+        return "\n".join(lines)
+
+    @functools.cache
+    def _scale_asm(sel: int, sb_bf16: bool, x_f16: bool) -> str:
+        """PTX: ``acc += s * D + (b - OFF s) * E`` on one C fragment (pack = 4), OFF = 128 (bf16
+        x) or 1024 (fp16 x), the offset that the magic-number unpacking adds to every code.
+
+        Operands: $0..$3 the new acc; D $4..$7, E $8..$11, the lane's four packed scale/bias
+        words $12..$15 (entry 2*sel: row g of chunk sel, 2*sel + 1: row g + 8), acc $16..$19."""
+        lines = ["{", ".reg .f32 s<2>, b<2>, r<4>;", ".reg .b32 u;", ".reg .b16 lo, hi;"]
+        for h in range(2):
+            src = f"${12 + 2 * sel + h}"
+            if sb_bf16:  # bf16 -> fp32 is a 16-bit left shift of the bits
+                lines += [f"shl.b32 u, {src}, 16;", f"mov.b32 s{h}, u;",
+                          f"and.b32 u, {src}, 0xFFFF0000;", f"mov.b32 b{h}, u;"]
+            else:
+                lines += [f"mov.b32 {{lo, hi}}, {src};", f"cvt.f32.f16 s{h}, lo;",
+                          f"cvt.f32.f16 b{h}, hi;"]
+            neg_off = "0fC4800000" if x_f16 else "0fC3000000"  # -1024.0, -128.0
+            lines.append(f"fma.rn.f32 b{h}, s{h}, {neg_off}, b{h};")
+        for i in range(4):
+            h = i // 2  # C elements 0, 1: row g; 2, 3: row g + 8
+            lines += [f"fma.rn.f32 r{i}, s{h}, ${4 + i}, ${16 + i};",
+                      f"fma.rn.f32 r{i}, b{h}, ${8 + i}, r{i};", f"mov.f32 ${i}, r{i};"]
+        lines.append("}")
+        return "\n".join(lines)
+
+    # ---- CPU-interpreter stand-ins for the three asm blocks above (TRITON_INTERPRET=1): the
+    # same lane/register semantics (PTX ISA, mma.m16n8k16 fragments), written with reshapes.
+
+    @triton.jit
+    def _halves_f32(v, F16: tl.constexpr = False):
+        """int32 holding two bf16 (or fp16) -> (low, high) as fp32."""
+        if F16:
+            return ((v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)),
+                    (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+        else:
+            return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _emu_b(x_lo, x_hi, W: tl.constexpr, X_F16: tl.constexpr):
+        """x pairs [1, W, 32, 4] -> B values [1, W, 8 (n), 4 (t), 4 (step), 2 (khi), 2 (e)]."""
+        l0, l1 = _halves_f32(x_lo, X_F16)
+        h0, h1 = _halves_f32(x_hi, X_F16)
+        lo = tl.reshape(tl.join(l0, l1), [1, W, 32, 2, 2, 2])  # [.., j', khi, e], step j'
+        hi = tl.reshape(tl.join(h0, h1), [1, W, 32, 2, 2, 2])  # step 2 + j'
+        b = tl.join(lo, hi)  # [.., j', khi, e, jhi]
+        b = tl.permute(b, 0, 1, 2, 6, 3, 4, 5)  # [.., jhi, j', khi, e]
+        return tl.reshape(b, [1, W, 8, 4, 4, 2, 2])
+
+    @triton.jit
+    def _emu_mma(a0, a1, a2, a3, x_lo, x_hi, RB: tl.constexpr, W: tl.constexpr,
+                 X_F16: tl.constexpr):
+        lo0, hi0 = _halves_f32(a0, X_F16)
+        lo1, hi1 = _halves_f32(a1, X_F16)
+        lo2, hi2 = _halves_f32(a2, X_F16)
+        lo3, hi3 = _halves_f32(a3, X_F16)
+        # register h = half + 2 khi; its low/high bf16 is e = 0/1
+        a = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo1, hi1)),
+                    tl.join(tl.join(lo2, hi2), tl.join(lo3, hi3)))  # [RB,W,32,4(j),e,half,khi]
+        a = tl.reshape(a, [RB, W, 8, 4, 4, 2, 2, 2])  # [rb, w, g, t, j, e, half, khi]
+        a = tl.permute(a, 0, 1, 2, 6, 3, 4, 7, 5)  # [rb, w, g, half, t, j, khi, e]
+        b = _emu_b(x_lo, x_hi, W, X_F16)  # [1, w, n, t, j, khi, e]
+        prod = tl.expand_dims(a, 4) * tl.expand_dims(tl.expand_dims(b, 2), 3)
+        d = tl.sum(tl.sum(tl.sum(tl.sum(prod, 8), 7), 6), 5)  # [rb, w, g, half, n]
+        d = tl.reshape(d, [RB, W, 8, 2, 4, 2])  # n = 2 t' + e'
+        d = tl.permute(d, 0, 1, 2, 4, 3, 5)  # [rb, w, g, t', half, e']
+        return tl.reshape(d, [RB, W, 32, 4])
+
+    @triton.jit
+    def _emu_ones(x_lo, x_hi, W: tl.constexpr, X_F16: tl.constexpr):
+        b = _emu_b(x_lo, x_hi, W, X_F16)
+        colsum = tl.sum(tl.sum(tl.sum(tl.sum(b, 6), 5), 4), 3)  # [1, w, n]
+        e = tl.reshape(colsum, [1, W, 1, 4, 1, 2])  # [1, w, g, t', half, e']
+        e = tl.broadcast_to(e, [1, W, 8, 4, 2, 2])
+        return tl.reshape(e, [1, W, 32, 4])
+
+    @triton.jit
+    def _emu_scale(acc, d, e, sbw, SEL: tl.constexpr, SB_BF16: tl.constexpr,
+                   RB: tl.constexpr, W: tl.constexpr, X_F16: tl.constexpr):
+        half0, half1 = tl.split(tl.reshape(sbw, [RB, W, 32, 2, 2]))  # [.., sel] each
+        r0a, r0b = tl.split(half0)
+        r1a, r1b = tl.split(half1)
+        if SEL == 0:
+            w0, w1 = r0a, r1a
+        else:
+            w0, w1 = r0b, r1b
+        s0, b0 = _halves_f32(w0, not SB_BF16)
+        s1, b1 = _halves_f32(w1, not SB_BF16)
+        s = tl.join(s0, s1)  # [.., half]
+        if X_F16:
+            b = tl.join(b0, b1) - 1024.0 * s
+        else:
+            b = tl.join(b0, b1) - 128.0 * s
+        s = tl.reshape(tl.join(s, s), [RB, W, 32, 4])  # element 2 half + e'
+        b = tl.reshape(tl.join(b, b), [RB, W, 32, 4])
+        return acc + s * d + b * e
+
+    # ---- the kernel
+
+    @triton.jit
+    def _code_pair(w, H: tl.constexpr, X_F16: tl.constexpr, USE_ASM: tl.constexpr):
+        """Nibbles H and H + 4 of each word -> the 16-bit float pair (OFF + q_H, OFF + q_{H+4})
+        as int32: a nibble in the low mantissa bits of bf16 128.0 (0x4300) or fp16 1024.0
+        (0x6400) *is* OFF + q, exactly."""
+        if X_F16:
+            MAGIC: tl.constexpr = 0x64006400
+        else:
+            MAGIC: tl.constexpr = 0x43004300
+        if H > 0:
+            v = w >> (4 * H)  # the sign fill of the arithmetic shift is masked off below
+        else:
+            v = w
+        if USE_ASM:
+            # (v & MASK) | MAGIC in one LOP3 (ptxas otherwise splits the two immediates).
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                [v, tl.full(v.shape, 0x000F000F, tl.int32), tl.full(v.shape, MAGIC, tl.int32)],
+                dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return (v & 0x000F000F) | MAGIC
+
+    @triton.jit
+    def _mma_chunk(acc0, acc1, wq, sbw, xi_ptr, xo0, xm0, xo1, xm1,
+                   SEL: tl.constexpr, NT: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
+                   SB_BF16: tl.constexpr, X_F16: tl.constexpr, MMA_Q: tl.constexpr,
+                   MMA_ONES: tl.constexpr, SCALE: tl.constexpr, USE_ASM: tl.constexpr):
+        """One 64-wide chunk of K: acc_u += W_chunk x_u^T (C fragments) for the n8 tiles u < NT."""
+        a0 = _code_pair(wq, 0, X_F16, USE_ASM)
+        a1 = _code_pair(wq, 1, X_F16, USE_ASM)
+        a2 = _code_pair(wq, 2, X_F16, USE_ASM)
+        a3 = _code_pair(wq, 3, X_F16, USE_ASM)
+        for u in tl.static_range(NT):
+            if u == 0:
+                xo, xm, acc = xo0, xm0, acc0
+            else:
+                xo, xm, acc = xo1, xm1, acc1
+            # L1/L2 hits: every program of this K range reads the same x.
+            x_lo = tl.load(xi_ptr + xo, mask=xm, other=0)
+            x_hi = tl.load(xi_ptr + xo + 4, mask=xm, other=0)
+            if USE_ASM:
+                e = tl.inline_asm_elementwise(MMA_ONES, "=f,=f,=f,=f" + ",r" * 8,
+                                              [x_lo, x_hi], dtype=tl.float32, is_pure=True,
+                                              pack=4)
+                d = tl.inline_asm_elementwise(MMA_Q, "=f,=f,=f,=f" + ",r" * 24,
+                                              [a0, a1, a2, a3, x_lo, x_hi], dtype=tl.float32,
+                                              is_pure=True, pack=4)
+                acc = tl.inline_asm_elementwise(SCALE, "=f,=f,=f,=f" + ",f" * 8 + ",r" * 4
+                                                + ",f" * 4, [d, e, sbw, acc], dtype=tl.float32,
+                                                is_pure=True, pack=4)
+            else:  # the stand-ins index [block, warp, lane, element]
+                xl = tl.permute(x_lo, 2, 1, 0, 3)
+                xh = tl.permute(x_hi, 2, 1, 0, 3)
+                e = _emu_ones(xl, xh, W, X_F16)
+                d = _emu_mma(tl.permute(a0, 2, 1, 0, 3), tl.permute(a1, 2, 1, 0, 3),
+                             tl.permute(a2, 2, 1, 0, 3), tl.permute(a3, 2, 1, 0, 3), xl, xh, RB, W,
+                             X_F16)
+                acc = tl.permute(_emu_scale(tl.permute(acc, 2, 1, 0, 3), d, e,
+                                            tl.permute(sbw, 2, 1, 0, 3), SEL, SB_BF16, RB, W,
+                                            X_F16), 2, 1, 0, 3)
+            if u == 0:
+                acc0 = acc
+            else:
+                acc1 = acc
+        return acc0, acc1
+
+    # Shape-only integers are not specialized (one compile serves every weight shape and M);
+    # stride_xm is, for its 16-byte divisibility (x loads), and SPLIT_K == 1 drops the reduction.
+    @triton.jit(do_not_specialize=["M", "N", "K2", "stride_ym", "PAIRS_PER_SPLIT", "NUM_PAIRS",
+                                   "N_TILES", "M_TILES"])
+    def _mma_kernel(xi_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr,
+                    M, N, K2, stride_xm, stride_ym, PAIRS_PER_SPLIT, NUM_PAIRS, N_TILES, M_TILES,
+                    SPLIT_K,
+                    BN: tl.constexpr, W: tl.constexpr, NT: tl.constexpr, EVEN_K: tl.constexpr,
+                    SB_BF16: tl.constexpr, X_F16: tl.constexpr, PREFETCH: tl.constexpr,
+                    NUM_STAGES: tl.constexpr, MMA_Q: tl.constexpr, MMA_ONES: tl.constexpr,
+                    SCALE_0: tl.constexpr, SCALE_1: tl.constexpr, USE_ASM: tl.constexpr):
+        """Program (m tile, n tile, K split): rows [pid_n*BN, +BN) of y for the K chunk pairs
+        [pid_k*PAIRS_PER_SPLIT, +PAIRS_PER_SPLIT). Warp w owns 16-row blocks w, w + W, ...;
+        every tensor is [32 lanes, W, RB, 4] so that each lane's registers are its MMA fragments
+        and no data ever crosses lanes outside the MMAs (layout: module doc)."""
+        RB: tl.constexpr = BN // (16 * W)  # 16-row blocks per warp
+        CW: tl.constexpr = BN * 8  # int32 words of one (tile, chunk)
+        SBW: tl.constexpr = BN * 2  # scale/bias words of one (tile, chunk pair)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        # Dimension order [lane, warp, block, element]: Triton orders the dimensions that tie on
+        # contiguity by index, so this is what puts 32 lanes then the W warps on the first two.
+        ln = tl.arange(0, 32)[:, None, None, None]
+        wi = tl.arange(0, W)[None, :, None, None]
+        rb = tl.arange(0, RB)[None, None, :, None]
+        p = tl.arange(0, 4)[None, None, None, :]
+        blk = rb * W + wi  # 16-row block of the tile
+        frag = blk * 128 + ln * 4 + p  # [32, W, RB, 4]: a lane's 16 bytes, lanes contiguous
+        sb_off = (blk * 8 + ln // 4) * 4 + p  # the 4 lanes of a row group share their words
+        g = ln // 4
+        t = ln % 4
+        # x as int32 pairs: lane (g, t) of n8 tile u reads row m = 16 pid_m + 8 u + g, elements
+        # 64 c + 16 t + [0, 8) (x_lo) and + [8, 16) (x_hi) of chunk c.
+        kp = t * 8 + p + wi * 0  # [32, W, 1, 4]
+        m0 = pid_m * 16 + g + wi * 0
+        xo0 = m0 * stride_xm + kp
+        xm0 = m0 < M
+        m1 = m0 + 8
+        xo1 = m1 * stride_xm + kp
+        xm1 = m1 < M
+
+        t0 = pid_k * PAIRS_PER_SPLIT
+        t1 = tl.minimum(t0 + PAIRS_PER_SPLIT, NUM_PAIRS)
+        # Pointers are recomputed from the step index (not carried through the loop) so that the
+        # compiler still sees 4 contiguous, 16-byte aligned words per lane: 16-byte loads.
+        tile0 = pid_n.to(tl.int64) * NUM_PAIRS
+        acc0 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+        acc1 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+        if PREFETCH:
+            # Register double-buffering: the next chunk pair's words and scales are in flight
+            # while this one is multiplied.
+            ok = t0 < t1
+            w_ptrs = w_ptr + (tile0 + t0) * (2 * CW) + frag
+            sb_ptrs = sb_ptr + (tile0 + t0) * SBW + sb_off
+            na = tl.load(w_ptrs, mask=ok, other=0, eviction_policy="evict_first")
+            nb = tl.load(w_ptrs + CW, mask=ok, other=0, eviction_policy="evict_first")
+            ns = tl.load(sb_ptrs, mask=ok, other=0, eviction_policy="evict_first")
+        for tp in tl.range(t0, t1, num_stages=NUM_STAGES):
+            if PREFETCH:
+                wa = na
+                wb = nb
+                sbw = ns
+                ok = tp + 1 < t1
+                w_ptrs = w_ptr + (tile0 + tp + 1) * (2 * CW) + frag
+                sb_ptrs = sb_ptr + (tile0 + tp + 1) * SBW + sb_off
+                na = tl.load(w_ptrs, mask=ok, other=0, eviction_policy="evict_first")
+                nb = tl.load(w_ptrs + CW, mask=ok, other=0, eviction_policy="evict_first")
+                ns = tl.load(sb_ptrs, mask=ok, other=0, eviction_policy="evict_first")
+            else:
+                w_ptrs = w_ptr + (tile0 + tp) * (2 * CW) + frag
+                wa = tl.load(w_ptrs, eviction_policy="evict_first")
+                wb = tl.load(w_ptrs + CW, eviction_policy="evict_first")
+                sbw = tl.load(sb_ptr + (tile0 + tp) * SBW + sb_off, eviction_policy="evict_first")
+            xk = tp * 64  # pair index of chunk 2 tp
+            if EVEN_K:
+                acc0, acc1 = _mma_chunk(acc0, acc1, wa, sbw, xi_ptr, xo0 + xk, xm0, xo1 + xk,
+                                        xm1, 0, NT, RB, W, SB_BF16, X_F16, MMA_Q, MMA_ONES, SCALE_0,
+                                        USE_ASM)
+                acc0, acc1 = _mma_chunk(acc0, acc1, wb, sbw, xi_ptr, xo0 + xk + 32, xm0,
+                                        xo1 + xk + 32, xm1, 1, NT, RB, W, SB_BF16, X_F16, MMA_Q,
+                                        MMA_ONES, SCALE_1, USE_ASM)
+            else:  # K padded to whole chunk pairs: x beyond K reads as zero (x_hi is +8)
+                ka = xk + kp
+                acc0, acc1 = _mma_chunk(acc0, acc1, wa, sbw, xi_ptr, xo0 + xk, xm0 & (ka < K2),
+                                        xo1 + xk, xm1 & (ka < K2), 0, NT, RB, W, SB_BF16,
+                                        X_F16, MMA_Q, MMA_ONES, SCALE_0, USE_ASM)
+                acc0, acc1 = _mma_chunk(acc0, acc1, wb, sbw, xi_ptr, xo0 + xk + 32,
+                                        xm0 & (ka + 32 < K2), xo1 + xk + 32,
+                                        xm1 & (ka + 32 < K2), 1, NT, RB, W, SB_BF16,
+                                        X_F16, MMA_Q, MMA_ONES, SCALE_1, USE_ASM)
+
+        # C fragment element p of lane (g, t): row 16 blk + g + 8 (p // 2), column 2 t + p % 2.
+        n_idx = pid_n * BN + blk * 16 + g + 8 * (p // 2)
+        col = pid_m * 16 + 2 * t + p % 2
+        nm = n_idx < N
+        om0 = nm & (col < M)
+        om1 = nm & (col + 8 < M)
+        y0 = y_ptr + col * stride_ym + n_idx
+        y1 = y0 + 8 * stride_ym
+        if SPLIT_K == 1:
+            tl.store(y0, acc0.to(y_ptr.dtype.element_ty), mask=om0)
+            if NT == 2:
+                tl.store(y1, acc1.to(y_ptr.dtype.element_ty), mask=om1)
+        else:
+            # Workspace [SPLIT_K, M_TILES, N_TILES, NT, fragments] fp32 (only the valid entries
+            # are written): every split writes its partial, the last to arrive sums them in
+            # split order (deterministic) and resets the tile's counter for the next call.
+            PART: tl.constexpr = NT * CW
+            stride_k = M_TILES * N_TILES * PART
+            ws_tile = ws_ptr + (pid_m * N_TILES + pid_n).to(tl.int64) * PART + frag
+            tl.store(ws_tile + pid_k * stride_k, acc0, mask=om0)
+            if NT == 2:
+                tl.store(ws_tile + pid_k * stride_k + CW, acc1, mask=om1)
+            # Every thread's partial store must precede the (single-thread) release below.
+            tl.debug_barrier()
+            tile = pid_m * N_TILES + pid_n
+            ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                tot0 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+                tot1 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+                for sk in range(SPLIT_K):
+                    # .cg: read L2, never a stale L1 line
+                    tot0 += tl.load(ws_tile + sk * stride_k, mask=om0, other=0.0,
+                                    cache_modifier=".cg")
+                    if NT == 2:
+                        tot1 += tl.load(ws_tile + sk * stride_k + CW, mask=om1, other=0.0,
+                                        cache_modifier=".cg")
+                tl.store(y0, tot0.to(y_ptr.dtype.element_ty), mask=om0)
+                if NT == 2:
+                    tl.store(y1, tot1.to(y_ptr.dtype.element_ty), mask=om1)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _mma_dequant_kernel(w_ptr, sb_ptr, out_ptr, N, K, NUM_PAIRS, stride_on,
+                            BN: tl.constexpr, SB_BF16: tl.constexpr):
+        """One (tile, chunk) of the MMA layout -> ``[BN, 64]`` of the weight, straight from the
+        layout's index map (gathers; the weight is written once, along K)."""
+        pid_n = tl.program_id(0)
+        c = tl.program_id(1)
+        rows = tl.arange(0, BN)[:, None]
+        kk = tl.arange(0, 64)[None, :]
+        blk = rows // 16
+        g = rows % 8
+        half = (rows % 16) // 8
+        word = (blk * 32 + g * 4 + kk // 16) * 4 + (kk % 16) // 4
+        nib = half + 2 * ((kk % 4) // 2) + 4 * (kk % 2)
+        tile = pid_n.to(tl.int64) * NUM_PAIRS * 2 + c
+        w = tl.load(w_ptr + tile * (BN * 8) + word)
+        q = ((w >> (4 * nib)) & 15).to(tl.float32)
+        sbw = tl.load(sb_ptr + (pid_n.to(tl.int64) * NUM_PAIRS + c // 2) * (BN * 2)
+                      + (blk * 8 + g) * 4 + 2 * (c % 2) + half)
+        s, b = _halves_f32(sbw, not SB_BF16)
+        n_offs = pid_n * BN + rows
+        k_offs = c * 64 + kk
+        tl.store(out_ptr + n_offs.to(tl.int64) * stride_on + k_offs,
+                 (q * s + b).to(out_ptr.dtype.element_ty), mask=(n_offs < N) & (k_offs < K))
+
+
 def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The weight ``[N, K]`` in ``dtype`` (GPU), from the repacked layout."""
     out = torch.empty(p.n, p.k, dtype=dtype, device=p.words.device)
     BN = p.block_n
+    if p.layout == "mma":
+        grid = (p.words.shape[0], triton.cdiv(p.k, MMA_CHUNK))
+        _mma_dequant_kernel[grid](p.words, p.sb, out, p.n, p.k, p.sb.shape[1], out.stride(0),
+                                  BN=BN, SB_BF16=p.sb_bf16, num_warps=4)
+        return out
     grid = (triton.cdiv(p.n, BN), p.superblocks)
     _dequant_kernel[grid](p.words, p.sb, out, p.n, p.k, p.superblocks,
                           out.stride(0), BITS=p.bits, G=p.group_size, BN=BN,
@@ -349,24 +812,48 @@ def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -
 
 
 def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, SPLIT_K, superblocks per split) for ``m`` rows: shapes only, never values."""
+    """(BLOCK_M, SPLIT_K, K steps per split) for ``m`` rows: shapes only, never values.
+
+    A K step is a superblock (tiled layout) or a pair of 64-wide chunks (MMA layout)."""
     cfg = config or p.config
-    BM = 16 if m <= 16 else (32 if m <= 32 else 64)
     n_tiles = p.words.shape[0]
-    m_tiles = -(-m // BM)
-    S = p.superblocks
-    target = sm_count(p.words.device) * cfg.ctas_per_sm
-    split = max(1, min(S, -(-target // (n_tiles * m_tiles))))
-    per = -(-S // split)
-    return BM, -(-S // per), per
+    if p.layout == "mma":
+        BM = 8 if m <= 8 else 16
+        steps = p.sb.shape[1]
+        # As many K splits as keep the whole grid resident at once (one wave): no tail wave,
+        # and the split-K partials stay few.
+        cap = sm_count(p.words.device) * (cfg.ctas_per_sm or _mma_resident(p, cfg, BM // 8))
+        split = max(1, min(steps, cap // (n_tiles * -(-m // BM))))
+    else:
+        BM = 16 if m <= 16 else (32 if m <= 32 else 64)
+        steps = p.superblocks
+        target = sm_count(p.words.device) * (cfg.ctas_per_sm or 4)
+        split = max(1, min(steps, -(-target // (n_tiles * -(-m // BM)))))
+    per = -(-steps // split)
+    return BM, -(-steps // per), per
+
+
+def _mma_resident(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
+    """Programs of the MMA kernel that fit on one SM at once (64K registers, 2048 threads)."""
+    w = _mma_warps(p, cfg)
+    regs = -(-_MMA_REGS.get((p.block_n // (16 * w), nt), 128) // 8) * 8
+    return max(1, min(65536 // (regs * 32 * w), 2048 // (32 * w), 32))
+
+
+def _mma_warps(p: PreparedQuant, cfg: QmmConfig) -> int:
+    """Warps per program of the MMA kernel: cfg.num_warps, capped so that each owns >= 1 block."""
+    w = cfg.num_warps
+    while w > 1 and (p.block_n // 16) % w:
+        w //= 2
+    return max(1, w)
 
 
 def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = None
                  ) -> torch.Tensor:
     """``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or fp16), fp32 accumulation.
 
-    Rows <= 64: one fused Triton launch reading the packed weight once. More rows: dequantize to
-    x's dtype (a Triton pass) and cuBLAS."""
+    Rows <= 64: one fused Triton launch reading the packed weight once (per 16 rows of x). More
+    rows: dequantize to x's dtype (a Triton pass) and cuBLAS."""
     cfg = config or p.config
     lead = x.shape[:-1]
     if x.shape[-1] != p.k:
@@ -375,11 +862,13 @@ def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = N
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if M > MAX_FUSED_M:
+    if M > MAX_FUSED_M or (p.layout == "mma" and x.dtype not in (torch.bfloat16, torch.float16)):
         return (x2 @ dequantize_prepared(p, x.dtype).T).reshape(*lead, p.n)
     y = torch.empty(M, p.n, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, p.n)
+    if p.layout == "mma":
+        return _quant_matmul_mma(x2, p, cfg, y).reshape(*lead, p.n)
     use_dot = cfg.use_dot or M > 1
     BM, split, per = split_for(p, M, cfg)
     if not use_dot:
@@ -407,3 +896,28 @@ def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = N
         num_warps=cfg.num_warps if BM <= 16 else max(8, cfg.num_warps),
         num_stages=cfg.num_stages)
     return y.reshape(*lead, p.n)
+
+
+def _quant_matmul_mma(x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: torch.Tensor
+                      ) -> torch.Tensor:
+    M = x2.shape[0]
+    x_f16 = x2.dtype == torch.float16
+    if x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()  # x is read as 16-byte vectors of int32 pairs
+    xi = x2.view(torch.int32)  # [M, K / 2]: bf16 pairs
+    BM, split, per = split_for(p, M, cfg)
+    n_tiles = p.words.shape[0]
+    m_tiles = -(-M // BM)
+    NT = BM // 8
+    W = _mma_warps(p, cfg)
+    ws = (torch.empty(split * m_tiles * n_tiles * NT * p.block_n * 8, dtype=torch.float32,
+                      device=x2.device) if split > 1 else y)  # unused when split == 1
+    _mma_kernel[(m_tiles, n_tiles, split)](
+        xi, p.words, p.sb, y, ws, p.counters,
+        M, p.n, p.k // 2, xi.stride(0), y.stride(0), per, p.sb.shape[1], n_tiles, m_tiles, split,
+        BN=p.block_n, W=W, NT=NT, EVEN_K=p.sb.shape[1] * 2 * MMA_CHUNK == p.k,
+        SB_BF16=p.sb_bf16, X_F16=x_f16, PREFETCH=cfg.prefetch and cfg.num_stages <= 1,
+        NUM_STAGES=max(1, cfg.num_stages), MMA_Q=_mma_asm(False, x_f16),
+        MMA_ONES=_mma_asm(True, x_f16), SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
+        SCALE_1=_scale_asm(1, p.sb_bf16, x_f16), USE_ASM=_USE_ASM, num_warps=W, num_stages=1)
+    return y
