@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from headstart.kernels import REFERENCE, _ref_gdn_decode_gates  # noqa: E402
-from headstart.ops import gpu_fused, pointwise  # noqa: E402
-from headstart.ops.gpu_gdn import gdn_decode_gates  # noqa: E402
+from headstart.kernels import REFERENCE, _ref_gdn_decode_gates
+from headstart.ops import gpu_fused, gpu_gdn, pointwise
+from headstart.ops.gpu_gdn import gdn_decode_gates
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Triton's interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest even as torch does.
@@ -87,8 +87,10 @@ def test_conv_step_rows_updates_tails_in_place():
     assert torch.equal(got_tails[2], want_tails[2])  # untouched slot
 
 
-@pytest.mark.parametrize("with_norm", [False, True])
-def test_gdn_decode_gates_reads_rows_and_updates_states(with_norm):
+@pytest.mark.parametrize("with_norm", [None, "in kernel", "separate"])
+def test_gdn_decode_gates_reads_rows_and_updates_states(with_norm, monkeypatch):
+    if with_norm == "separate":  # as for many streams: the norm runs as its own kernel
+        monkeypatch.setattr(gpu_gdn, "norm_fold_limit", lambda device: 0)
     n, T, Hk, Hv, D = 3, 5, 2, 4, 16
     q, k = rand(n, Hk, D, seed=13), rand(n, Hk, D, seed=14)
     v = rand(n, Hv, D, seed=15)
@@ -148,6 +150,7 @@ def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
     the fused model's logit error against the fp32 reference is held to 1.5x that of the same
     reference path run in bf16."""
     import tiny
+
     from headstart.batch import ForwardBatch, SeqChunk
     from headstart.model import Qwen35Model
 
