@@ -14,7 +14,8 @@
   most, tens of microseconds. Exact lengths, not padded buckets: padding rows would run through
   the recurrence and corrupt the state.
 
-Off by default until run on a GPU (``Engine(window_graphs=True, continuation_graphs=True)``):
+Also on by default (``Engine(window_graphs=False, continuation_graphs=False)`` turns them off),
+each checked against eager replay on a GPU by ``tests/test_gpu_model.py``:
 
 * :class:`WindowGraphs` (chain verify windows per stream bucket and width),
   :class:`DraftGraphs` (the drafter's proposal forward per stream bucket) and

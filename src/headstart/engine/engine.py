@@ -119,14 +119,14 @@ class Engine:
                  graphs: bool | None = None, spec_mode: str = "auto", tree_width: int = 4,
                  tree_budget: int | None = None, max_snapshots: int = 256,
                  host_cache_bytes: int = 0, prefill_graph_tokens: int = 64,
-                 window_graphs: bool = False, continuation_graphs: bool = False,
+                 window_graphs: bool = True, continuation_graphs: bool = True,
                  graph_capture: bool = True) -> None:
         """``graphs``: replay the decode step (and fresh prefills of 2 .. prefill_graph_tokens
         tokens) from CUDA graphs; default: when the kernels allow it. ``graph_capture=False``
         keeps the graph bookkeeping but runs eagerly (tests on a CPU). ``window_graphs``: with
         a drafter, also replay proposals, chain verify windows and rollbacks from graphs;
         ``continuation_graphs``: continued prefill chunks of up to prefill_graph_tokens tokens
-        (both not yet run on a GPU)."""
+        (both checked bit for bit against eager on a GPU by tests/test_gpu_model.py)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)

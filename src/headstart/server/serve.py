@@ -60,12 +60,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "reference", "gpu"],
                    help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere")
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
-    p.add_argument("--window-graphs", action="store_true",
-                   help="with a drafter, replay chain verify windows from CUDA graphs "
-                        "(experimental: not yet measured on a GPU)")
-    p.add_argument("--continuation-graphs", action="store_true",
-                   help="also replay continued prefill chunks (a new turn after a prompt-cache "
-                        "hit) from CUDA graphs (experimental: not yet run on a GPU)")
+    p.add_argument("--window-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="with a drafter, replay its proposals, chain verify windows and "
+                        "rollbacks from CUDA graphs (27B on an H200: an 8-row window costs 1.35 "
+                        "decode steps instead of 6.6)")
+    p.add_argument("--continuation-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay continued prefill chunks of up to --prefill-graph-tokens tokens "
+                        "(a new turn after a prompt-cache hit) from CUDA graphs (27B on an "
+                        "H200: 21 ms instead of 167; costs start-up time)")
     p.add_argument("--prefill-graph-tokens", type=int, default=64,
                    help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
                         "(one graph per length; 0 or 1: none)")
