@@ -42,14 +42,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import triton
+from triton.testing import do_bench
 
-from headstart.ops.attention import attend_decode  # noqa: E402
-from headstart.ops.decode_attention import decode_attention  # noqa: E402
-from headstart.ops.gpu_gdn import gdn_decode  # noqa: E402
-from headstart.ops.quant_matmul import QmmConfig, prepare, quant_matmul  # noqa: E402
-from headstart.quant import QuantizedTensor, dequantize  # noqa: E402
+from headstart.ops.attention import attend_decode
+from headstart.ops.decode_attention import decode_attention
+from headstart.ops.gpu_gdn import gdn_decode
+from headstart.ops.quant_matmul import QmmConfig, prepare, quant_matmul
+from headstart.quant import QuantizedTensor, dequantize
 
 DEV = torch.device("cuda")
 SHAPES_27B = {  # name: (N out, K in)

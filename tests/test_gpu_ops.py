@@ -25,13 +25,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from headstart.ops.attention import attend_decode  # noqa: E402
-from headstart.ops.decode_attention import decode_attention  # noqa: E402
-from headstart.ops.gated_delta import gated_delta_step, recurrent_gated_delta  # noqa: E402
-from headstart.ops.gpu_gdn import gdn_decode, gdn_prefill_varlen  # noqa: E402
-from headstart.ops.quant_matmul import (  # noqa: E402
-    QmmConfig, dequantize_prepared, prepare, quant_matmul)
-from headstart.quant import quantize  # noqa: E402
+from headstart.ops.attention import attend_decode
+from headstart.ops.decode_attention import decode_attention
+from headstart.ops.gated_delta import gated_delta_step, recurrent_gated_delta
+from headstart.ops.gpu_gdn import gdn_decode, gdn_prefill_varlen
+from headstart.ops.quant_matmul import QmmConfig, dequantize_prepared, prepare, quant_matmul
+from headstart.quant import quantize
 
 DEV = torch.device("cuda")
 

@@ -6,8 +6,9 @@ platform itself. Two sets exist with the same signatures:
 * ``reference``: pure PyTorch (:mod:`headstart.ops`), runs anywhere; the executable spec.
 * ``gpu``: CUDA + Triton: in-place GDN decode step and flash-decoding attention straight from the
   slot pools (no gathers of whole states or histories), flash-linear-attention's chunked kernel
-  for multi-row spans, and a fused 4-bit matmul on the MLX layout. Every GPU kernel is tested
-  against its reference (``tests/test_gpu_ops.py``).
+  for multi-row spans, a fused 4-bit matmul on the MLX layout, and one kernel per per-row piece
+  of :mod:`headstart.ops.pointwise` (:mod:`headstart.ops.gpu_fused`). Every GPU kernel is tested
+  against its reference (``tests/test_gpu_ops.py``, ``tests/test_fused_ops.py``).
 
 :func:`select_kernels` picks ``gpu`` on a CUDA device when Triton and flash-linear-attention import,
 else ``reference``, and logs the choice.

@@ -17,6 +17,13 @@ head ``h // (Hv/Hk)``; fp32 state ``[Hv, Dk, Dv]``, the HF/FLA layout, same as o
   Dv slice): loads its ``[Dk, BV]`` state slice once, decays, applies the delta rule, writes the
   output slice and the state back. No host sync; launch shape depends only on n and the head
   sizes (CUDA-graph friendly).
+* :func:`gdn_decode_gates`: the same step as the decode forward runs it, reading the raw gate
+  projections ``a``, ``b`` at each stream's packed row and computing ``g`` and ``beta`` inside
+  (``pointwise.gdn_gates``), and optionally applying the gated output norm
+  (``pointwise.gated_rms_norm``) in the same kernel, with one program per whole head. That
+  variant is only used while whole-head programs fit about two per SM (:func:`norm_fold_limit`):
+  27B on the H200, 7.3 us a layer instead of 4.3 + 3.9 at 1 stream, but 44.5 instead of
+  26.8 + 4.9 at 16.
 
 Layout assumptions: ``state_pool`` is one layer's ``[slots, Hv, Dk, Dv]`` fp32 with contiguous
 ``[Hv, Dk, Dv]`` (``pool.recurrent[layer]``); q/k/v may be strided views (e.g. splits of the conv

@@ -96,9 +96,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headstart.quant import QuantizedTensor, unpack
-
 from headstart.ops.triton_support import HAVE_TRITON, sm_count, tl, triton
+from headstart.quant import QuantizedTensor, unpack
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used to check the kernels without a GPU) cannot run
 # inline PTX; the kernels then use plain-Triton stand-ins with the same semantics.
