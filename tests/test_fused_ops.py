@@ -158,7 +158,7 @@ def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
                                tmp_path / "ckpt")
     exact = Qwen35Model.load(ckpt, dtype=torch.float32, device=DEV, kernels=REFERENCE)
     ref = Qwen35Model.load(ckpt, dtype=BF, device=DEV, kernels=REFERENCE)
-    fused = Qwen35Model(ref.cfg, ref.w, BF, DEV, kernels=FUSED)
+    fused = Qwen35Model(ref.cfg, dict(ref.w), BF, DEV, kernels=FUSED)  # consumes its dict
     fused.head = ref.head
     models = (exact, ref, fused)
     pools = [m.new_state_pool(3, 64) for m in models]

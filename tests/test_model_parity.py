@@ -120,3 +120,24 @@ def test_bf16_error_no_worse_than_transformers_bf16(tmp_path):
     ours_err = (got.float() - truth).abs().max()
     hf_err = (hf_bf16 - truth).abs().max()
     assert ours_err <= 1.5 * hf_err
+
+
+def test_loading_consumes_the_weight_dict(tmp_path):
+    """Each projection part is released once its fused stack exists, so loading peaks near one
+    copy of the weights: the model keeps no reference to the parts, and the caller's dict is
+    emptied."""
+    import gc
+    import weakref
+
+    from headstart.config import load_config
+    from headstart.weights import load_weights
+
+    ckpt = tiny.save_text_only(tiny.causal_lm(seed=3), tmp_path / "ckpt")
+    cfg = load_config(ckpt)
+    weights = load_weights(ckpt, cfg, torch.float32, "cpu")
+    part = weakref.ref(weights["layers.0.linear_attn.in_proj_z.weight"])
+    kept = weights["layers.0.mlp.down_proj.weight"]  # not fused: moves into the model as is
+    model = Qwen35Model(cfg, weights)
+    gc.collect()
+    assert weights == {} and part() is None
+    assert model.w["layers.0.mlp.down_proj.weight"] is kept

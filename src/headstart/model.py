@@ -142,8 +142,11 @@ def fuse_projections(cfg: ModelConfig, weights: dict[str, Weight]) -> dict[str, 
     """Stack the projections that read the same input into one weight each (one matmul instead
     of two to four per layer: fewer, larger kernels). Parts that cannot be stacked (quantized
     with different bits or groups, or quantized next to unquantized) are stacked after
-    dequantizing the odd ones out, never silently changed in precision otherwise."""
-    out = dict(weights)
+    dequantizing the odd ones out, never silently changed in precision otherwise.
+
+    Works in place and returns ``weights``: each layer's parts leave the dict when their stack
+    is made, so only one layer's parts exist twice at any time."""
+    out = weights
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         for fused, parts in FUSED.items():
@@ -158,6 +161,7 @@ def fuse_projections(cfg: ModelConfig, weights: dict[str, Weight]) -> dict[str, 
                 tensors = [t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
                            for t in tensors]
             out[p + fused] = _stack(tensors)
+            del tensors
     return out
 
 
@@ -201,7 +205,10 @@ class Qwen35Model:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  kernels: Kernels | str = "auto",
                  unpack_bytes: int = UNPACK_BYTES) -> None:
-        """``unpack_bytes``: with the reference kernels, quantized linear weights are unpacked to
+        """``weights`` is consumed: its entries move into the model (fused, prepared), and the
+        dict is left empty unless the reference kernels unpack a copy of it (``unpack_bytes``).
+
+        ``unpack_bytes``: with the reference kernels, quantized linear weights are unpacked to
         ``dtype`` once at load when all of them together take at most this many bytes unpacked
         (else they stay packed and are unpacked per call; the GPU kernels read them packed)."""
         self.cfg = cfg
@@ -211,12 +218,18 @@ class Qwen35Model:
         if self.kernels.name == "reference":
             weights = _unpack_small(weights, dtype, unpack_bytes)
         # Linear weights in the form the kernels consume; the embedding table stays as loaded
-        # (rows are looked up), and a tied head gets its own prepared copy.
+        # (rows are looked up), and a tied head gets its own prepared copy. ``weights`` is
+        # consumed as it goes (each part or unprepared weight leaves the dict as soon as its
+        # replacement exists), so loading peaks near one copy of the weights, not two (27B bf16:
+        # the fused projections alone are ~33 GB).
         fused = fuse_projections(cfg, weights)
-        self.w = {k: (t if k == "embed_tokens.weight" else self.kernels.prepare(t))
-                  for k, t in fused.items()}
+        self.w = {}
+        for k in list(fused):
+            t = fused.pop(k)
+            self.w[k] = t if k == "embed_tokens.weight" else self.kernels.prepare(t)
+            del t
         self.head = self.w["lm_head.weight"] if not cfg.tie_word_embeddings else \
-            self.kernels.prepare(weights["embed_tokens.weight"])
+            self.kernels.prepare(self.w["embed_tokens.weight"])
         if self.kernels.name == "reference" and isinstance(self.head, QuantizedTensor):
             # A tied head shares the packed embedding table; unpack a copy under the same rule.
             self.head = _unpack_small({"head": self.head}, dtype, unpack_bytes)["head"]
