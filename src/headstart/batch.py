@@ -96,6 +96,7 @@ class WindowRows:
     rows: torch.Tensor  # [n, W] packed row of each window row
     slots: torch.Tensor  # [n]
     as_decode: DecodeRows  # every row as a decode row (slot repeated, its own position)
+    columns: torch.Tensor  # [W, n] rows.T, contiguous: step t's rows, as per-row kernels read them
     records: WindowRecords | None = None  # where to write the records (shared by graphs)
     # One stream's rows as one span through the kernels' span recurrence: a continued prefill
     # chunk (not recorded; logits of its last row only).
@@ -145,7 +146,8 @@ class ForwardBatch:
                    logit_index=rows[:, -1] if span else rows.reshape(-1), decode=None,
                    multi_row=(), multi=None,
                    windows=WindowRows(rows=rows, slots=slots, as_decode=decode,
-                                      records=records, span=span))
+                                      columns=rows.t().contiguous(), records=records,
+                                      span=span))
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:

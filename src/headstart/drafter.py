@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from headstart.errors import CheckpointError, ConfigError
-from headstart.model import Qwen35Model, linear, rotate_half
+from headstart.model import Qwen35Model, linear
+from headstart.ops.pointwise import rotate_half
 from headstart.weights import safetensors_files
 
 

@@ -30,16 +30,11 @@ from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
 log = logging.getLogger("headstart.kernels")
 
 
-def _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states):
-    state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
-    o, states[slots] = gated_delta_step(q, k, v, g, beta, state)
-    return o
-
-
 def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states,
                           norm=None):
     g, beta = pointwise.gdn_gates(a[rows], b[rows], A_log, dt_bias)
-    o = _ref_gdn_decode(q, k, v, g, beta, slots, fresh, states)
+    state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
+    o, states[slots] = gated_delta_step(q, k, v, g, beta, state)
     if norm is None:
         return o
     z, weight, eps = norm
@@ -70,9 +65,11 @@ def _no_prepare(w: Any) -> Any:
 @dataclass(frozen=True)
 class Kernels:
     name: str
-    # (q [n,Hk,Dk], k, v [n,Hv,Dv], g, beta [n,Hv], slots [n], fresh [n] bool,
-    #  state pool [slots,Hv,Dk,Dv] fp32, updated in place) -> o [n,Hv,Dv]
-    gdn_decode: Callable[..., torch.Tensor]
+    # One GDN step per stream, gates computed from the raw projections: (q [n,Hk,Dk], k,
+    # v [n,Hv,Dv], a [T,Hv], b [T,Hv], rows [n], A_log, dt_bias, slots [n], fresh [n] bool,
+    # state pool [slots,Hv,Dk,Dv] fp32 updated in place, norm=None) -> o [n,Hv,Dv]; with
+    # norm=(z [T,Hv,Dv], weight, eps), o after pointwise.gated_rms_norm with z at the same rows
+    gdn_decode_gates: Callable[..., torch.Tensor]
     # (q, k, v, g, beta packed [T, ...], cu_seqlens [N+1], slots [N], fresh [N], state pool,
     #  cu_seqlens on the host) -> o [T,Hv,Dv]
     gdn_spans: Callable[..., torch.Tensor]
@@ -83,10 +80,6 @@ class Kernels:
     # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
     prepare: Callable[[Any], Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
-    # gdn_decode with the gates computed from the raw projections: (q, k, v, a [T,Hv], b [T,Hv],
-    # rows [n], A_log, dt_bias, slots, fresh, state pool, norm=None) -> o [n,Hv,Dv]; with
-    # norm=(z [T,Hv,Dv], weight, eps), o after pointwise.gated_rms_norm with z at the same rows
-    gdn_decode_gates: Callable[..., torch.Tensor] = _ref_gdn_decode_gates
     # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.add_rms_norm
     gated_rms_norm: Callable[..., torch.Tensor] = pointwise.gated_rms_norm
@@ -96,13 +89,13 @@ class Kernels:
     attn_decode_inputs: Callable[..., torch.Tensor] = pointwise.attn_decode_inputs
 
 
-REFERENCE = Kernels("reference", _ref_gdn_decode, _ref_gdn_spans, _ref_attn_decode)
+REFERENCE = Kernels("reference", _ref_gdn_decode_gates, _ref_gdn_spans, _ref_attn_decode)
 
 
 def gpu_kernels() -> Kernels:
     from headstart.ops import gpu_fused
     from headstart.ops.decode_attention import decode_attention
-    from headstart.ops.gpu_gdn import gdn_decode, gdn_decode_gates, gdn_prefill_varlen
+    from headstart.ops.gpu_gdn import gdn_decode_gates, gdn_prefill_varlen
     from headstart.ops.quant_matmul import prepare as prepare_quant
     from headstart.quant import QuantizedTensor
 
@@ -128,8 +121,8 @@ def gpu_kernels() -> Kernels:
                                                                  enable_gqa=nh != nkv)
         return o[0].transpose(0, 1)
 
-    return Kernels("gpu", gdn_decode, spans, decode_attention, attn_span, prepare, graphs=True,
-                   gdn_decode_gates=gdn_decode_gates, add_rms_norm=gpu_fused.add_rms_norm,
+    return Kernels("gpu", gdn_decode_gates, spans, decode_attention, attn_span, prepare,
+                   graphs=True, add_rms_norm=gpu_fused.add_rms_norm,
                    gated_rms_norm=gpu_fused.gated_rms_norm, silu_mul=gpu_fused.silu_mul,
                    sigmoid_mul=gpu_fused.sigmoid_mul, conv_step_rows=gpu_fused.conv_step_rows,
                    attn_decode_inputs=gpu_fused.attn_decode_inputs)

@@ -22,7 +22,7 @@ from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
 from headstart.kernels import Kernels, select_kernels
 from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, recurrent_gated_delta
-from headstart.ops.pointwise import gdn_gates, rms_norm
+from headstart.ops.pointwise import Rotary, gdn_gates, rms_norm
 from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
 from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
@@ -38,36 +38,6 @@ def linear(x: torch.Tensor, w: Weight | PreparedQuant) -> torch.Tensor:
     if isinstance(w, QuantizedTensor):
         return x @ w.dequantize(x.dtype).T
     return F.linear(x, w)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass
-class Rotary:
-    """Partial rotate-half RoPE on the first ``rotary_dim`` dims of each head."""
-
-    inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
-
-    @classmethod
-    def create(cls, cfg: ModelConfig, device: torch.device | str) -> Rotary:
-        rd = cfg.rotary_dim
-        exponent = torch.arange(0, rd, 2, dtype=torch.int64, device=device).float() / rd
-        return cls(1.0 / (cfg.rope_theta ** exponent))
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rd]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rd = cos.shape[-1]
-        x_rot, x_pass = x[..., :rd], x[..., rd:]
-        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 def ancestry(parents: Sequence[int]) -> torch.Tensor:
@@ -161,7 +131,6 @@ def fuse_projections(cfg: ModelConfig, weights: dict[str, Weight]) -> dict[str, 
                 tensors = [t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
                            for t in tensors]
             out[p + fused] = _stack(tensors)
-            del tensors
     return out
 
 
@@ -227,7 +196,6 @@ class Qwen35Model:
         for k in list(fused):
             t = fused.pop(k)
             self.w[k] = t if k == "embed_tokens.weight" else self.kernels.prepare(t)
-            del t
         self.head = self.w["lm_head.weight"] if not cfg.tie_word_embeddings else \
             self.kernels.prepare(self.w["embed_tokens.weight"])
         if self.kernels.name == "reference" and isinstance(self.head, QuantizedTensor):
@@ -440,14 +408,14 @@ class Qwen35Model:
         z = z.view(T, Hv, Dv)
         A_log, dt_bias = w[p + "A_log"], w[p + "dt_bias"]
         d = batch.decode
-        if d is None or batch.all_decode is None or batch.windows is not None:
+        only_decode = d is not None and batch.all_decode is d
+        if not only_decode:  # other rows' paths take the gates as tensors
             g, beta = gdn_gates(a, b, A_log, dt_bias)  # log decay (fp32), write strength
 
         layer = self.state_index[i]
         tails, states = pool.conv[layer], pool.recurrent[layer]
         conv_w = w[p + "conv1d.weight"]
         norm = (z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        only_decode = d is not None and batch.all_decode is d
         core = None if only_decode else torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device)
         if d is not None:  # one row per stream: the step form, batched over streams
             # A new stream starts from zero tail and state, whatever its slot held (even NaN);
@@ -492,7 +460,7 @@ class Qwen35Model:
                     records[j].layers[i] = (tail0[j], state0[j], mixed_w[j], g_w[j], beta_w[j])
             kept = torch.zeros(n, dtype=torch.bool, device=x.device)  # no window is fresh
             for t in range(W):  # the decode step's own kernels, so a window == one-row steps
-                r = wd.rows[:, t].contiguous()
+                r = wd.columns[t]
                 y = self.kernels.conv_step_rows(mixed, r, conv_w, tails, wd.slots, kept)
                 q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
                 o = self.kernels.gdn_decode_gates(q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk),

@@ -170,16 +170,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Te
     y = torch.empty_like(x)
     if T == 0:
         return x, y
-    if residual is not None:
-        residual = _rows(residual)
-        out = torch.empty_like(x)
-    else:
-        out = x
+    has_res = residual is not None
+    r = _rows(residual) if has_res else x  # x stands in for the absent residual (unread)
+    out = torch.empty_like(x) if has_res else x
     BD = triton.next_power_of_2(D)
-    _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, scale, out, y, D,
-                               x.stride(0), (residual if residual is not None else x).stride(0),
-                               out.stride(0), y.stride(0), eps, HAS_RES=residual is not None,
-                               BD=BD, num_warps=8 if BD >= 4096 else 4)
+    _add_rms_norm_kernel[(T,)](x, r, scale, out, y, D, x.stride(0), r.stride(0), out.stride(0),
+                               y.stride(0), eps, HAS_RES=has_res, BD=BD,
+                               num_warps=8 if BD >= 4096 else 4)
     return out, y
 
 

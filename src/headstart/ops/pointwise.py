@@ -1,5 +1,5 @@
-"""The per-row pieces of a layer around its matmuls and mixers: norms, gates, the conv step, and
-the decode rows' attention inputs. Pure PyTorch: the executable spec.
+"""The per-row pieces of a layer around its matmuls and mixers: norms, gates, the conv step, RoPE
+and the decode rows' attention inputs. Pure PyTorch: the executable spec.
 
 Each function rounds where HF transformers' ``modeling_qwen3_5`` rounds (bf16 activations), and
 :mod:`headstart.ops.gpu_fused` implements the same signatures as single Triton kernels (a decode
@@ -8,9 +8,12 @@ step is otherwise a few thousand tiny elementwise launches, ~30% of its time on 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from headstart.config import ModelConfig
 from headstart.ops.short_conv import causal_conv_step
 
 
@@ -68,16 +71,34 @@ def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor
     return y
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Partial rotate-half RoPE (the model's ``Rotary``), x: [n, heads, hd]."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-    rd = cos.shape[-1]
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class Rotary:
+    """Partial rotate-half RoPE on the first ``rotary_dim`` dims of each head."""
+
+    inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, device: torch.device | str) -> Rotary:
+        rd = cfg.rotary_dim
+        exponent = torch.arange(0, rd, 2, dtype=torch.int64, device=device).float() / rd
+        return cls(1.0 / (cfg.rope_theta ** exponent))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rd]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = cos.shape[-1]
+        x_rot, x_pass = x[..., :rd], x[..., rd:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -93,8 +114,9 @@ def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, nu
     n = x.shape[0]
     qg, k, v = torch.split(x, [2 * num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], dim=-1)
     q = qg.reshape(n, num_heads, 2 * hd)[..., :hd]
-    q = _rope(rms_norm(q, q_scale, eps), positions, inv_freq)
-    k = _rope(rms_norm(k.reshape(n, num_kv_heads, hd), k_scale, eps), positions, inv_freq)
+    cos, sin = Rotary(inv_freq).cos_sin(positions, x.dtype)
+    q = Rotary.apply(rms_norm(q, q_scale, eps), cos, sin)
+    k = Rotary.apply(rms_norm(k.reshape(n, num_kv_heads, hd), k_scale, eps), cos, sin)
     keys[slots, :, positions] = k
     values[slots, :, positions] = v.reshape(n, num_kv_heads, hd)
     return q
