@@ -6,6 +6,9 @@ layers), captures the decode step as the engine does (``DecodeGraphs``), replays
 between kernels), the number of kernels, and the kernels grouped by category and by name.
 
     python benchmarks/profile_decode.py --shape 27b --format bf16 4bit --streams 1 16
+
+``--variants pdl=0 pdl=1,l2=128``: the same model under each setting in turn (programmatic
+dependent launch on/off, ``QmmConfig.l2_lines`` of every 4-bit weight), graphs captured anew.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +37,9 @@ CATEGORIES = (  # first match wins
 )
 
 
+TOP = 22
+
+
 def category(name: str) -> str:
     low = name.lower()
     for cat, keys in CATEGORIES:
@@ -41,8 +48,24 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile(shape: str, fmt: str, layers: int | None, streams: list[int], bandwidth: float
-            ) -> list[str]:
+def apply_variant(model, variant: str) -> None:
+    """``pdl=0|1,l2=N``: set HEADSTART_PDL and every prepared 4-bit weight's l2_lines."""
+    from headstart.ops.quant_matmul import PreparedQuant
+
+    for item in filter(None, variant.split(",")):
+        key, value = item.split("=")
+        if key == "pdl":
+            os.environ["HEADSTART_PDL"] = value
+        elif key == "l2":
+            for w in [*model.w.values(), model.head]:
+                if isinstance(w, PreparedQuant):
+                    w.config.l2_lines = int(value)
+        else:
+            raise ValueError(f"unknown variant key {key!r}")
+
+
+def profile(shape: str, fmt: str, layers: int | None, streams: list[int], bandwidth: float,
+            variants: list[str]) -> list[str]:
     from dataclasses import replace
 
     from headstart.engine.cuda_graph import DecodeGraphs
@@ -58,7 +81,20 @@ def profile(shape: str, fmt: str, layers: int | None, streams: list[int], bandwi
     pool = model.new_state_pool(nmax + 1, 512)
     for s in range(nmax):
         model.forward(ForwardBatch.build([SeqChunk(s, 0, tuple(range(5, 105)))], "cuda"), pool)
-    graphs = DecodeGraphs(model, pool, nmax, nmax)
+    lines = []
+    for variant in variants:
+        apply_variant(model, variant)
+        graphs = DecodeGraphs(model, pool, nmax, nmax)
+        lines += profile_streams(model, cfg, graphs, streams, bandwidth, f"{fmt} {variant}")
+        del graphs
+    del pool, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return lines
+
+
+def profile_streams(model, cfg, graphs, streams: list[int], bandwidth: float, label: str
+                    ) -> list[str]:
     lines = []
     for n in streams:
         def step(n=n, graphs=graphs):
@@ -84,18 +120,15 @@ def profile(shape: str, fmt: str, layers: int | None, streams: list[int], bandwi
         for name, (t, c) in by_name.items():
             cats[category(name)][0] += t
             cats[category(name)][1] += c
-        head = (f"## {shape} {fmt} layers={cfg.num_hidden_layers} streams={n}: wall "
+        head = (f"## {label} layers={cfg.num_hidden_layers} streams={n}: wall "
                 f"{wall * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms ({wall / floor:.2f}x), "
                 f"kernels {total / 1e3:.2f} ms in {count:.0f} launches, gaps "
                 f"{wall * 1e3 - total / 1e3:.2f} ms")
         lines.append(head)
         for cat, (t, c) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"  {cat:10s} {t / 1e3:8.3f} ms {c:6.0f} launches")
-        for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:22]:
+        for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP]:
             lines.append(f"    {t:9.1f} us {c:5.0f}x  {t / max(c, 1):7.2f} us  {name[:90]}")
-    del graphs, pool, model
-    gc.collect()
-    torch.cuda.empty_cache()
     return lines
 
 
@@ -105,13 +138,18 @@ def main() -> None:
     ap.add_argument("--format", nargs="+", default=["bf16"], choices=["bf16", "4bit"])
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--variants", nargs="+", default=[""])
+    ap.add_argument("--top", type=int, default=22, help="kernels listed per step")
     args = ap.parse_args()
+    global TOP
+    TOP = args.top
     bw = copy_bandwidth()
     out = [f"copy bandwidth {bw / 1e9:.0f} GB/s"]
     for fmt in args.format:
-        out += profile(args.shape, fmt, args.layers, args.streams, bw)
+        out += profile(args.shape, fmt, args.layers, args.streams, bw, args.variants)
         print("\n".join(out), flush=True)
     print("\n".join(out))
+    print("\nsummary:\n" + "\n".join(line for line in out if line.startswith("##")))
 
 
 if __name__ == "__main__":

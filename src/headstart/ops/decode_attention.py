@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from headstart.ops.triton_support import HAVE_TRITON, sm_count, tl, triton
+from headstart.ops.triton_support import HAVE_TRITON, pdl_options, sm_count, tl, triton
+
+if HAVE_TRITON:
+    from headstart.ops.triton_support import pdl_wait
 
 LOG2E = 1.4426950408889634
 
@@ -44,7 +47,9 @@ if HAVE_TRITON:
                       stride_qn, stride_qh, stride_ks, stride_kh, stride_kt,
                       stride_vs, stride_vh, stride_vt, qk_scale,
                       NH: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
-                      HD: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr):
+                      HD: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # q, the lengths and the new KV row come from earlier kernels
         i_n = tl.program_id(0)
         i_kv = tl.program_id(1)
         i_s = tl.program_id(2)
@@ -88,7 +93,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, stride_on, stride_oh,
-                        NH: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr):
+                        NH: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         i_n = tl.program_id(0)
         i_h = tl.program_id(1)
         s = tl.arange(0, NS)
@@ -146,7 +153,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), hd ** -0.5 * LOG2E,
         NH=nh, GROUP=group, GP=max(16, triton.next_power_of_2(group)), HD=hd, BL=BL, NS=NS,
-        num_warps=4, num_stages=stages)
+        num_warps=4, num_stages=stages, **pdl_options(q.device))
     _combine_kernel[(n, nh)](po, pm, pl, out, out.stride(0), out.stride(1), NH=nh, HD=hd, NS=NS,
-                             num_warps=4 if hd >= 128 else 2)
+                             num_warps=4 if hd >= 128 else 2, **pdl_options(q.device))
     return out

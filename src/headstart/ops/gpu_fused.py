@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from headstart.ops.triton_support import HAVE_TRITON, tl, triton
+from headstart.ops.triton_support import HAVE_TRITON, pdl_options, tl, triton
+
+if HAVE_TRITON:
+    from headstart.ops.triton_support import pdl_wait
 
 if HAVE_TRITON:
 
@@ -31,7 +34,8 @@ if HAVE_TRITON:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, s_ptr, sum_ptr, y_ptr, D, stride_x, stride_r,
                              stride_sum, stride_y, eps, HAS_RES: tl.constexpr,
-                             BD: tl.constexpr):
+                             BD: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BD)
         m = d < D
@@ -48,7 +52,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, H, stride_x, stride_z, stride_y, eps,
-                               D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+                               D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                               PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
         d = tl.arange(0, BD)
@@ -64,7 +70,9 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_y + off, (y * (z * tl.sigmoid(z))).to(DT), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < N
@@ -76,7 +84,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, F, HD, stride_x, stride_gr, stride_gh, stride_y,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input is written by an earlier kernel
         # gate [T, F] given as [T, F / HD, HD] strides: a per-head view of the projection.
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -91,7 +100,8 @@ if HAVE_TRITON:
     @triton.jit
     def _conv_step_kernel(x_ptr, rows_ptr, w_ptr, tail_ptr, slot_ptr, fresh_ptr, y_ptr, C,
                           stride_x, stride_slot, stride_y, K: tl.constexpr, KP: tl.constexpr,
-                          BC: tl.constexpr):
+                          BC: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input is written by an earlier kernel
         i = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         j = tl.arange(0, KP)
@@ -122,7 +132,8 @@ if HAVE_TRITON:
                             pos_ptr, q_out, stride_qkv, stride_ks, stride_kh, stride_kt,
                             stride_vs, stride_vh, stride_vt, stride_qn, stride_qh, eps,
                             NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-                            RD: tl.constexpr):
+                            RD: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input is written by an earlier kernel
         i = tl.program_id(0)
         h = tl.program_id(1)  # 0..NH-1: query heads; NH..NH+NKV-1: key/value heads
         row = tl.load(rows_ptr + i).to(tl.int64)
@@ -176,7 +187,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Te
     BD = triton.next_power_of_2(D)
     _add_rms_norm_kernel[(T,)](x, r, scale, out, y, D, x.stride(0), r.stride(0), out.stride(0),
                                y.stride(0), eps, HAS_RES=has_res, BD=BD,
-                               num_warps=8 if BD >= 4096 else 4)
+                               num_warps=8 if BD >= 4096 else 4, **pdl_options(x.device))
     return out, y
 
 
@@ -190,7 +201,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if T:
         _gated_rms_norm_kernel[(T,)](x, gate, weight, y, H, x.stride(0), gate.stride(0),
                                      y.stride(0), eps, D=D, BH=triton.next_power_of_2(H),
-                                     BD=triton.next_power_of_2(D), num_warps=8)
+                                     BD=triton.next_power_of_2(D), num_warps=8, **pdl_options(x.device))
     return y
 
 
@@ -202,7 +213,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if T:
         BLOCK = 2048
         _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](gate_up, y, N, gate_up.stride(0),
-                                                    y.stride(0), BLOCK=BLOCK, num_warps=4)
+                                                    y.stride(0), BLOCK=BLOCK, num_warps=4,
+                                                    **pdl_options(y.device))
     return y
 
 
@@ -218,7 +230,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         BLOCK = 1024
         _sigmoid_mul_kernel[(T, triton.cdiv(F, BLOCK))](
             x, g3, y, F, g3.shape[2], x.stride(0), g3.stride(0), g3.stride(1), y.stride(0),
-            BLOCK=BLOCK, num_warps=4)
+            BLOCK=BLOCK, num_warps=4, **pdl_options(y.device))
     return y
 
 
@@ -235,7 +247,7 @@ def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor
         _conv_step_kernel[(n, triton.cdiv(C, BC))](
             mixed, rows, weight, tails, slots, fresh.view(torch.uint8), y, C, mixed.stride(0),
             tails.stride(0), y.stride(0), K=K, KP=triton.next_power_of_2(K), BC=BC,
-            num_warps=4)
+            num_warps=4, **pdl_options(y.device))
     return y
 
 
@@ -255,5 +267,5 @@ def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, nu
             qkv, rows, q_scale, k_scale, inv_freq, keys, values, slots, positions, q,
             qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
             values.stride(1), values.stride(2), q.stride(0), q.stride(1), eps, NH=num_heads,
-            NKV=num_kv_heads, HD=hd, RD=rd, num_warps=2)
+            NKV=num_kv_heads, HD=hd, RD=rd, num_warps=2, **pdl_options(q.device))
     return q

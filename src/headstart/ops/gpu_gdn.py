@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import torch
 
-from headstart.ops.triton_support import HAVE_TRITON, sm_count, tl, triton
+from headstart.ops.triton_support import HAVE_TRITON, pdl_options, sm_count, tl, triton
+
+if HAVE_TRITON:
+    from headstart.ops.triton_support import pdl_wait
 
 
 def _fla_chunk():
@@ -94,7 +97,9 @@ if HAVE_TRITON:
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_gn, stride_bn, stride_on, stride_oh, stride_slot, stride_zn, eps,
                          HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BV: tl.constexpr, RAW_GATES: tl.constexpr, NORM: tl.constexpr):
+                         BV: tl.constexpr, RAW_GATES: tl.constexpr, NORM: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_wait(PDL)  # every input but A_log, dt_bias and the norm weight is written before
         pid = tl.program_id(0)  # stream * HV + value head
         pv = tl.program_id(1)  # Dv slice
         i_n = pid // HV
@@ -205,7 +210,8 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_pool.stride(0),
         z.stride(0), eps, HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, RAW_GATES=raw,
-        NORM=norm is not None, num_warps=8 if norm is not None else 4)
+        NORM=norm is not None, num_warps=8 if norm is not None else 4,
+        **pdl_options(v.device))
     return o
 
 

@@ -1,7 +1,19 @@
 """What the Triton kernels share: an optional import (the CPU build of headstart must import
-without Triton) and the SM count their grids are sized from."""
+without Triton), the SM count their grids are sized from, and programmatic dependent launch.
+
+Programmatic dependent launch (PDL, Hopper and later): a decode step is a chain of several
+hundred kernels, most of them a few microseconds long, so each one's launch latency and first
+loads show as a gap. A kernel launched with ``launch_pdl=True`` may start while the kernel before
+it is still running; it must then call :func:`pdl_wait` before it reads anything an earlier
+kernel writes and before its first global write (weights, which nothing writes during a step,
+may be loaded before it: that is the point). :func:`pdl_wait` also lets the next kernel start.
+Every kernel waits on its predecessor's completion, so completion stays transitive along the
+chain; kernels launched without the attribute (torch's, cuBLAS) serialize as usual. Off in
+Triton's CPU interpreter (no inline PTX there), before sm_90, and with ``HEADSTART_PDL=0``."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,6 +28,19 @@ except ImportError:  # pragma: no cover - CPU-only machines
     HAVE_TRITON = False
 
 _SM_COUNT: dict[int, int] = {}
+_PDL: dict[int, bool] = {}
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+if HAVE_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Wait for the previous kernel to complete (its writes visible), then let the next
+        kernel launch. A no-op unless PDL (the launch had ``launch_pdl=True``)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 def sm_count(device: torch.device) -> int:
@@ -24,3 +49,20 @@ def sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (module doc);
+    pass it as both the kernel's ``PDL`` constexpr and its ``launch_pdl`` option."""
+    if _INTERPRET or device.type != "cuda" or os.environ.get("HEADSTART_PDL", "1") == "0":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch keywords of a kernel that takes a ``PDL`` constexpr and calls :func:`pdl_wait`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
