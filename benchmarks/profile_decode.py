@@ -7,8 +7,8 @@ between kernels), the number of kernels, and the kernels grouped by category and
 
     python benchmarks/profile_decode.py --shape 27b --format bf16 4bit --streams 1 16
 
-``--variants pdl=0 pdl=1,l2=128``: the same model under each setting in turn (programmatic
-dependent launch on/off, ``QmmConfig.l2_lines`` of every 4-bit weight), graphs captured anew.
+``--variants pdl=0 pdl=1``: the same model under each setting in turn (programmatic dependent
+launch off/on), graphs captured anew.
 """
 
 from __future__ import annotations
@@ -49,17 +49,11 @@ def category(name: str) -> str:
 
 
 def apply_variant(model, variant: str) -> None:
-    """``pdl=0|1,l2=N``: set HEADSTART_PDL and every prepared 4-bit weight's l2_lines."""
-    from headstart.ops.quant_matmul import PreparedQuant
-
+    """``pdl=0|1``: set HEADSTART_PDL."""
     for item in filter(None, variant.split(",")):
         key, value = item.split("=")
         if key == "pdl":
             os.environ["HEADSTART_PDL"] = value
-        elif key == "l2":
-            for w in [*model.w.values(), model.head]:
-                if isinstance(w, PreparedQuant):
-                    w.config.l2_lines = int(value)
         else:
             raise ValueError(f"unknown variant key {key!r}")
 

@@ -58,6 +58,18 @@ def test_gated_rms_norm_on_a_strided_gate():
     close(gpu_fused.gated_rms_norm(core, z, w, 1e-6), pointwise.gated_rms_norm(core, z, w, 1e-6))
 
 
+def test_gated_rms_norm_reads_gates_by_row():
+    core = rand(3, 2, 32, seed=14)
+    proj = rand(5, 2 * 32 + 3, seed=15)
+    z = proj[:, 3:].view(5, 2, 32)
+    w = rand(32, seed=16, dtype=torch.float32)
+    rows = torch.tensor([4, 0, 2], device=core.device)
+    got = gpu_fused.gated_rms_norm(core, z, w, 1e-6, gate_rows=rows)
+    want = pointwise.gated_rms_norm(core, z[rows], w, 1e-6)
+    close(got, want)
+    close(pointwise.gated_rms_norm(core, z, w, 1e-6, gate_rows=rows), want)
+
+
 def test_silu_mul_and_sigmoid_mul():
     gu = rand(3, 2 * 100, seed=7, scale=3)
     close(gpu_fused.silu_mul(gu), pointwise.silu_mul(gu))

@@ -90,6 +90,43 @@ def test_graph_replay_equals_eager_bit_for_bit(ckpt):
     assert torch.equal(eager_pool.recurrent[:, :5], graph_pool.recurrent[:, :5])
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_programmatic_dependent_launch_changes_no_bit(ckpt, tmp_path, monkeypatch, quantized):
+    """Decode graphs captured with programmatic dependent launch (kernels start before their
+    predecessor ends and wait inside) against graphs captured without it: logits and states
+    bit for bit over several steps at 1 and 7 streams. A kernel that read an activation or wrote
+    before its wait would race and differ."""
+    from headstart.engine.cuda_graph import DecodeGraphs
+    from headstart.ops.triton_support import pdl
+
+    if not pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    path = ckpt
+    if quantized:  # the 4-bit matmul loads weights before its wait
+        ref = tiny.causal_lm(seed=41, **SHAPE)
+        path = tiny.save_mlx(ref, tiny.dequantized_copy(ref, 4, 64)[1], tmp_path / "q4", 4, 64)
+    model = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda")
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(12 + 5 * i)] for i in range(7)]
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HEADSTART_PDL", flag)
+        pool = model.new_state_pool(8, 256)
+        for s, ids in enumerate(prompts):
+            model.forward(ForwardBatch.build([SeqChunk(s, 0, ids)], model.device), pool)
+        graphs = DecodeGraphs(model, pool, 8, 8)
+        out, pos = [], [len(p) for p in prompts]
+        for n in (1, 7):
+            for _ in range(3):
+                out.append(graphs.run([9 + s for s in range(n)], pos[:n],
+                                      list(range(n))).logits.clone())
+                pos[:n] = [p + 1 for p in pos[:n]]
+        runs[flag] = (out, pool)
+    for a, b in zip(runs["0"][0], runs["1"][0], strict=True):
+        assert torch.equal(a, b)
+    for name in ("conv", "recurrent", "keys", "values"):
+        assert torch.equal(getattr(runs["0"][1], name), getattr(runs["1"][1], name)), name
+
+
 def test_stream_batched_with_15_others_equals_alone(ckpt):
     model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator().manual_seed(3)

@@ -51,9 +51,9 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_y + d, (x * rstd * s).to(DT), mask=m)
 
     @triton.jit
-    def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, H, stride_x, stride_z, stride_y, eps,
-                               D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                               PDL: tl.constexpr = False):
+    def _gated_rms_norm_kernel(x_ptr, z_ptr, zrow_ptr, w_ptr, y_ptr, H, stride_x, stride_z,
+                               stride_y, eps, D: tl.constexpr, BH: tl.constexpr,
+                               BD: tl.constexpr, Z_ROWS: tl.constexpr, PDL: tl.constexpr = False):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
@@ -66,7 +66,10 @@ if HAVE_TRITON:
         n = _round(x * tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None], DT)
         w = _round(tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32), DT)
         y = _round(w[None, :] * n, DT)
-        z = tl.load(z_ptr + row * stride_z + off, mask=m, other=0.0).to(tl.float32)
+        zrow = row
+        if Z_ROWS:
+            zrow = tl.load(zrow_ptr + row).to(tl.int64)
+        z = tl.load(z_ptr + zrow * stride_z + off, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + off, (y * (z * tl.sigmoid(z))).to(DT), mask=m)
 
     @triton.jit
@@ -191,17 +194,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Te
     return out, y
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   gate_rows: torch.Tensor | None = None) -> torch.Tensor:
     T, H, D = x.shape
     x = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
     if gate.stride(2) != 1 or gate.stride(1) != D:
         gate = gate.contiguous()
     y = torch.empty(T, H * D, dtype=x.dtype, device=x.device)
     if T:
-        _gated_rms_norm_kernel[(T,)](x, gate, weight, y, H, x.stride(0), gate.stride(0),
+        rows = gate_rows if gate_rows is not None else y  # y stands in (unread)
+        _gated_rms_norm_kernel[(T,)](x, gate, rows, weight, y, H, x.stride(0), gate.stride(0),
                                      y.stride(0), eps, D=D, BH=triton.next_power_of_2(H),
-                                     BD=triton.next_power_of_2(D), num_warps=8, **pdl_options(x.device))
+                                     BD=triton.next_power_of_2(D), Z_ROWS=gate_rows is not None,
+                                     num_warps=8, **pdl_options(x.device))
     return y
 
 

@@ -189,7 +189,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         z, norm_w, eps = norm
         o = gdn_decode(q, k, v, g, beta, slots, fresh, state_pool, out_dtype, rows, A_log,
                        dt_bias)
-        return gated_rms_norm(o, z.index_select(0, rows), norm_w, eps).view(o.shape)
+        return gated_rms_norm(o, z, norm_w, eps, gate_rows=rows).view(o.shape)
     # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head); the
     # output norm needs whole heads.
     BV = 32 if n * Hv * (Dv // 32) >= 512 else 16

@@ -32,10 +32,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Te
     return x, rms_norm(x, scale, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   gate_rows: torch.Tensor | None = None) -> torch.Tensor:
     """GDN output norm per head (plain weight, no +1), then ``* silu(gate)``; rounds twice, as HF
-    does. x, gate: [T, H, D] (gate may be a strided view); returns [T, H * D]."""
+    does. x, gate: [T, H, D] (gate may be a strided view); returns [T, H * D]. ``gate_rows``
+    [T] (int): row i takes its gate from ``gate[gate_rows[i]]`` (gate then has any row count)."""
+    if gate_rows is not None:
+        gate = gate.index_select(0, gate_rows)
     x32 = x.float()
     n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight.to(x.dtype) * n

@@ -126,10 +126,6 @@ class QmmConfig:
     # (MMA layout, from the kernel's register count) or 4 (tiled layout).
     ctas_per_sm: int = 0
     prefetch: bool = True  # register double-buffering of the next K step's words and scales
-    # MMA layout: 128-byte lines of each program's next words asked into L2 before the program
-    # waits for the kernel before it (programmatic dependent launch; 0: none). Power of two.
-    l2_lines: int = field(default_factory=lambda: int(os.environ.get("HEADSTART_QMM_L2_LINES",
-                                                                      "0")))
     use_dot: bool = False  # tiled layout only: M == 1 on the tensor cores too
 
 
@@ -599,12 +595,6 @@ if HAVE_TRITON:
             return (v & 0x000F000F) | MAGIC
 
     @triton.jit
-    def _prefetch_l2(ptrs):
-        """prefetch.global.L2 of the line at each pointer: no register, nothing to wait for."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _mma_chunk(acc0, acc1, wq, sbw, xi_ptr, xo0, xm0, xo1, xm1,
                    SEL: tl.constexpr, NT: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
                    SB_BF16: tl.constexpr, X_F16: tl.constexpr, MMA_Q: tl.constexpr,
@@ -659,7 +649,7 @@ if HAVE_TRITON:
                     SB_BF16: tl.constexpr, X_F16: tl.constexpr, PREFETCH: tl.constexpr,
                     NUM_STAGES: tl.constexpr, MMA_Q: tl.constexpr, MMA_ONES: tl.constexpr,
                     SCALE_0: tl.constexpr, SCALE_1: tl.constexpr, USE_ASM: tl.constexpr,
-                    L2_LINES: tl.constexpr = 0, PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False):
         """Program (m tile, n tile, K split): rows [pid_n*BN, +BN) of y for the K chunk pairs
         [pid_k*PAIRS_PER_SPLIT, +PAIRS_PER_SPLIT). Warp w owns 16-row blocks w, w + W, ...;
         every tensor is [32 lanes, W, RB, 4] so that each lane's registers are its MMA fragments
@@ -707,15 +697,6 @@ if HAVE_TRITON:
             na = tl.load(w_ptrs, mask=ok, other=0, eviction_policy="evict_first")
             nb = tl.load(w_ptrs + CW, mask=ok, other=0, eviction_policy="evict_first")
             ns = tl.load(sb_ptrs, mask=ok, other=0, eviction_policy="evict_first")
-        if L2_LINES > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
-            if t1 - t0 > 1:
-                # The words and scales of the pairs after the first, as far as L2_LINES lines
-                # reach, asked into L2 while the kernel before this one may still be running.
-                span = (t1 - t0 - 1) * (2 * CW)
-                lines = tl.minimum(tl.arange(0, L2_LINES) * 32, span - 32)
-                _prefetch_l2(w_ptr + (tile0 + t0 + 1) * (2 * CW) + lines)
-                sb_lines = tl.minimum(tl.arange(0, L2_LINES // 8) * 32, (t1 - t0 - 1) * SBW - 32)
-                _prefetch_l2(sb_ptr + (tile0 + t0 + 1) * SBW + sb_lines)
         # Weights are never written during a step: only x (and the outputs) wait for the
         # kernel before this one.
         pdl_wait(PDL)
@@ -945,6 +926,6 @@ def _quant_matmul_mma(x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: tor
         NUM_STAGES=max(1, cfg.num_stages), MMA_Q=_mma_asm(False, x_f16),
         MMA_ONES=_mma_asm(True, x_f16), SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16), USE_ASM=_USE_ASM,
-        L2_LINES=max(8, cfg.l2_lines) if _USE_ASM and cfg.l2_lines else 0, num_warps=W, num_stages=1,
+        num_warps=W, num_stages=1,
         **pdl_options(x2.device))
     return y
