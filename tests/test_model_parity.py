@@ -122,10 +122,12 @@ def test_bf16_error_no_worse_than_transformers_bf16(tmp_path):
     assert ours_err <= 1.5 * hf_err
 
 
-def test_loading_consumes_the_weight_dict(tmp_path):
+@pytest.mark.parametrize("arena", [False, True])
+def test_loading_consumes_the_weight_dict(tmp_path, arena):
     """Each projection part is released once its fused stack exists, so loading peaks near one
     copy of the weights: the model keeps no reference to the parts, and the caller's dict is
-    emptied."""
+    emptied. An unfused weight moves into the model as is, or (arena) is copied into its slot
+    and the original released."""
     import gc
     import weakref
 
@@ -136,8 +138,14 @@ def test_loading_consumes_the_weight_dict(tmp_path):
     cfg = load_config(ckpt)
     weights = load_weights(ckpt, cfg, torch.float32, "cpu")
     part = weakref.ref(weights["layers.0.linear_attn.in_proj_z.weight"])
-    kept = weights["layers.0.mlp.down_proj.weight"]  # not fused: moves into the model as is
-    model = Qwen35Model(cfg, weights)
+    kept = weakref.ref(weights["layers.0.mlp.down_proj.weight"])  # not fused
+    want = weights["layers.0.mlp.down_proj.weight"].clone()
+    model = Qwen35Model(cfg, weights, arena=arena)
     gc.collect()
     assert weights == {} and part() is None
-    assert model.w["layers.0.mlp.down_proj.weight"] is kept
+    got = model.w["layers.0.mlp.down_proj.weight"]
+    assert torch.equal(got, want)
+    if arena:
+        assert kept() is None and model.arena.holds(got)
+    else:
+        assert got is kept() and model.arena is None

@@ -11,13 +11,14 @@ of later stages keep its interface. The math follows HF transformers' ``modeling
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from headstart.arena import ArenaPlan, WeightArena
 from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
 from headstart.kernels import Kernels, select_kernels
@@ -27,7 +28,7 @@ from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
 from headstart.ops.short_conv import causal_conv, causal_conv_step
 from headstart.quant import QuantizedTensor
 from headstart.state import StatePool, WindowRecords
-from headstart.weights import Weight, load_weights
+from headstart.weights import Weight, load_weights, stand_ins
 
 
 def linear(x: torch.Tensor, w: Weight | PreparedQuant) -> torch.Tensor:
@@ -108,30 +109,42 @@ def _stack(parts: list[Weight]) -> Weight:
                            torch.cat([t.biases for t in parts]), first.bits, first.group_size)
 
 
-def fuse_projections(cfg: ModelConfig, weights: dict[str, Weight]) -> dict[str, Weight]:
-    """Stack the projections that read the same input into one weight each (one matmul instead
-    of two to four per layer: fewer, larger kernels). Parts that cannot be stacked (quantized
-    with different bits or groups, or quantized next to unquantized) are stacked after
-    dequantizing the odd ones out, never silently changed in precision otherwise.
+Convert = Callable[[str, Weight], Weight]
 
-    Works in place and returns ``weights``: each layer's parts leave the dict when their stack
-    is made, so only one layer's parts exist twice at any time."""
-    out = weights
+
+def _same(name: str, t: Weight) -> Weight:
+    return t
+
+
+def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = _same) -> None:
+    """Stack layer ``i``'s projections that read the same input into one weight each (one
+    matmul instead of two to four: fewer, larger kernels). Parts that cannot be stacked
+    (quantized with different bits or groups, or quantized next to unquantized) are stacked
+    after dequantizing the odd ones out, never silently changed in precision otherwise.
+
+    In place: the parts are popped (and passed through ``convert`` with their names) and the
+    stack is stored under the fused name."""
+    p = f"layers.{i}."
+    for fused, parts in FUSED.items():
+        if p + parts[0] not in weights:
+            continue
+        tensors = [convert(p + name, weights.pop(p + name)) for name in parts]
+        kinds = {(t.bits, t.group_size) if isinstance(t, QuantizedTensor) else None
+                 for t in tensors}
+        if len(kinds) > 1:  # mixed: bring every part to full precision
+            dtype = next(t.dtype for t in tensors if isinstance(t, torch.Tensor)) \
+                if any(isinstance(t, torch.Tensor) for t in tensors) else torch.float32
+            tensors = [t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
+                       for t in tensors]
+        weights[p + fused] = _stack(tensors)
+
+
+def fuse_projections(cfg: ModelConfig, weights: MutableMapping[str, Weight]
+                     ) -> MutableMapping[str, Weight]:
+    """:func:`fuse_layer` for every layer; works in place and returns ``weights``."""
     for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        for fused, parts in FUSED.items():
-            if p + parts[0] not in out:
-                continue
-            tensors = [out.pop(p + name) for name in parts]
-            kinds = {(t.bits, t.group_size) if isinstance(t, QuantizedTensor) else None
-                     for t in tensors}
-            if len(kinds) > 1:  # mixed: bring every part to full precision
-                dtype = next(t.dtype for t in tensors if isinstance(t, torch.Tensor)) \
-                    if any(isinstance(t, torch.Tensor) for t in tensors) else torch.float32
-                tensors = [t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
-                           for t in tensors]
-            out[p + fused] = _stack(tensors)
-    return out
+        fuse_layer(weights, i)
+    return weights
 
 
 @dataclass
@@ -155,64 +168,109 @@ class ForwardOutput:
 UNPACK_BYTES = 1 << 30
 
 
-def _unpack_small(weights: dict[str, Weight], dtype: torch.dtype, budget: int
-                  ) -> dict[str, Weight]:
-    """Linear weights unpacked to ``dtype`` if they fit ``budget`` unpacked; the embedding
-    table stays packed (its rows are unpacked as they are looked up)."""
-    packed = {k: t for k, t in weights.items()
-              if isinstance(t, QuantizedTensor) and k != "embed_tokens.weight"}
+EMBED = "embed_tokens.weight"
+
+
+def _unpack_fits(weights: Mapping[str, Weight], dtype: torch.dtype, budget: int) -> bool:
+    """Whether the quantized linear weights of ``weights`` all fit ``budget`` bytes unpacked to
+    ``dtype`` (the embedding table does not count: it stays packed, its rows are unpacked as
+    they are looked up). Reads only shapes, so meta stand-ins do."""
+    packed = [t for k, t in weights.items() if isinstance(t, QuantizedTensor) and k != EMBED]
     size = torch.tensor([], dtype=dtype).element_size()
-    if not packed or sum(t.shape[0] * t.shape[1] for t in packed.values()) * size > budget:
-        return weights
-    return {k: (t.dequantize(dtype) if k in packed else t) for k, t in weights.items()}
+    return bool(packed) and sum(t.shape[0] * t.shape[1] for t in packed) * size <= budget
+
+
+def _keep(name: str, value: Weight) -> Weight:
+    return value
 
 
 class Qwen35Model:
     """Weights plus the reference forward. Build with :meth:`load` or from a weight dict."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight],
+    def __init__(self, cfg: ModelConfig, weights: MutableMapping[str, Weight],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  kernels: Kernels | str = "auto",
-                 unpack_bytes: int = UNPACK_BYTES) -> None:
-        """``weights`` is consumed: its entries move into the model (fused, prepared), and the
-        dict is left empty unless the reference kernels unpack a copy of it (``unpack_bytes``).
+                 unpack_bytes: int = UNPACK_BYTES, arena: bool = True) -> None:
+        """``weights`` (a dict, or a :class:`~headstart.weights.LazyWeights` that reads each
+        tensor when it is taken) is consumed: its entries move into the model (fused, prepared)
+        one at a time and the mapping is left empty.
 
         ``unpack_bytes``: with the reference kernels, quantized linear weights are unpacked to
         ``dtype`` once at load when all of them together take at most this many bytes unpacked
-        (else they stay packed and are unpacked per call; the GPU kernels read them packed)."""
+        (else they stay packed and are unpacked per call; the GPU kernels read them packed).
+
+        ``arena``: every final weight tensor (the head, the embedding table and the norms
+        included) is a view into one allocation on ``device``, :attr:`arena`
+        (:class:`~headstart.arena.WeightArena`; None when off). It is planned by running the
+        loading pipeline once on meta stand-ins (shapes only), then each weight is copied into
+        its slot as soon as it is made and the original dropped: from a ``LazyWeights`` (as
+        :meth:`load` does), loading holds the arena plus one layer's weights in flight, never
+        two copies of the model (a dict's caller holds its own copy until it is consumed)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.kernels = kernels if isinstance(kernels, Kernels) else select_kernels(device, kernels)
-        if self.kernels.name == "reference":
-            weights = _unpack_small(weights, dtype, unpack_bytes)
-        # Linear weights in the form the kernels consume; the embedding table stays as loaded
-        # (rows are looked up), and a tied head gets its own prepared copy. ``weights`` is
-        # consumed as it goes (each part or unprepared weight leaves the dict as soon as its
-        # replacement exists), so loading peaks near one copy of the weights, not two (27B bf16:
-        # the fused projections alone are ~33 GB).
-        fused = fuse_projections(cfg, weights)
-        self.w = {}
-        for k in list(fused):
-            t = fused.pop(k)
-            self.w[k] = t if k == "embed_tokens.weight" else self.kernels.prepare(t)
-        self.head = self.w["lm_head.weight"] if not cfg.tie_word_embeddings else \
-            self.kernels.prepare(self.w["embed_tokens.weight"])
-        if self.kernels.name == "reference" and isinstance(self.head, QuantizedTensor):
-            # A tied head shares the packed embedding table; unpack a copy under the same rule.
-            self.head = _unpack_small({"head": self.head}, dtype, unpack_bytes)["head"]
+        self.unpack_bytes = unpack_bytes
+        shapes = stand_ins(weights)  # meta: nothing is read or copied
+        unpack = self.kernels.name == "reference" and _unpack_fits(shapes, dtype, unpack_bytes)
+        self.arena: WeightArena | None = None
+        place: Callable[[str, Weight], Weight] = _keep
+        if arena:
+            plan = ArenaPlan()
+            self._consume(shapes, unpack, plan.add)
+            self.arena = plan.allocate(self.device)
+            place = self.arena.fill
+        self.w, self.head = self._consume(weights, unpack, place)
+        if self.arena is not None:
+            self.arena.check_complete()
         self.rotary = Rotary.create(cfg, self.device)
         # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
         self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
         self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
 
+    def _consume(self, weights: MutableMapping[str, Weight], unpack: bool,
+                 place: Callable[[str, Weight], Weight]) -> tuple[dict[str, Weight], Weight]:
+        """The loading pipeline: every weight popped from ``weights`` (unpacked when ``unpack``,
+        the reference path's small models), fused layer by layer, put in the form the kernels
+        consume (the embedding table stays as loaded: rows are looked up), and handed to
+        ``place`` (the arena's copy, or the plan's record) as soon as it is final. Returns
+        (name -> weight, head); a tied head is its own prepared copy of the embedding table, or
+        the table itself where preparing changes nothing.
+
+        Runs on meta stand-ins too (to plan the arena), so it must depend only on shapes and
+        dtypes, never on values."""
+        def convert(k: str, t: Weight) -> Weight:
+            return t.dequantize(self.dtype) if unpack and k != EMBED \
+                and isinstance(t, QuantizedTensor) else t
+
+        w: dict[str, Weight] = {}
+
+        def take(keys: list[str]) -> None:
+            for k in keys:  # each original is dropped once its placed form exists
+                t = convert(k, weights.pop(k))
+                w[k] = place(k, t if k == EMBED else self.kernels.prepare(t))
+
+        for i in range(self.cfg.num_hidden_layers):
+            fuse_layer(weights, i, convert)
+            take([k for k in weights if k.startswith(f"layers.{i}.")])
+        take(list(weights))
+        if not self.cfg.tie_word_embeddings:
+            return w, w["lm_head.weight"]
+        head = self.kernels.prepare(w[EMBED])
+        if self.kernels.name == "reference" and isinstance(head, QuantizedTensor) \
+                and _unpack_fits({"head": head}, self.dtype, self.unpack_bytes):
+            # A tied head shares the packed embedding table; unpack a copy under the same rule.
+            head = head.dequantize(self.dtype)
+        return w, place("head", head)
+
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", kernels: Kernels | str = "auto",
-             unpack_bytes: int = UNPACK_BYTES) -> Qwen35Model:
+             unpack_bytes: int = UNPACK_BYTES, arena: bool = True) -> Qwen35Model:
+        """Load a checkpoint folder; tensors are read one at a time as the model takes them."""
         cfg = load_config(model_dir)
-        return cls(cfg, load_weights(model_dir, cfg, dtype, device), dtype, device, kernels,
-                   unpack_bytes)
+        return cls(cfg, load_weights(model_dir, cfg, dtype, device, lazy=True), dtype, device,
+                   kernels, unpack_bytes, arena)
 
     def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
         return StatePool.allocate(self.cfg, num_slots, max_tokens, self.dtype, self.device)
