@@ -69,6 +69,13 @@ SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, 
     "c12": ({}, QmmConfig(ctas_per_sm=12)),
     "nopf": ({}, QmmConfig(prefetch=False)),
     "stages3": ({}, QmmConfig(num_stages=3)),
+    "nopx": ({}, QmmConfig(prefetch_x=False)),
+    "nopxc4": ({}, QmmConfig(prefetch_x=False, ctas_per_sm=4)),
+    "c4": ({}, QmmConfig(ctas_per_sm=4)),
+    "d2c5": ({}, QmmConfig(prefetch_depth=2, ctas_per_sm=5)),
+    "d2c4": ({}, QmmConfig(prefetch_depth=2, ctas_per_sm=4)),
+    "c5": ({}, QmmConfig(ctas_per_sm=5)),
+    "d2c4x": ({}, QmmConfig(prefetch_depth=2, prefetch_x=False, ctas_per_sm=4)),
 }
 
 
@@ -183,12 +190,19 @@ def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool =
             bad = [f"ours {res['err']:.1e}"] if res["err"] > 1e-2 else []
             for cname, (kw, cfg) in variants.items():
                 ps = preps.get(cname, ours)
+                seen = compiled_mma()
                 err = rel_err(quant_matmul(x, ps[0], cfg), y_ref)  # same function, any config
+                REGISTERS.setdefault(cname, set()).update(
+                    (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen)
                 if err > 1e-2:
                     bad.append(f"{cname} {err:.1e}")
                 t = bench_graph([lambda p=p, cfg=cfg: quant_matmul(x, p, cfg) for p in ps])
                 sweep_ratios.setdefault((cname, 1 if m == 1 else 16), []).append(t / floor)
                 res[f"cfg_{cname}"] = t
+            seen = compiled_mma()
+            quant_matmul(x, ours[0])
+            REGISTERS.setdefault("ours", set()).update(
+                (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen)
             res["ours_us"] = bench_graph([lambda p=p: quant_matmul(x, p) for p in ours])
             res["ours_eager_us"] = bench(lambda: quant_matmul(x, ours[0]))
             if olds is not None:
@@ -219,12 +233,25 @@ def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool =
                   + (f"  WRONG: {', '.join(bad)}" if bad else ""), flush=True)
         del preps, ours, olds, w16s, qt0, w_ref
         torch.cuda.empty_cache()
+    for cname, regs in REGISTERS.items():
+        print(f"  registers (spills) of {cname}: {sorted(regs)}")
     if sweep_ratios:
         print("config sweep: geometric-mean ratio to floor (M=1 | M=4,16)")
         for cname in sweep:
             print(f"  {cname:10s} {geomean(sweep_ratios.get((cname, 1), [])):5.2f} | "
                   f"{geomean(sweep_ratios.get((cname, 16), [])):5.2f}")
     return rows
+
+
+def compiled_mma() -> dict:
+    """Every compiled variant of the MMA kernel so far (cache key -> compiled kernel)."""
+    from headstart.ops import quant_matmul as qm
+
+    return {key: k for caches in qm._mma_kernel.device_caches.values()
+            for key, k in caches[0].items()}
+
+
+REGISTERS: dict[str, set] = {}  # config name -> {(registers, spills)} of the kernels it compiled
 
 
 def bench_attention(bw: float) -> list[dict]:
@@ -290,12 +317,16 @@ def bench_gdn(bw: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time the config sweep")
+    ap.add_argument("--configs", default="", help="comma list: sweep only these SWEEP entries")
     ap.add_argument("--quick", action="store_true", help="skip the torch matmul baselines")
     ap.add_argument("--lm-head", action="store_true", help="also time the 248320x5120 lm_head")
     ap.add_argument("--before", default="", help="a quant_matmul.py to time alongside")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: matmul,attention,gdn")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_ops.json"))
     args = ap.parse_args()
+    if args.configs:
+        for name in set(SWEEP) - set(args.configs.split(",")):
+            del SWEEP[name]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}")

@@ -110,7 +110,7 @@ def test_programmatic_dependent_launch_changes_no_bit(ckpt, tmp_path, monkeypatc
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("HEADSTART_PDL", flag)
-        pool = model.new_state_pool(8, 256)
+        pool = model.new_state_pool(9, 256)  # slot 8: the graphs' scratch slot
         for s, ids in enumerate(prompts):
             model.forward(ForwardBatch.build([SeqChunk(s, 0, ids)], model.device), pool)
         graphs = DecodeGraphs(model, pool, 8, 8)
@@ -124,7 +124,8 @@ def test_programmatic_dependent_launch_changes_no_bit(ckpt, tmp_path, monkeypatc
     for a, b in zip(runs["0"][0], runs["1"][0], strict=True):
         assert torch.equal(a, b)
     for name in ("conv", "recurrent", "keys", "values"):
-        assert torch.equal(getattr(runs["0"][1], name), getattr(runs["1"][1], name)), name
+        assert torch.equal(getattr(runs["0"][1], name)[:, :7],
+                           getattr(runs["1"][1], name)[:, :7]), name
 
 
 def test_stream_batched_with_15_others_equals_alone(ckpt):
