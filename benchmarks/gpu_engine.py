@@ -378,6 +378,7 @@ def main() -> None:
                 run_hf(shape, args, rows)
             except Exception:
                 traceback.print_exc()
+            print(json.dumps(rows[-1] if rows else {}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
