@@ -38,10 +38,11 @@ instruction. Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up 
 run one program column per 16 rows. Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one
 Triton blocked layout, so each lane's registers are exactly its fragments: the MMAs (inline PTX,
 ``pack=4``) are the only place data crosses lanes, and the loop has no shared memory, no barrier
-and no layout conversion. The next chunk pair's words and scales are loaded (16-byte vectors)
-while this one is multiplied (register double-buffering). The grid is sized to be resident in one
-wave (``_MMA_REGS``: 75 registers, 6 programs per SM for M <= 8; 128 and 4 for M <= 16) and K is
-split until it fills that wave.
+and no layout conversion. The next chunk pair's words and scales, and its x, are loaded (16-byte
+vectors) while this one is multiplied (register double-buffering). With programmatic dependent
+launch (``triton_support``) a program loads its first words and scales before it waits for the
+kernel before it. The grid is sized to be resident in one wave (``_MMA_REGS``: 75 registers, 6
+programs per SM for M <= 8; 133 and 3 for M <= 16) and K is split until it fills that wave.
 
 Measured on the H200 (``benchmarks/gpu_ops.py --skip attention,gdn --quick --sweep --lm-head
 --before <previous quant_matmul.py>``: CUDA-graph replay over weight copies, cold L2; floor =
@@ -69,6 +70,12 @@ BN 64 2.02 | 2.65; 3 programs per SM 2.52 | 2.77; 12 (two waves) 2.36 | 3.05; no
 2.24 | 2.63; Triton's pipeliner (num_stages 3, through shared memory) instead of the prefetch
 6.15 | 8.92.
 
+Since then (same command with ``--configs``, H200, 2026-11-29): loading x one step ahead with
+the words (``prefetch_x``, the default now) gives 14.2 / 13.4 / 19.5 / 20.9 / 10.4 us at M = 1
+for the five projections above (geometric mean 1.90x the floor, 2.11 without it in the same
+run) and 2.29x at M = 4..16 (2.47). Two steps of words in flight (``prefetch_depth=2``, 100
+registers) lose at every residency tried (2.00-2.50 | 2.99-3.28); asking L2 for a program's
+later words before its wait was slower in a whole decode step (``profile_decode.py``).
 Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
 writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
 the partials in a fixed order (deterministic) and writes y, then resets the counter to zero. One
