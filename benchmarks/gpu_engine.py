@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 import traceback
-from collections.abc import MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.config import FULL, ModelConfig
 from headstart.quant import QuantizedTensor
-from headstart.weights import expected_shapes
+from headstart.weights import LazyWeights, expected_shapes
 
 SHAPES = {
     "27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -59,69 +59,50 @@ def config(shape: str, quant: bool) -> ModelConfig:
         quantization=Quantization(QuantSpec(4, 64)) if quant else None, **s)
 
 
-class RandomWeights(MutableMapping):
-    """Random weights at a config's shapes, each made on the GPU only when the model takes it
-    (``Qwen35Model`` plans its weight arena from :meth:`meta`), so building a 27B model holds
-    the arena plus one layer in flight, not a second full copy."""
-
-    def __init__(self, cfg: ModelConfig, quant: bool, gen: torch.Generator,
-                 device: str = "cuda") -> None:
-        self.shapes = dict(expected_shapes(cfg))
-        self.quant = quant
-        self.gen = gen
-        self.device = device
-        self.held: dict = {}
-
-    def make(self, name: str, shape: tuple[int, ...], device: str):
-        gen = self.gen if device != "meta" else None
-        if len(shape) == 1:
-            t = torch.ones(shape, device=device) if "norm" in name else \
-                torch.rand(shape, device=device, generator=gen) - 0.5
-            return t.float()
-        if name.endswith("conv1d.weight"):
-            return (torch.randn(shape, device=device, generator=gen) * 0.3).bfloat16()
-        if self.quant and shape[1] % 64 == 0:
-            out, inp = shape
-            if device == "meta":
-                packed = torch.empty(out, inp // 8, dtype=torch.int32, device=device)
-            else:
-                packed = torch.randint(-2**31, 2**31 - 1, (out, inp // 8), dtype=torch.int32,
-                                       device=device, generator=gen)
-            scales = torch.full((out, inp // 64), 2.0 / 15 / inp ** 0.5, dtype=torch.bfloat16,
-                                device=device)
-            return QuantizedTensor(packed, scales, -7.5 * scales, 4, 64)
-        return (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).bfloat16()
-
-    def meta(self) -> dict:
-        return {**{k: self.make(k, s, "meta") for k, s in self.shapes.items()}, **self.held}
-
-    def __getitem__(self, name: str):
-        if name in self.held:
-            return self.held[name]
-        return self.make(name, self.shapes[name], self.device)
-
-    def __setitem__(self, name: str, value) -> None:
-        self.shapes.pop(name, None)
-        self.held[name] = value
-
-    def __delitem__(self, name: str) -> None:
-        if name in self.held:
-            del self.held[name]
-        else:
-            del self.shapes[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.shapes or name in self.held
-
-    def __iter__(self):
-        return iter([*self.shapes, *self.held])
-
-    def __len__(self) -> int:
-        return len(self.shapes) + len(self.held)
+def random_tensor(name: str, shape: tuple[int, ...], quant: bool, device: str,
+                  gen: torch.Generator | None):
+    """One random weight at a real shape (MLX 4-bit where ``quant`` and K allows); meta: no data."""
+    if len(shape) == 1:
+        t = torch.ones(shape, device=device) if "norm" in name else \
+            torch.rand(shape, device=device, generator=gen) - 0.5
+        return t.float()
+    if name.endswith("conv1d.weight"):
+        return (torch.randn(shape, device=device, generator=gen) * 0.3).bfloat16()
+    if quant and shape[1] % 64 == 0:
+        out, inp = shape
+        packed = torch.empty(out, inp // 8, dtype=torch.int32, device=device) \
+            if device == "meta" else torch.randint(-2**31, 2**31 - 1, (out, inp // 8),
+                                                   dtype=torch.int32, device=device,
+                                                   generator=gen)
+        scales = torch.full((out, inp // 64), 2.0 / 15 / inp ** 0.5, dtype=torch.bfloat16,
+                            device=device)
+        return QuantizedTensor(packed, scales, -7.5 * scales, 4, 64)
+    return (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).bfloat16()
 
 
-def random_weights(cfg: ModelConfig, quant: bool, gen: torch.Generator) -> RandomWeights:
-    return RandomWeights(cfg, quant, gen)
+@dataclass(frozen=True)
+class RandomRecipe:
+    """A :class:`~headstart.weights.LazyWeights` recipe that makes a random weight when read."""
+
+    name: str
+    shape: tuple[int, ...]
+    quant: bool
+    gen: torch.Generator
+
+    def meta(self):
+        return random_tensor(self.name, self.shape, self.quant, "meta", None)
+
+    def read(self, device: torch.device):
+        return random_tensor(self.name, self.shape, self.quant, str(device), self.gen)
+
+
+def random_weights(cfg: ModelConfig, quant: bool, gen: torch.Generator,
+                   device: str = "cuda") -> LazyWeights:
+    """Random weights at ``cfg``'s shapes, each made on the device only when the model takes it
+    (``Qwen35Model`` plans its weight arena from the meta stand-ins), so building a 27B model
+    holds the arena plus one layer in flight, not a second full copy."""
+    return LazyWeights({n: RandomRecipe(n, s, quant, gen) for n, s in expected_shapes(cfg).items()},
+                       device)
 
 
 def nbytes(t) -> int:
