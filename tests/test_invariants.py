@@ -97,6 +97,36 @@ def test_stream_batched_with_others_equals_alone(model):
         assert (torch.stack(rows[i]) - alone_logits[i]).abs().max() <= TOL
 
 
+def test_prefills_of_several_streams_in_one_forward_equal_each_alone(model):
+    """Three new prompts (one shorter than the conv tail) and a continued one in one forward,
+    beside a decode row: every row's logits and each stream's state as when it runs alone."""
+    new = [tokens(17, 11), tokens(2, 12), tokens(33, 13)]
+    cont = tokens(40, 14)
+
+    def rows(pool, slot, ids, begin=0):
+        chunk = SeqChunk(slot, begin, ids[begin:], logit_rows=len(ids) - begin)
+        return model.forward(ForwardBatch.build([chunk]), pool)
+
+    alone = []
+    for ids in new:
+        pool = model.new_state_pool(1, 64)
+        alone.append((rows(pool, 0, ids), slot_state(pool, 0, len(ids))))
+    pool = model.new_state_pool(1, 64)
+    prefill(model, pool, 0, cont[:25], 64)
+    alone.append((rows(pool, 0, cont, 25), slot_state(pool, 0, 40)))
+    pool = model.new_state_pool(6, 64)
+    prefill(model, pool, 4, cont[:25], 64)
+    prefill(model, pool, 5, tokens(9, 15), 64)
+    out = model.forward(ForwardBatch.build([
+        SeqChunk(0, 0, new[0], logit_rows=17), SeqChunk(5, 9, (3,)),
+        SeqChunk(1, 0, new[1], logit_rows=2), SeqChunk(4, 25, cont[25:], logit_rows=15),
+        SeqChunk(2, 0, new[2], logit_rows=33)]), pool)
+    got = {0: out[:17], 1: out[18:20], 4: out[20:35], 2: out[35:]}
+    for (want, state), slot, n in zip(alone, (0, 1, 2, 4), (17, 2, 33, 40), strict=True):
+        assert (got[slot] - want).abs().max() <= TOL
+        assert_states_close(slot_state(pool, slot, n), state)
+
+
 def test_prefill_plus_steps_equals_longer_prefill(model):
     ids = tokens(60, seed=5)
     stepped = model.new_state_pool(1, 128)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headstart.ops.attention import attend
+from headstart.ops.attention import attend, attend_masked
 from headstart.ops.gated_delta import chunked_gated_delta, recurrent_gated_delta
-from headstart.ops.short_conv import causal_conv
+from headstart.ops.short_conv import causal_conv, causal_conv_spans, conv_spans_plan
 from headstart.quant import dequantize, pack, quantize, unpack
 
 
@@ -61,6 +61,45 @@ def test_causal_conv_in_pieces_equals_whole():
     # Direct formula at one position: y[t, c] = silu(sum_j w[c, j] * x[t - 3 + j, c]).
     direct = torch.nn.functional.silu((w[:, :] * x[5 - 3:6].T).sum(-1))
     assert torch.allclose(whole[5], direct, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 2, 9], [3], [1, 1]])
+def test_causal_conv_spans_equals_each_span_alone(lengths):
+    """Several spans (shorter and longer than the tail) in one pass, from zero and from
+    nonzero tails: every row and every new tail as the one-span conv gives them."""
+    g = torch.Generator().manual_seed(len(lengths) + sum(lengths))
+    C, K = 7, 4
+    x = torch.randn(sum(lengths), C, generator=g)
+    w = torch.randn(C, K, generator=g)
+    tails = torch.randn(len(lengths), C, K - 1, generator=g)
+    tails[0] = 0.0  # a fresh stream
+    got, got_tails = causal_conv_spans(x, tails, w, conv_spans_plan(lengths, K - 1))
+    begin = 0
+    for j, n in enumerate(lengths):
+        want, want_tail = causal_conv(x[begin:begin + n], tails[j], w)
+        assert torch.allclose(got[begin:begin + n], want, atol=1e-6)
+        assert torch.equal(got_tails[j], want_tail)
+        begin += n
+
+
+def test_attend_masked_equals_each_prompt_alone():
+    """Fresh prompts packed with a block-diagonal causal mask == each prompt attended alone."""
+    g = torch.Generator().manual_seed(3)
+    lengths, nh, nkv, hd = [4, 1, 6], 6, 2, 8
+    T = sum(lengths)
+    q = torch.randn(T, nh, hd, generator=g)
+    k = torch.randn(T, nkv, hd, generator=g)
+    v = torch.randn(T, nkv, hd, generator=g)
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    got = attend_masked(q, k, v, mask)
+    begin = 0
+    for n in lengths:
+        rows = slice(begin, begin + n)
+        want = attend(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0)
+        assert torch.allclose(got[rows], want, atol=1e-5)
+        begin += n
 
 
 def test_attend_matches_dense_causal_softmax():

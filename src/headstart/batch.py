@@ -10,7 +10,7 @@ of them into tensors, in order, with ``cu_seqlens``-style offsets.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,6 +84,9 @@ class MultiRows:
     cu_seqlens_cpu: torch.Tensor  # the same, on the host
     slots: torch.Tensor  # [N]
     fresh: torch.Tensor  # [N] bool: starts at position 0
+    # Index tensors the layers derive from these once per forward (the model's memo: every
+    # layer of the forward reuses them).
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

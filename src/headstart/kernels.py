@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from headstart.ops import pointwise
-from headstart.ops.attention import attend, attend_decode
+from headstart.ops.attention import attend, attend_decode, attend_masked
 from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
 
 log = logging.getLogger("headstart.kernels")
@@ -77,6 +77,9 @@ class Kernels:
     attn_decode: Callable[..., torch.Tensor]
     # (q [T,nh,hd] at positions start.., keys/values [nkv, start+T, hd], start) -> [T,nh,hd]
     attn_span: Callable[..., torch.Tensor] = attend
+    # (q [T,nh,hd], k/v [T,nkv,hd], mask [T,T] bool) -> [T,nh,hd]: several fresh streams'
+    # prompts in one call (block-diagonal causal mask)
+    attn_masked: Callable[..., torch.Tensor] = attend_masked
     # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
     prepare: Callable[[Any], Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
@@ -121,8 +124,14 @@ def gpu_kernels() -> Kernels:
                                                                  enable_gqa=nh != nkv)
         return o[0].transpose(0, 1)
 
-    return Kernels("gpu", gdn_decode_gates, spans, decode_attention, attn_span, prepare,
-                   graphs=True, add_rms_norm=gpu_fused.add_rms_norm,
+    def attn_masked(q, k, v, mask):
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return o[0].transpose(0, 1)
+
+    return Kernels("gpu", gdn_decode_gates, spans, decode_attention, attn_span, attn_masked,
+                   prepare, graphs=True, add_rms_norm=gpu_fused.add_rms_norm,
                    gated_rms_norm=gpu_fused.gated_rms_norm, silu_mul=gpu_fused.silu_mul,
                    sigmoid_mul=gpu_fused.sigmoid_mul, conv_step_rows=gpu_fused.conv_step_rows,
                    attn_decode_inputs=gpu_fused.attn_decode_inputs)

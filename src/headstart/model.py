@@ -25,7 +25,12 @@ from headstart.kernels import Kernels, select_kernels
 from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, recurrent_gated_delta
 from headstart.ops.pointwise import Rotary, gdn_gates, rms_norm
 from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
-from headstart.ops.short_conv import causal_conv, causal_conv_step
+from headstart.ops.short_conv import (
+    causal_conv,
+    causal_conv_spans,
+    causal_conv_step,
+    conv_spans_plan,
+)
 from headstart.quant import QuantizedTensor
 from headstart.state import StatePool, WindowRecords
 from headstart.weights import Weight, load_weights, stand_ins
@@ -182,6 +187,43 @@ def _unpack_fits(weights: Mapping[str, Weight], dtype: torch.dtype, budget: int)
 
 def _keep(name: str, value: Weight) -> Weight:
     return value
+
+
+def _span_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot and position of every row of the batch's multi-row spans (packed order)."""
+    m = batch.multi
+    if "rows" not in m.memo:
+        slots = [s.slot for s in batch.multi_row for _ in range(s.length)]
+        positions = [s.start + d for s in batch.multi_row for d in range(s.length)]
+        m.memo["rows"] = tuple(torch.tensor(t, dtype=torch.int64).to(m.rows.device)
+                               for t in (slots, positions))
+    return m.memo["rows"]
+
+
+def _fresh_spans(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed rows, [F, F] block-diagonal causal mask) of the multi-row spans that start a
+    stream, when there are at least two of them (else None: each attends alone)."""
+    m = batch.multi
+    if "fresh" not in m.memo:
+        fresh = [s for s in batch.multi_row if s.start == 0]
+        m.memo["fresh"] = None
+        if len(fresh) > 1:
+            dev = m.rows.device
+            rows = torch.tensor([r for s in fresh for r in range(s.begin, s.end)], device=dev)
+            seg = torch.tensor([j for j, s in enumerate(fresh) for _ in range(s.length)],
+                               device=dev)
+            pos = torch.tensor([d for s in fresh for d in range(s.length)], device=dev)
+            m.memo["fresh"] = (rows, (seg[:, None] == seg[None, :])
+                               & (pos[None, :] <= pos[:, None]))
+    return m.memo["fresh"]
+
+
+def _conv_plan(batch: ForwardBatch, k1: int) -> tuple[torch.Tensor, ...]:
+    m = batch.multi
+    if ("conv", k1) not in m.memo:
+        plan = conv_spans_plan([s.length for s in batch.multi_row], k1)
+        m.memo[("conv", k1)] = tuple(t.to(m.rows.device) for t in plan)
+    return m.memo[("conv", k1)]
 
 
 class Qwen35Model:
@@ -439,10 +481,22 @@ class Qwen35Model:
                 values[d.slots, :, d.positions] = v[d.rows]
                 out[d.rows] = self.kernels.attn_decode(q[d.rows], keys, values, d.slots,
                                                        d.positions + 1)
-        for s in batch.multi_row:
+        spans = batch.multi_row
+        if len(spans) > 1:  # several spans: KV rows written at once, fresh prompts attended at once
+            m = batch.multi
+            row_slots, row_positions = _span_rows(batch)
+            keys[row_slots, :, row_positions] = k[m.rows]
+            values[row_slots, :, row_positions] = v[m.rows]
+            fresh = _fresh_spans(batch)
+            if fresh is not None:
+                rows, mask = fresh
+                out[rows] = self.kernels.attn_masked(q[rows], k[rows], v[rows], mask)
+                spans = tuple(s for s in spans if s.start > 0)
+        for s in spans:
             end = s.start + s.length
-            keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
-            values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
+            if len(batch.multi_row) == 1:
+                keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
+                values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
             out[s.begin:s.end] = self.kernels.attn_span(q[s.begin:s.end], keys[s.slot, :, :end],
                                                         values[s.slot, :, :end], s.start)
         for s in batch.trees:  # token tree: each row sees the committed rows and its ancestors
@@ -526,19 +580,30 @@ class Qwen35Model:
                                                   wd.slots, kept, states)
                 core[r] = o.to(x.dtype)
         m = batch.multi
-        if m is not None:  # multi-row spans: conv per span, then one varlen recurrence
-            ys = []
-            for s in batch.multi_row:
-                fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
-                tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
+        if m is not None and len(batch.multi_row) > 1:
+            # Several spans: the conv of all of them in one pass, then one varlen recurrence.
+            # A new stream starts from a zero tail and state, whatever its slot held.
+            init = torch.where(m.fresh[:, None, None], 0.0, tails.index_select(0, m.slots))
+            for j, s in enumerate(batch.multi_row):
                 if s.record:  # inputs to replay any prefix of this span (rollback)
-                    tail = tail.clone()
-                    state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot].clone()
-                    records[s.slot].layers[i] = (tail, state, mixed[s.begin:s.end],
+                    state = torch.zeros_like(states[s.slot]) if s.start == 0 else \
+                        states[s.slot].clone()
+                    records[s.slot].layers[i] = (init[j], state, mixed[s.begin:s.end],
                                                  g[s.begin:s.end], beta[s.begin:s.end])
-                y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
-                ys.append(y)
-            y = torch.cat(ys)
+            y, new_tails = causal_conv_spans(mixed[m.rows], init, conv_w,
+                                             _conv_plan(batch, init.shape[-1]))
+            tails.index_copy_(0, m.slots, new_tails.to(tails.dtype))
+        elif m is not None:  # one span: conv, then the recurrence
+            s = batch.multi_row[0]
+            fresh = s.start == 0  # a new stream: zero tail and state, whatever the slot held
+            tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
+            if s.record:  # inputs to replay any prefix of this span (rollback)
+                tail = tail.clone()
+                state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot].clone()
+                records[s.slot].layers[i] = (tail, state, mixed[s.begin:s.end],
+                                             g[s.begin:s.end], beta[s.begin:s.end])
+            y, tails[s.slot] = causal_conv(mixed[s.begin:s.end], tail, conv_w)
+        if m is not None:
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             L = y.shape[0]
             o = self.kernels.gdn_spans(q.reshape(L, Hk, Dk), k.reshape(L, Hk, Dk),

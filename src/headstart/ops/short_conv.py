@@ -21,6 +21,52 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor
     return F.silu(y[:, -T:]).transpose(0, 1), new_tail
 
 
+def conv_spans_plan(lengths: list[int], k1: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    """Host index tensors of :func:`causal_conv_spans` for spans of ``lengths`` rows and tails
+    of ``k1`` rows: (ext_index, out_index, tail_index).
+
+    The extended sequence E holds, span after span, the span's tail rows then its own rows, so
+    that one convolution over E computes every span's rows from its own tail (a window never
+    reaches back into the span before). E's rows are picked from ``cat([x, tails])`` (x's rows
+    first, then each span's tail rows); the output of span row i is convolution output
+    ``start_of_its_segment + i``; the new tail is the segment's last ``k1`` rows."""
+    total = sum(lengths)
+    ext: list[int] = []
+    out: list[int] = []
+    tail: list[int] = []
+    row = pos = 0
+    for s, n in enumerate(lengths):
+        ext.extend(range(total + s * k1, total + (s + 1) * k1))
+        ext.extend(range(row, row + n))
+        out.extend(range(pos, pos + n))
+        tail.extend(range(pos + n, pos + n + k1))
+        row += n
+        pos += k1 + n
+    return (torch.tensor(ext, dtype=torch.int64), torch.tensor(out, dtype=torch.int64),
+            torch.tensor(tail, dtype=torch.int64))
+
+
+def causal_conv_spans(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor,
+                      plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv` for several sequences at once, in a fixed number of kernels (a loop
+    over spans costs a few launches each: a burst of 16 prompts paid ~100 a GDN layer).
+
+    x: [T, C], the spans' rows one span after the other; tails: [n, C, K-1] (zeros for a fresh
+    stream); weight: [C, K]; plan: :func:`conv_spans_plan` of the span lengths, on x's device.
+    Returns (silu(conv) [T, C], new tails [n, C, K-1]), row for row what :func:`causal_conv`
+    gives each span (the same depthwise convolution, over a longer sequence)."""
+    ext_index, out_index, tail_index = plan
+    n, C, k1 = tails.shape
+    src = torch.cat([x, tails.to(x.dtype).transpose(1, 2).reshape(n * k1, C)])
+    ext = src.index_select(0, ext_index)  # [T + n (K-1), C]
+    y = F.conv1d(ext.transpose(0, 1).unsqueeze(0), weight.to(x.dtype).unsqueeze(1), groups=C)[0]
+    out = F.silu(y.index_select(1, out_index)).transpose(0, 1)
+    new_tails = ext.index_select(0, tail_index).view(n, k1, C).transpose(1, 2)
+    return out, new_tails
+
+
 def causal_conv_step(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new row for n streams at once. x: [n, C]; tails: [n, C, K-1]; weight: [C, K].
