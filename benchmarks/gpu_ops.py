@@ -72,10 +72,7 @@ SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, 
     "nopx": ({}, QmmConfig(prefetch_x=False)),
     "nopxc4": ({}, QmmConfig(prefetch_x=False, ctas_per_sm=4)),
     "c4": ({}, QmmConfig(ctas_per_sm=4)),
-    "d2c5": ({}, QmmConfig(prefetch_depth=2, ctas_per_sm=5)),
-    "d2c4": ({}, QmmConfig(prefetch_depth=2, ctas_per_sm=4)),
     "c5": ({}, QmmConfig(ctas_per_sm=5)),
-    "d2c4x": ({}, QmmConfig(prefetch_depth=2, prefetch_x=False, ctas_per_sm=4)),
 }
 
 

@@ -157,6 +157,17 @@ def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
         torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
 
 
+def count_runs(graphs, calls: dict, key: str) -> None:
+    """Wrap ``graphs.run`` so that every replay adds one to ``calls[key]``."""
+    real = graphs.run
+
+    def run(*a):
+        calls[key] += 1
+        return real(*a)
+
+    graphs.run = run
+
+
 def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
     """Proposals, chain verify windows and rollbacks replayed from (emulated) graphs, several
     streams at once and windows of different widths padded to one: greedy output equals
@@ -170,29 +181,10 @@ def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
     finally:
         plain.stop()
     e = make(DFlashDrafter.load(target.drafter_dir, target), window_graphs=True)
-    calls = {"windows": 0, "widths": set()}
-    real = e.window_graphs.run
-
-    def run(windows, *a):
-        calls["windows"] += 1
-        calls["widths"].add(len(windows[0]))
-        return real(windows, *a)
-
-    e.window_graphs.run = run
-    real_draft = e.spec.graphs.run
-
-    def draft(*a):
-        calls["drafts"] = calls.get("drafts", 0) + 1
-        return real_draft(*a)
-
-    e.spec.graphs.run = draft
-    real_rollback = e.rollback_graphs.run
-
-    def rollback(*a):
-        calls["rollbacks"] = calls.get("rollbacks", 0) + 1
-        return real_rollback(*a)
-
-    e.rollback_graphs.run = rollback
+    calls = {"windows": 0, "drafts": 0, "rollbacks": 0}
+    for key, graphs in (("windows", e.window_graphs), ("drafts", e.spec.graphs),
+                        ("rollbacks", e.rollback_graphs)):
+        count_runs(graphs, calls, key)
     try:
         assert run_all(e) == expected
         assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0

@@ -38,7 +38,7 @@ def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, sta
     if norm is None:
         return o
     z, weight, eps = norm
-    return pointwise.gated_rms_norm(o.to(v.dtype), z[rows], weight, eps).view(o.shape)
+    return pointwise.gated_rms_norm(o.to(v.dtype), z, weight, eps, gate_rows=rows).view(o.shape)
 
 
 def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):

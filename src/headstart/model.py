@@ -117,11 +117,11 @@ def _stack(parts: list[Weight]) -> Weight:
 Convert = Callable[[str, Weight], Weight]
 
 
-def _same(name: str, t: Weight) -> Weight:
+def _as_is(name: str, t: Weight) -> Weight:
     return t
 
 
-def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = _same) -> None:
+def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = _as_is) -> None:
     """Stack layer ``i``'s projections that read the same input into one weight each (one
     matmul instead of two to four: fewer, larger kernels). Parts that cannot be stacked
     (quantized with different bits or groups, or quantized next to unquantized) are stacked
@@ -142,14 +142,6 @@ def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = 
             tensors = [t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t
                        for t in tensors]
         weights[p + fused] = _stack(tensors)
-
-
-def fuse_projections(cfg: ModelConfig, weights: MutableMapping[str, Weight]
-                     ) -> MutableMapping[str, Weight]:
-    """:func:`fuse_layer` for every layer; works in place and returns ``weights``."""
-    for i in range(cfg.num_hidden_layers):
-        fuse_layer(weights, i)
-    return weights
 
 
 @dataclass
@@ -183,10 +175,6 @@ def _unpack_fits(weights: Mapping[str, Weight], dtype: torch.dtype, budget: int)
     packed = [t for k, t in weights.items() if isinstance(t, QuantizedTensor) and k != EMBED]
     size = torch.tensor([], dtype=dtype).element_size()
     return bool(packed) and sum(t.shape[0] * t.shape[1] for t in packed) * size <= budget
-
-
-def _keep(name: str, value: Weight) -> Weight:
-    return value
 
 
 def _span_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +244,7 @@ class Qwen35Model:
         shapes = stand_ins(weights)  # meta: nothing is read or copied
         unpack = self.kernels.name == "reference" and _unpack_fits(shapes, dtype, unpack_bytes)
         self.arena: WeightArena | None = None
-        place: Callable[[str, Weight], Weight] = _keep
+        place: Callable[[str, Weight], Weight] = _as_is
         if arena:
             plan = ArenaPlan()
             self._consume(shapes, unpack, plan.add)
@@ -492,11 +480,12 @@ class Qwen35Model:
                 rows, mask = fresh
                 out[rows] = self.kernels.attn_masked(q[rows], k[rows], v[rows], mask)
                 spans = tuple(s for s in spans if s.start > 0)
+        elif spans:
+            s = spans[0]
+            keys[s.slot, :, s.start:s.start + s.length] = k[s.begin:s.end].transpose(0, 1)
+            values[s.slot, :, s.start:s.start + s.length] = v[s.begin:s.end].transpose(0, 1)
         for s in spans:
             end = s.start + s.length
-            if len(batch.multi_row) == 1:
-                keys[s.slot, :, s.start:end] = k[s.begin:s.end].transpose(0, 1)
-                values[s.slot, :, s.start:end] = v[s.begin:s.end].transpose(0, 1)
             out[s.begin:s.end] = self.kernels.attn_span(q[s.begin:s.end], keys[s.slot, :, :end],
                                                         values[s.slot, :, :end], s.start)
         for s in batch.trees:  # token tree: each row sees the committed rows and its ancestors

@@ -73,8 +73,8 @@ BN 64 2.02 | 2.65; 3 programs per SM 2.52 | 2.77; 12 (two waves) 2.36 | 3.05; no
 Since then (same command with ``--configs``, H200, 2026-11-29): loading x one step ahead with
 the words (``prefetch_x``, the default now) gives 14.2 / 13.4 / 19.5 / 20.9 / 10.4 us at M = 1
 for the five projections above (geometric mean 1.90x the floor, 2.11 without it in the same
-run) and 2.29x at M = 4..16 (2.47). Two steps of words in flight (``prefetch_depth=2``, 100
-registers) lose at every residency tried (2.00-2.50 | 2.99-3.28); asking L2 for a program's
+run) and 2.29x at M = 4..16 (2.47). Two steps of words in flight (100 registers; tried and
+removed) lose at every residency tried (2.00-2.50 | 2.99-3.28); asking L2 for a program's
 later words before its wait was slower in a whole decode step (``profile_decode.py``).
 Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
 writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
@@ -98,17 +98,16 @@ Non-goals: autograd, bits other than 2/4/8, M > 64 in the fused kernels (falls b
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from headstart.ops.triton_support import HAVE_TRITON, pdl_options, sm_count, tl, triton
+from headstart.ops.triton_support import HAVE_TRITON, INTERPRET, pdl_options, sm_count, tl, triton
 from headstart.quant import QuantizedTensor, unpack
 
-# Triton's CPU interpreter (TRITON_INTERPRET=1, used to check the kernels without a GPU) cannot run
-# inline PTX; the kernels then use plain-Triton stand-ins with the same semantics.
-_USE_ASM = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+# Triton's CPU interpreter cannot run inline PTX; the kernels then use plain-Triton stand-ins
+# with the same semantics.
+_USE_ASM = not INTERPRET
 ROW_PAD = 128  # tiled layout: rows padded to a multiple of the largest BN (no load masks)
 MAX_FUSED_M = 64  # above this, dequantize + cuBLAS (compute-bound regime)
 _DOT_PF_RESIDENT = 5  # tiled layout: programs per SM of the dot kernel with prefetch (96 registers)
@@ -134,7 +133,6 @@ class QmmConfig:
     # (MMA layout, from the kernel's register count) or 4 (tiled layout).
     ctas_per_sm: int = 0
     prefetch: bool = True  # register double-buffering of the next K step's words and scales
-    prefetch_depth: int = 1  # MMA layout: K steps of words and scales in flight ahead (1 or 2)
     # MMA layout: the next K step's x loaded with its words, off the MMAs' critical path (H200
     # sweep: geometric mean 1.88x the floor at M = 1 instead of 2.10, 2.47 at M = 4..16 instead
     # of ~2.9, same 75 registers at M <= 8)
@@ -701,7 +699,7 @@ if HAVE_TRITON:
                     SB_BF16: tl.constexpr, X_F16: tl.constexpr, PREFETCH: tl.constexpr,
                     NUM_STAGES: tl.constexpr, MMA_Q: tl.constexpr, MMA_ONES: tl.constexpr,
                     SCALE_0: tl.constexpr, SCALE_1: tl.constexpr, USE_ASM: tl.constexpr,
-                    DEPTH: tl.constexpr = 1, PREFETCH_X: tl.constexpr = False,
+                    PREFETCH_X: tl.constexpr = False,
                     PDL: tl.constexpr = False):
         """Program (m tile, n tile, K split): rows [pid_n*BN, +BN) of y for the K chunk pairs
         [pid_k*PAIRS_PER_SPLIT, +PAIRS_PER_SPLIT). Warp w owns 16-row blocks w, w + W, ...;
@@ -742,13 +740,9 @@ if HAVE_TRITON:
         acc0 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
         acc1 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
         if PREFETCH:
-            # Register prefetch: the words and scales of the next DEPTH chunk pairs are in
-            # flight while this one is multiplied.
+            # Register prefetch: the next chunk pair's words and scales are in flight while this
+            # one is multiplied.
             na, nb, ns = _load_w_pair(w_ptr, sb_ptr, tile0, t0, t1, frag, sb_off, CW, SBW)
-            if DEPTH == 2:
-                ma, mb, ms = _load_w_pair(w_ptr, sb_ptr, tile0, t0 + 1, t1, frag, sb_off, CW, SBW)
-            else:
-                ma, mb, ms = na, nb, ns
         # Weights are never written during a step: only x (and the outputs) wait for the
         # kernel before this one.
         pdl_wait(PDL)
@@ -760,13 +754,7 @@ if HAVE_TRITON:
                 wa = na
                 wb = nb
                 sbw = ns
-                if DEPTH == 2:
-                    na, nb, ns = ma, mb, ms
-                    ma, mb, ms = _load_w_pair(w_ptr, sb_ptr, tile0, tp + 2, t1, frag, sb_off, CW,
-                                              SBW)
-                else:
-                    na, nb, ns = _load_w_pair(w_ptr, sb_ptr, tile0, tp + 1, t1, frag, sb_off, CW,
-                                              SBW)
+                na, nb, ns = _load_w_pair(w_ptr, sb_ptr, tile0, tp + 1, t1, frag, sb_off, CW, SBW)
             else:
                 w_ptrs = w_ptr + (tile0 + tp) * (2 * CW) + frag
                 wa = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -977,6 +965,6 @@ def _quant_matmul_mma(x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: tor
         NUM_STAGES=max(1, cfg.num_stages), MMA_Q=_mma_asm(False, x_f16),
         MMA_ONES=_mma_asm(True, x_f16), SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16), USE_ASM=_USE_ASM,
-        DEPTH=cfg.prefetch_depth, PREFETCH_X=cfg.prefetch_x, num_warps=W, num_stages=1,
+        PREFETCH_X=cfg.prefetch_x, num_warps=W, num_stages=1,
         **pdl_options(x2.device))
     return y

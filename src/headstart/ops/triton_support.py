@@ -29,7 +29,8 @@ except ImportError:  # pragma: no cover - CPU-only machines
 
 _SM_COUNT: dict[int, int] = {}
 _PDL: dict[int, bool] = {}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+# Triton's CPU interpreter (TRITON_INTERPRET=1, how the kernels are checked without a GPU).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 if HAVE_TRITON:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -54,7 +55,7 @@ def sm_count(device: torch.device) -> int:
 def pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with programmatic dependent launch (module doc);
     pass it as both the kernel's ``PDL`` constexpr and its ``launch_pdl`` option."""
-    if _INTERPRET or device.type != "cuda" or os.environ.get("HEADSTART_PDL", "1") == "0":
+    if INTERPRET or device.type != "cuda" or os.environ.get("HEADSTART_PDL", "1") == "0":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL:
