@@ -165,3 +165,69 @@ def test_queued_drafter_features_keep_the_newest_window():
     live.features = live.features[:0]  # handed to the drafter's ring
     live.add_features(torch.ones(2, 3), 99, window=6)
     assert live.features_start == 99 and live.features.shape == (2, 3)
+
+
+def _sharing_a_step(loaded, engine, bad_params, prompt="def k():"):
+    """Submit a bad request between a greedy and a seeded neighbour, all at once (they share
+    steps); return (bad collector, neighbours' (tokens, expected))."""
+    ids = loaded.tokenizer.encode(prompt)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
+    first, bad, last = Collector(), Collector(), Collector()
+    engine.submit(EngineRequest("n1", ids, greedy, 12, first))
+    engine.submit(EngineRequest("bad", ids, bad_params, bad_params.max_tokens, bad))
+    engine.submit(EngineRequest("n2", ids, seeded, 12, last))
+    for c in (first, bad, last):
+        assert c.done.wait(60)
+    return bad, [(first, alone(loaded, ids, greedy)), (last, alone(loaded, ids, seeded))]
+
+
+def test_a_row_that_breaks_sampling_fails_alone(loaded, engine):
+    """A parameter the sampler cannot take (a validation gap, emulated by writing past the
+    frozen dataclass) fails its own request; its neighbours in the same steps finish as alone."""
+    bad_params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    object.__setattr__(bad_params, "top_k", 2**63)  # overflows the kernels' int64
+    bad, neighbours = _sharing_a_step(loaded, engine, bad_params)
+    assert isinstance(bad.finish, Failed) and "internal error" in bad.finish.message
+    for c, want in neighbours:
+        assert isinstance(c.finish, Finish) and c.finish.reason == "length"
+        assert c.tokens == want
+    assert wait_idle(engine) and engine.stats()["free_slots"] == 4
+
+
+def test_a_row_whose_output_breaks_mid_stream_fails_alone(loaded, engine, monkeypatch):
+    import headstart.engine.engine as eng
+
+    real_add = eng.OutputStream.add
+
+    def add(self, token, *a, **kw):
+        if self.params.seed == 666 and self.produced >= 2:
+            raise RuntimeError("detokenizer broke")
+        return real_add(self, token, *a, **kw)
+
+    monkeypatch.setattr(eng.OutputStream, "add", add)
+    bad_params = SamplingParams(temperature=0, seed=666, max_tokens=12, ignore_eos=True)
+    bad, neighbours = _sharing_a_step(loaded, engine, bad_params)
+    assert isinstance(bad.finish, Failed) and len(bad.tokens) == 2
+    for c, want in neighbours:
+        assert c.tokens == want and c.finish.reason == "length"
+    assert wait_idle(engine) and engine.stats()["free_slots"] == 4
+
+
+def test_tiny_temperatures_and_huge_top_k_are_taken(loaded, engine):
+    """Values the wire allows: a temperature that rounds to 0 in float32 decodes greedily,
+    a top_k past the vocabulary keeps every token."""
+    ids = loaded.tokenizer.encode("def k():")
+    greedy = alone(loaded, ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for params in (SamplingParams(temperature=1e-46, max_tokens=8, ignore_eos=True),
+                   SamplingParams(temperature=9.55e-201, seed=3, max_tokens=8, ignore_eos=True),
+                   SamplingParams(temperature=0, top_k=2**63, max_tokens=8, ignore_eos=True)):
+        c = Collector()
+        engine.submit(EngineRequest("t", ids, params, 8, c))
+        assert c.done.wait(60) and isinstance(c.finish, Finish), c.events[-1]
+        assert c.tokens == greedy
+    huge_k = SamplingParams(temperature=0.8, top_k=2**63, seed=5, max_tokens=8, ignore_eos=True)
+    no_k = SamplingParams(temperature=0.8, top_k=0, seed=5, max_tokens=8, ignore_eos=True)
+    c = Collector()
+    engine.submit(EngineRequest("k", ids, huge_k, 8, c))
+    assert c.done.wait(60) and c.tokens == alone(loaded, ids, no_k)

@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "MAX_LOGPROBS",
+    "SAMPLING_EPS",
     "SampleResult",
     "Sampler",
     "SamplingParams",
@@ -33,6 +34,7 @@ __all__ = [
     "apply_top_k",
     "apply_top_k_top_p_min_p",
     "apply_top_p",
+    "derived_seed",
     "make_generator",
     "sampling_probs",
 ]
@@ -43,6 +45,12 @@ MAX_LOGPROBS = 20
 # The range torch.Generator.manual_seed accepts (negative seeds are remapped by torch).
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+#: Temperatures below this decode greedily (vLLM's rule): dividing by them would round to
+#: 0 or overflow in float32, and the distribution they ask for is the argmax anyway.
+SAMPLING_EPS = 1e-5
+# top_k values above this are stored as this: any k >= the vocabulary keeps every token, and
+# the kernels take k as a 64-bit integer.
+_TOP_K_MAX = 2**31 - 1
 
 _NEG_INF = float("-inf")
 
@@ -109,7 +117,7 @@ class SamplingParams:
         top_k = _as_int("top_k", self.top_k)
         if top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {top_k}")
-        put("top_k", top_k)
+        put("top_k", min(top_k, _TOP_K_MAX))
 
         min_p = _as_real("min_p", self.min_p)
         if not 0 <= min_p <= 1:
@@ -158,8 +166,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the request decodes by argmax and so consumes no randomness."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when the request decodes by argmax and so consumes no randomness
+        (temperature below :data:`SAMPLING_EPS`, or ``top_k == 1``)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed`` (``n`` > 1): distinct
+    per choice, reproducible, and always in the range ``manual_seed`` takes (it wraps)."""
+    return (seed + index) % 2**64 if index else seed
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:

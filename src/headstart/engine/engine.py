@@ -459,31 +459,37 @@ class Engine:
         """After a forward (and the features bookkeeping): snapshot every sequence that just
         reached one of its boundaries or the end of its prompt (with that row's logits)."""
         for w, row in zip(work, last_rows, strict=True):
-            seq = w.seq
-            end = w.start + len(w.tokens)
-            if end > len(seq.prompt) or w.start >= len(seq.prompt):
-                continue
-            at_end = end == len(seq.prompt) and w.samples and not seq.output
-            logit_row = logits[row] if at_end else None
-            if not (at_end or end in seq.boundaries):
-                continue
-            key = seq.prompt[:end]
-            if self.cache.contains(key) or not self.cache.admits(
-                    end, self._snapshot_bytes(end, at_end)):
-                continue
-            live = self._live[seq.id]
-            feats = None
-            if live.features is not None and live.features_start + live.features.shape[0] == end:
-                feats = live.features
-            assert self.store is not None
-            while not self.store.free:  # fixed storage full: the least recently used goes
-                self._evicted(self.cache.evict_oldest())
-            snap = self.store.take(self.pool, seq.slot, end,
-                                   logit_row.float() if logit_row is not None else None, feats)
-            for gone in self.cache.insert(key, snap.nbytes(), snap):
-                self._evicted(gone)
-            if not self.cache.contains(key):  # refused (over budget): give the row back
-                self.store.release(snap)
+            try:
+                self._snapshot(w, logits, row)
+            except Exception:  # a snapshot not taken is a later cache miss, nobody's failure
+                log.exception("snapshot of %s failed; not cached", w.seq.id)
+
+    def _snapshot(self, w: Work, logits: torch.Tensor, row: int) -> None:
+        seq = w.seq
+        end = w.start + len(w.tokens)
+        if end > len(seq.prompt) or w.start >= len(seq.prompt):
+            return
+        at_end = end == len(seq.prompt) and w.samples and not seq.output
+        logit_row = logits[row] if at_end else None
+        if not (at_end or end in seq.boundaries):
+            return
+        key = seq.prompt[:end]
+        if self.cache.contains(key) or not self.cache.admits(
+                end, self._snapshot_bytes(end, at_end)):
+            return
+        live = self._live[seq.id]
+        feats = None
+        if live.features is not None and live.features_start + live.features.shape[0] == end:
+            feats = live.features
+        assert self.store is not None
+        while not self.store.free:  # fixed storage full: the least recently used goes
+            self._evicted(self.cache.evict_oldest())
+        snap = self.store.take(self.pool, seq.slot, end,
+                               logit_row.float() if logit_row is not None else None, feats)
+        for gone in self.cache.insert(key, snap.nbytes(), snap):
+            self._evicted(gone)
+        if not self.cache.contains(key):  # refused (over budget): give the row back
+            self.store.release(snap)
 
     def _propose(self, work: list[Work]) -> dict[int, Draft]:
         """Drafts for the decoding rows of drafting streams, by work index."""
@@ -625,9 +631,10 @@ class Engine:
             live = self._live.get(work[j].seq.id)
             if live is not None:
                 first = last_rows[j] - len(d.tokens)
-                self._settle_round(live, work[j], d, logits[first:last_rows[j] + 1],
-                                   out.taps[spans[j][0]:spans[j][1]] if out.taps is not None
-                                   else None, out.records[live.seq.slot])
+                self._per_request(live, self._settle_round, live, work[j], d,
+                                  logits[first:last_rows[j] + 1],
+                                  out.taps[spans[j][0]:spans[j][1]] if out.taps is not None
+                                  else None, out.records[live.seq.slot])
 
     def _settle_round(self, live: _Live, w: Work, draft: Draft, logits: torch.Tensor,
                       taps: torch.Tensor | None, record) -> None:
@@ -669,20 +676,58 @@ class Engine:
 
     def _sample_and_deliver(self, lives: list[_Live], logits: torch.Tensor) -> None:
         logits[:, self.tokenizer.vocab_size:] = float("-inf")  # embedding-table padding rows
-        result = self.sampler.sample(logits, [lv.req.params for lv in lives],
-                                     [lv.rng for lv in lives])
-        for i, live in enumerate(lives):
-            token = result.token_ids[i]
-            piece, finish = live.out.add(
-                token, result.logprobs[i] if result.logprobs else None,
-                result.top_logprobs[i] if result.top_logprobs and live.req.params.logprobs
-                else None)
-            if piece is not None and not self._deliver(live, piece):
+        states = [lv.rng.get_state() if lv.rng is not None else None for lv in lives]
+        try:
+            results = [self.sampler.sample(logits, [lv.req.params for lv in lives],
+                                           [lv.rng for lv in lives])] * len(lives)
+            rows = list(range(len(lives)))
+        except Exception:
+            # One row's parameters broke the batched draw: draw row by row, so the request at
+            # fault fails alone. Generators are rewound first, and a row's draw depends only on
+            # its own generator, so the others get the tokens they would have got.
+            log.exception("batched sampling failed; sampling row by row")
+            for live, state in zip(lives, states, strict=True):
+                if state is not None:
+                    live.rng.set_state(state)
+            results, rows = [], []
+            for i, live in enumerate(lives):
+                try:
+                    results.append(self.sampler.sample(logits[i:i + 1], [live.req.params],
+                                                       [live.rng]))
+                    rows.append(0)
+                except Exception as e:  # noqa: BLE001 - this row's request fails, alone
+                    results.append(None)
+                    rows.append(0)
+                    self._fail(live, e)
+        for live, result, i in zip(lives, results, rows, strict=True):
+            if result is None:
                 continue
-            if finish is not None:
-                self._end(live, finish)
-            else:
-                self.scheduler.append_token(live.seq, token)
+            self._per_request(live, self._emit_sampled, live, result, i)
+
+    def _emit_sampled(self, live: _Live, result, i: int) -> None:
+        token = result.token_ids[i]
+        piece, finish = live.out.add(
+            token, result.logprobs[i] if result.logprobs else None,
+            result.top_logprobs[i] if result.top_logprobs and live.req.params.logprobs
+            else None)
+        if piece is not None and not self._deliver(live, piece):
+            return
+        if finish is not None:
+            self._end(live, finish)
+        else:
+            self.scheduler.append_token(live.seq, token)
+
+    def _per_request(self, live: _Live, fn: Callable[..., None], *args) -> None:
+        """Run one request's part of a step; a failure there ends that request alone."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - whatever broke, it broke for this request only
+            self._fail(live, e)
+
+    def _fail(self, live: _Live, e: Exception) -> None:
+        log.error("request %s failed in its part of a step", live.req.id,
+                  exc_info=(type(e), e, e.__traceback__))
+        self._end(live, Failed(f"internal error: {type(e).__name__}: {e}"))
 
     def _deliver(self, live: _Live, event: Event) -> bool:
         try:
