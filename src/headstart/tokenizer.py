@@ -9,6 +9,11 @@ holding back bytes of a multi-byte character until the character is complete, so
 concatenated pieces always equal ``Tokenizer.decode`` of all ids. Broken or missing checkpoint
 files raise ``headstart.errors.CheckpointError`` naming the file.
 
+``Tokenizer.encode_chat`` renders and encodes a conversation so that text the client wrote
+(system, developer, user and tool messages, tool definitions) can never produce the template's
+control tokens: added-token text written there (``<|im_start|>``, ``<think>``) is encoded as
+ordinary text, while the template's own tokens and the assistant's history keep their ids.
+
 The Qwen3.5 chat template shipped in ``templates/qwen35_chat_template.jinja`` is the Qwen3.5-9B
 template verbatim (taken from the rendered-golden fixture ``testdata/chat_think_goldens/
 qwen35_tools.json`` of townsendmerino/goinfer, checkpoint "qwen3.5-9b", and checked against the
@@ -18,11 +23,15 @@ prompts recorded there).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import re
+import secrets
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -34,6 +43,7 @@ from headstart.errors import CheckpointError
 
 __all__ = [
     "QWEN35_CHAT_TEMPLATE_PATH",
+    "ChatEncoding",
     "IncrementalDetokenizer",
     "Tokenizer",
 ]
@@ -61,6 +71,106 @@ _NAMED_SPECIAL_TOKENS = (
 
 _REPLACEMENT_CHAR = "\ufffd"
 
+# encode_chat: while the template renders, each added-token text in a client string is replaced
+# by a placeholder: private-use characters around a random per-call nonce (decimal digits, so no
+# case or escaping filter alters it) and the index of the token it stands for.
+_MARK_OPEN = "\ue000"
+_MARK_CLOSE = "\ue001"
+_NONCE_DIGITS = 24  # about 80 random bits
+_MARK_RE = re.compile(
+    re.escape(_MARK_OPEN) + rf"(\d{{{_NONCE_DIGITS}}})(\d+)" + re.escape(_MARK_CLOSE)
+)
+# The role whose messages the model wrote: its text keeps today's encoding.
+_MODEL_ROLE = "assistant"
+
+
+def _new_nonce() -> str:
+    return f"{secrets.randbelow(10**_NONCE_DIGITS):0{_NONCE_DIGITS}d}"
+
+
+def _client_strings(value: Any, skip_role: bool = False) -> Iterable[str]:
+    """Every string in ``value`` (dict keys included), depth first; with ``skip_role`` the
+    value of a top-level ``"role"`` key is left out."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _client_strings(key)
+            if not (skip_role and key == "role"):
+                yield from _client_strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _client_strings(item)
+
+
+def _map_strings(value: Any, fn: Callable[[str], str], skip_role: bool = False) -> Any:
+    """``value`` with ``fn`` applied to every string (as ``_client_strings`` walks them);
+    containers are copied only where something changed, and the input is never modified."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        out: dict[Any, Any] = {}
+        changed = False
+        for key, item in value.items():
+            new_key = _map_strings(key, fn)
+            new_item = item if skip_role and key == "role" else _map_strings(item, fn)
+            changed = changed or new_key is not key or new_item is not item
+            out[new_key] = new_item
+        return out if changed else value
+    if isinstance(value, (list, tuple)):
+        items = [_map_strings(item, fn) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _literal_backend(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of ``backend`` that encodes the text of every added token as ordinary text.
+
+    ``encode_special_tokens`` only affects added tokens flagged special (``<think>`` is not), so
+    the copy flags them all special first. Made once; only read afterwards (thread-safe).
+    """
+    state = json.loads(backend.to_str())
+    for token in state.get("added_tokens") or ():
+        token["special"] = True
+    literal = tokenizers.Tokenizer.from_str(json.dumps(state))
+    literal.encode_special_tokens = True
+    return literal
+
+
+@dataclass(frozen=True)
+class ChatEncoding:
+    """A rendered conversation and its tokens (``Tokenizer.encode_chat``).
+
+    ``text`` is the prompt text, ``ids`` its token ids (treat the list as read-only) and
+    ``token_ends[i]`` the offset in ``text`` (in characters) where token ``i`` ends; tokens that
+    each hold some bytes of one character all end where that character ends.
+    """
+
+    text: str
+    ids: list[int]
+    token_ends: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != len(self.token_ends):
+            raise ValueError(f"{len(self.ids)} ids but {len(self.token_ends)} token ends")
+
+    def token_boundary(self, char_pos: int) -> int | None:
+        """The number of tokens that cover exactly ``text[:char_pos]``, or ``None``.
+
+        ``n`` when a token ends exactly at ``char_pos`` (the last such token is token ``n - 1``,
+        so ``ids[:n]`` spell ``text[:char_pos]`` and nothing more): a clean split. ``None`` when
+        ``char_pos`` falls inside a token. ``0`` for ``0``. Raises ``ValueError`` outside
+        ``0..len(text)``. Uses the stored offsets; nothing is re-encoded.
+        """
+        if not 0 <= char_pos <= len(self.text):
+            raise ValueError(f"char_pos {char_pos} is outside the text (0..{len(self.text)})")
+        n = bisect_right(self.token_ends, char_pos)
+        if n == 0:
+            return 0 if char_pos == 0 else None
+        return n if self.token_ends[n - 1] == char_pos else None
+
 
 # --------------------------------------------------------------------------------------------
 # Jinja environment (mirrors transformers.utils.chat_template_utils._cached_compile_jinja_template)
@@ -75,7 +185,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     same (call-block) scope transformers gives it, so variables set inside stay inside.
     """
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -310,11 +420,26 @@ class Tokenizer:
                     f"{template_source}: chat template {name!r} does not compile "
                     f"(line {exc.lineno}: {exc.message})"
                 ) from exc
+        added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(
-            token_id
-            for token_id, token in backend.get_added_tokens_decoder().items()
-            if token.special
+            token_id for token_id, token in added.items() if token.special
         )
+        self._added_ids = frozenset(added)
+        # encode_chat protects every added token's text in client strings; whitespace-only
+        # tokens carry no structure (and a template's trim would treat a placeholder for them
+        # differently), so they are left alone. Longest first: the alternation then matches
+        # leftmost-longest, like the tokenizers added-token matcher.
+        protected = sorted(
+            {token.content for token in added.values() if token.content.strip()},
+            key=lambda text: (-len(text), text),
+        )
+        self._protected = tuple(protected)
+        self._protected_index = {text: i for i, text in enumerate(protected)}
+        self._protected_re = (
+            re.compile("|".join(map(re.escape, protected))) if protected else None
+        )
+        self._protected_first = tuple(sorted({text[0] for text in protected}))
+        self._literal = _literal_backend(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -343,8 +468,9 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; adds no BOS/EOS. Added tokens written literally
-        (``<|im_start|>``, ``<think>``) map to their single ids."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        (``<|im_start|>``, ``<think>``) map to their single ids. Releases the GIL while the
+        Rust tokenizer works (the binding's ``encode_batch`` does, its ``encode`` does not)."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``. Bytes that are not valid UTF-8 become U+FFFD; unknown ids are
@@ -435,7 +561,9 @@ class Tokenizer:
         if tools is not None:
             for tool in tools:
                 if not isinstance(tool, Mapping):
-                    raise ValueError(f"tools must be JSON-schema dicts, got {type(tool).__name__}")
+                    raise ValueError(  # noqa: TRY004 - a 400 for the client, like the rest
+                        f"tools must be JSON-schema dicts, got {type(tool).__name__}"
+                    )
         template = self._select_template(tools)
         variables: dict[str, Any] = {"documents": None, **self._special_tokens, **template_kwargs}
         variables["messages"] = messages
@@ -447,6 +575,181 @@ class Tokenizer:
             # raise_exception() in the template, or message fields of the wrong type (e.g. a
             # None role concatenated to a string): either way the request is at fault.
             raise ValueError(f"chat template rejected the conversation: {exc}") from exc
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> ChatEncoding:
+        """Render ``messages`` like ``apply_chat_template`` and encode the prompt so that client
+        text cannot write control tokens.
+
+        Client text is every string (dict keys included) of the messages whose role is not
+        ``"assistant"`` (system, developer, user, tool: content, content parts, ``name``, ...;
+        the ``role`` value itself excepted) and every string inside ``tools``. There, the text
+        of any added token, special or not (``<|im_start|>``, ``<think>``, ``<tool_call>``), is
+        encoded as ordinary text, as ``encode_special_tokens`` does. The template's own tokens
+        keep their single ids, and so does everything in assistant messages (content,
+        ``reasoning_content``, ``tool_calls``): the history tokenizes as it was generated.
+
+        When the client text holds no added-token text (checked first, cheaply), ``text`` is
+        ``apply_chat_template``'s and ``ids == encode(text)``. Otherwise each such occurrence
+        is replaced, while the template renders, by a placeholder that cannot be forged (a
+        random nonce per call) and then by its text again; the prompt is cut at the template's
+        own added tokens (as the tokenizer itself cuts it) and each stretch holding client
+        tokens is encoded with added tokens split. The result depends only on the
+        conversation. ``text`` differs from ``apply_chat_template`` only where the template
+        inspects such text (Qwen3.5: a user message wrapped in ``<tool_response>`` tags counts
+        as a tool result there, as a user query here, as its tokens say); ``decode(ids)``
+        gives ``text`` back (for NFC text). The inputs are not modified.
+
+        Limits: ``template_kwargs`` are not client text; added tokens made only of whitespace
+        are not protected; ``normalized`` added tokens are looked for in the raw client text;
+        a token the template would complete from a client string's first or last characters
+        is not caught. Raises like ``apply_chat_template``, and ``ValueError`` when the
+        template transforms client text so that the placeholders are damaged.
+        """
+        # Both are walked several times: iterate a one-shot iterable only once.
+        if not isinstance(messages, (list, tuple)):
+            messages = list(messages)
+        if tools is not None and not isinstance(tools, (list, tuple, Mapping)):
+            tools = list(tools)
+        if not any(map(self._has_protected, self._conversation_strings(messages, tools))):
+            text = self.apply_chat_template(
+                messages, add_generation_prompt, tools, **template_kwargs
+            )
+            encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
+            return ChatEncoding(text, encoding.ids, tuple(end for _, end in encoding.offsets))
+        nonce = _new_nonce()
+        while any(nonce in text for text in self._conversation_strings(messages, tools)):
+            nonce = _new_nonce()  # the client wrote this nonce: practically never
+        placeholders = {
+            token: f"{_MARK_OPEN}{nonce}{i}{_MARK_CLOSE}"
+            for token, i in self._protected_index.items()
+        }
+        pattern = self._protected_re
+        assert pattern is not None  # some client string matched it
+
+        def mark(text: str) -> str:
+            if not self._has_protected(text):
+                return text
+            return pattern.sub(lambda m: placeholders[m.group()], text)
+
+        marked_messages = [_map_strings(m, mark, skip_role=True) if self._is_client(m) else m
+                           for m in messages]
+        marked_tools = None if tools is None else _map_strings(tools, mark)
+        marked = self.apply_chat_template(
+            marked_messages, add_generation_prompt, marked_tools, **template_kwargs
+        )
+        return self._encode_marked(marked, nonce)
+
+    def _has_protected(self, text: str) -> bool:
+        # The `in` scans (C speed, usually for "<" alone) skip the regex for most strings.
+        return (
+            self._protected_re is not None
+            and any(first in text for first in self._protected_first)
+            and self._protected_re.search(text) is not None
+        )
+
+    @staticmethod
+    def _is_client(message: Any) -> bool:
+        return not (isinstance(message, Mapping) and message.get("role") == _MODEL_ROLE)
+
+    @classmethod
+    def _conversation_strings(
+        cls, messages: Sequence[Any], tools: list[Any] | None
+    ) -> Iterable[str]:
+        for message in messages:
+            if cls._is_client(message):
+                yield from _client_strings(message, skip_role=True)
+        if tools is not None:
+            yield from _client_strings(tools)
+
+    def _encode_marked(self, marked: str, nonce: str) -> ChatEncoding:
+        """Encode a prompt rendered with placeholders for client added-token text.
+
+        The marked prompt is encoded normally to find the template's own added tokens (a
+        placeholder contains no token text, so none is found in one). They cut the prompt
+        into stretches, exactly where the tokenizer cuts the prompt itself. A stretch without
+        placeholders keeps its ids from that encoding; a stretch with some is restored and
+        encoded with added tokens split, all such stretches in one batch. Tokens never join
+        across a cut (the tokenizer does not join them either), and the cuts and each
+        stretch's text are fixed by the conversation, not by the nonce: deterministic.
+        """
+        # Placeholders: where they are in `marked`, and the restored text.
+        starts: list[int] = []  # in `marked`
+        ends: list[int] = []  # in `marked`
+        shifts: list[int] = []  # restored = marked - shifts[k] after placeholder k
+        parts: list[str] = []
+        prev = shift = 0
+        for m in _MARK_RE.finditer(marked):
+            if m.group(1) != nonce:
+                continue  # client text that merely looks like a placeholder
+            token = self._protected[int(m.group(2))]
+            parts += (marked[prev : m.start()], token)
+            shift += (m.end() - m.start()) - len(token)
+            starts.append(m.start())
+            ends.append(m.end())
+            shifts.append(shift)
+            prev = m.end()
+        parts.append(marked[prev:])
+        text = "".join(parts)
+        if nonce in text:
+            raise ValueError(
+                "the chat template altered client text containing added-token text, so it "
+                "cannot be encoded safely"
+            )
+
+        def restored(pos: int) -> int:  # a position in `marked` outside any placeholder
+            k = bisect_right(ends, pos)
+            return pos - (shifts[k - 1] if k else 0)
+
+        encoding = self._backend.encode_batch([marked], add_special_tokens=False)[0]
+        marked_ids, offsets = encoding.ids, encoding.offsets
+        added = self._added_ids
+        # Chunks in order: (ids, ends) kept from `encoding`, or (None, start) for a stretch of
+        # `text` starting at `start` to encode literally (its text is in `literal_texts`).
+        chunks: list[tuple[list[int] | None, Any]] = []
+        literal_texts: list[str] = []
+
+        def stretch(lo_char: int, hi_char: int, lo_tok: int, hi_tok: int) -> None:
+            if lo_char >= hi_char:
+                return
+            k = bisect_left(starts, lo_char)
+            if k < len(starts) and starts[k] < hi_char:  # holds a placeholder
+                begin = restored(lo_char)
+                literal_texts.append(text[begin : restored(hi_char)])
+                chunks.append((None, begin))
+            else:
+                delta = restored(lo_char) - lo_char
+                chunks.append(
+                    (marked_ids[lo_tok:hi_tok],
+                     [end + delta for _, end in offsets[lo_tok:hi_tok]])
+                )
+
+        lo_char = lo_tok = 0
+        for i, token_id in enumerate(marked_ids):
+            if token_id in added:
+                start, end = offsets[i]
+                stretch(lo_char, start, lo_tok, i)
+                chunks.append(([token_id], [restored(end)]))
+                lo_char, lo_tok = end, i + 1
+        stretch(lo_char, len(marked), lo_tok, len(marked_ids))
+
+        literal = iter(self._literal.encode_batch(literal_texts, add_special_tokens=False))
+        ids: list[int] = []
+        token_ends: list[int] = []
+        for chunk_ids, info in chunks:
+            if chunk_ids is None:
+                piece = next(literal)
+                ids += piece.ids
+                token_ends += [end + info for _, end in piece.offsets]
+            else:
+                ids += chunk_ids
+                token_ends += info
+        return ChatEncoding(text, ids, tuple(token_ends))
 
 
 # --------------------------------------------------------------------------------------------
