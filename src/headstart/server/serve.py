@@ -1,9 +1,17 @@
 """``headstart serve``: load the model, start the engine, run the HTTP server until a signal.
 
-Start-up refuses an unsafe API key file before loading anything. SIGHUP rereads the key file.
-SIGTERM/SIGINT stop accepting requests (``/health`` turns 503, new requests get 503), give running
-streams ``--shutdown-timeout`` seconds to finish, then end the rest with a final chunk
-(finish_reason "abort"), and exit 0.
+Start-up refuses a bad or busy ``--host``/``--port`` and an unsafe API key file before loading
+anything: the listening socket is bound first and handed to uvicorn. SIGHUP rereads the key file.
+
+The first SIGTERM/SIGINT starts a drain: the listener stays open, ``/health`` answers 503
+(``"status": "draining"``) and new requests get 503 (both from the app, which reads
+``ServerState.draining``), while running streams get ``--shutdown-timeout`` seconds to finish;
+the rest are then ended with a final chunk (finish_reason "abort"). Only when no request is left
+in the engine (or a short grace after ending them has passed) does uvicorn close the listener,
+let responses flush, and exit; the status is 0. A second signal exits at once.
+
+Connections are bounded by :mod:`headstart.server.connection` (``--header-timeout``,
+``--keep-alive-timeout``, a 64 KiB request head).
 """
 
 from __future__ import annotations
@@ -11,22 +19,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
-import threading
+import time
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from headstart.errors import HeadstartError
+from headstart.server.connection import uvicorn_connection_options
+
+if TYPE_CHECKING:
+    from headstart.server.api import ServerState
+    from headstart.server.auth import ApiKeys
 
 log = logging.getLogger("headstart.serve")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8888,
+                   help="TCP port to listen on, 1..65535 (default: %(default)s)")
     p.add_argument("--parallel", type=int, default=None,
                    help="concurrent streams (slots); default 16 (on CPU too: measured best, see BENCHMARKS.md)")
     p.add_argument("--context", type=int, default=None,
@@ -72,22 +91,174 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
                         "(one graph per length; 0 or 1: none)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running streams get to finish on SIGTERM")
+                   help="seconds running streams get to finish on SIGTERM/SIGINT before they are "
+                        "ended; a second signal exits at once (default: %(default)s)")
+    p.add_argument("--max-body-mib", type=float, default=8.0,
+                   help="larger request bodies get 413, in MiB (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive before 408 "
+                        "(default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive, from the connection's "
+                        "start or a kept-alive request's first byte; then the connection is "
+                        "closed (0: no limit; default: %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open after a response "
+                        "(default: %(default)s)")
+    p.add_argument("--metrics-open", action="store_true",
+                   help="serve /metrics without an API key even with --api-key-file "
+                        "(default: off)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Raise HeadstartError naming the first flag out of range (nothing has been loaded yet)."""
+    if not 1 <= args.port <= 65535:
+        raise HeadstartError(f"--port {args.port} is out of range (1..65535)")
+    if not args.max_body_mib > 0:
+        raise HeadstartError(f"--max-body-mib must be > 0, not {args.max_body_mib:g}")
+    if not args.body_timeout > 0:
+        raise HeadstartError(f"--body-timeout must be > 0, not {args.body_timeout:g}")
+    for flag in ("header_timeout", "keep_alive_timeout", "shutdown_timeout"):
+        value = getattr(args, flag)
+        if not value >= 0:  # also refuses nan
+            raise HeadstartError(f"--{flag.replace('_', '-')} must be >= 0, not {value:g}")
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound (not yet listening) to every address ``host`` resolves to, at ``port``.
+
+    Binds as asyncio's ``create_server`` would (SO_REUSEADDR, IPv6 sockets IPv6-only, addresses
+    of a family the machine lacks skipped), so that uvicorn can listen on them later through
+    ``Server.run(sockets=...)``. Until then connections are refused rather than queued, so a
+    client cannot mistake a server still loading for a hung one. Raises HeadstartError, in one
+    line naming the address, when the host does not resolve or an address cannot be bound
+    (typically: the port is in use).
+    """
+    where = _address(host, port)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise HeadstartError(f"cannot listen on {where}: {e.strerror}") from None
+    socks: list[socket.socket] = []
+    seen: set[tuple] = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL and len(infos) > 1:
+                    socks.pop().close()  # e.g. "localhost" resolving to ::1 without IPv6
+                    continue
+                hint = "; is another server running?" if e.errno == errno.EADDRINUSE else ""
+                raise HeadstartError(f"cannot listen on {where}: {e.strerror}{hint}") from None
+        if not socks:
+            raise HeadstartError(f"cannot listen on {where}: no usable address")
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+class _Drain:
+    """The shutdown sequence a first signal starts (see the module docstring).
+
+    ``begin`` only sets attributes, so it is safe to call from a signal handler; ``poll`` does
+    the rest (logging, ending streams) on the event loop and says when uvicorn may exit.
+    """
+
+    GRACE_S = 2.0  # after ending the streams, how long the engine gets to report them ended
+
+    def __init__(self, state: ServerState, timeout_s: float) -> None:
+        self.state = state
+        self.timeout_s = timeout_s
+        self.started_at: float | None = None
+        self._ended_at: float | None = None  # when engine.end_all was sent
+        self._announced = False
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self) -> None:
+        """Start draining: from now on /health answers 503 and new requests get 503."""
+        if self.started_at is None:
+            self.state.draining = True
+            self.started_at = time.monotonic()
+
+    def poll(self) -> bool:
+        """Advance the drain; True once no request is left in the engine (or the grace is over).
+
+        Requests the engine has ended may still be sending their last chunks: uvicorn's graceful
+        shutdown, which follows, waits for those responses.
+        """
+        assert self.started_at is not None
+        engine, now = self.state.engine, time.monotonic()
+        active = engine.active
+        if not self._announced:
+            self._announced = True
+            log.info("draining: %d requests active, %gs to finish", active, self.timeout_s)
+        if active == 0:
+            log.info("drained after %.1fs", now - self.started_at)
+            return True
+        if self._ended_at is None:
+            if now - self.started_at >= self.timeout_s:
+                log.info("shutdown timeout: ending %d requests", active)
+                engine.end_all(reason="abort")
+                self._ended_at = now
+            return False
+        if now - self._ended_at >= self.GRACE_S:
+            log.warning("%d requests still active %gs after ending them; exiting anyway", active,
+                        self.GRACE_S)
+            return True
+        return False
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: a signal first drains the engine (see the module docstring)."""
+    """uvicorn, plus: the first signal drains before uvicorn shuts down; a second exits at once."""
 
-    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+    def __init__(self, config: uvicorn.Config, drain: _Drain) -> None:
         super().__init__(config)
-        self._on_exit = on_exit
+        self._drain = drain
 
-    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
-        self._on_exit()
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises captured signals after shutdown so the process dies of them; a
-        # drained shutdown is a normal exit (status 0) for us.
-        self._captured_signals.clear()
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A Python signal handler, run between two bytecodes of the event loop's thread: it only
+        # sets flags. Logging here could re-enter a stream write the signal interrupted, and
+        # taking the engine's lock (engine.end_all) could deadlock against the interrupted code.
+        # Unlike uvicorn's, it does not record the signal: uvicorn re-raises recorded signals
+        # after shutdown so that the process dies of them, and a drained exit is status 0.
+        if self._drain.started:
+            self.should_exit = self.force_exit = True
+        else:
+            self._drain.begin()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain.started and not self.should_exit and self._drain.poll():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.force_exit:
+            # uvicorn skips waiting for responses on a forced exit but, on Python >= 3.12, its
+            # server.wait_closed() still waits for every connection to close: cut them now.
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.abort()
+        await super().shutdown(sockets)
 
 
 def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
@@ -112,15 +283,32 @@ def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Run ``headstart serve`` until a signal; 0 after a drained (or forced) shutdown.
+
+    Raises HeadstartError for what it refuses, before loading the model where it can.
+    """
+    from headstart.server.auth import ApiKeys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # Everything that can be refused without the model is, before the (long) load.
+    _check_args(args)
+    keys = ApiKeys(args.api_key_file) if args.api_key_file else None
+    sockets = _bind(args.host, args.port)
+    try:
+        return _serve(args, sockets, keys)
+    finally:
+        for sock in sockets:  # uvicorn closes them on shutdown; this covers failed start-ups
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys | None) -> int:
+    """serve() once the arguments are checked and the listening sockets bound."""
     from headstart.engine.engine import Engine
     from headstart.loading import load
     from headstart.server.api import ServerState, create_app
-    from headstart.server.auth import ApiKeys
     from headstart.server.metrics import Metrics
     from headstart.server.request_log import RequestLog
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    keys = ApiKeys(args.api_key_file) if args.api_key_file else None  # refuse before loading
     loaded = load(args.model, args.device, args.dtype, args.kernels)
     cfg = loaded.model.cfg
     parallel = args.parallel or 16
@@ -160,17 +348,9 @@ def serve(args: argparse.Namespace) -> int:
                         context=context, generation_defaults=dict(cfg.generation_defaults),
                         metrics=metrics, keys=keys,
                         request_log=RequestLog(args.request_log) if args.request_log else None,
-                        max_tokens_cap=args.max_tokens)
-
-    def begin_drain() -> None:
-        if state.draining:
-            return
-        state.draining = True
-        log.info("draining: %d requests active, %.0fs to finish", engine.active,
-                 args.shutdown_timeout)
-        timer = threading.Timer(args.shutdown_timeout, engine.end_all, kwargs={"reason": "abort"})
-        timer.daemon = True
-        timer.start()
+                        max_tokens_cap=args.max_tokens,
+                        max_body_bytes=int(args.max_body_mib * 2**20),
+                        body_timeout_s=args.body_timeout, metrics_open=args.metrics_open)
 
     def reload_keys() -> None:
         assert keys is not None
@@ -187,14 +367,18 @@ def serve(args: argparse.Namespace) -> int:
 
     app = create_app(state, lifespan)
 
+    # host/port only label uvicorn's messages: it listens on the sockets bound above. By the
+    # time uvicorn shuts down, the drain has ended every stream, so the graceful phase only has
+    # final chunks to flush (or bodies of requests refused with 503 to read).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,
-                            access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False,
+                            **uvicorn_connection_options(args.header_timeout,
+                                                         args.keep_alive_timeout))
     engine.start()
-    log.info("serving %s on http://%s:%d (%d streams x %d tokens, %s)", name, args.host,
-             args.port, parallel, context, args.device)
+    log.info("serving %s on http://%s (%d streams x %d tokens, %s)", name,
+             _address(args.host, args.port), parallel, context, args.device)
     try:
-        _Server(config, begin_drain).run()
+        _Server(config, _Drain(state, args.shutdown_timeout)).run(sockets=sockets)
     finally:
         engine.stop()
         if state.request_log is not None:
