@@ -2,9 +2,12 @@
 
 Each completion request becomes one engine request per (prompt, choice); engine events arrive on
 the engine thread and are handed to the request's asyncio queue. A streaming response turns them
-into SSE chunks; a client that goes away (or a handler that is cancelled) aborts every engine
-request it started, which frees their slots at once. Request parsing and response shapes live in
-``protocol``; this module only wires them to the engine, the metrics and the request log.
+into SSE chunks; a client that goes away (streaming or not, queued or running) aborts every
+engine request it started, which frees their slots at once. Parsing, template rendering and
+tokenization run on worker threads, never on the event loop, so a large body cannot hold up
+other streams or ``/health``. Request parsing and response shapes live in ``protocol``, the
+checks every request passes (keys, body size, the last-resort 500) in ``guard``; this module
+wires them to the engine, the metrics and the request log.
 Non-goal: model or engine code (this module imports neither ``model`` nor ``ops``).
 """
 
@@ -14,16 +17,21 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull
+from headstart.sampling import derived_seed
 from headstart.server import protocol as P
 from headstart.server.auth import ApiKeys
+from headstart.server.guard import ERROR, LOGGED, Guard, disconnected, read_body
 from headstart.server.metrics import Metrics
 from headstart.server.reasoning import ReasoningSplitter
 from headstart.server.request_log import RequestLog, request_record
@@ -31,6 +39,8 @@ from headstart.server.tool_calls import ToolCallParser
 from headstart.tokenizer import Tokenizer
 
 log = logging.getLogger("headstart.server")
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -44,12 +54,23 @@ class ServerState:
     keys: ApiKeys | None = None
     request_log: RequestLog | None = None
     max_tokens_cap: int | None = None  # server-wide cap on tokens generated per request
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    body_timeout_s: float = 30.0  # a body that takes longer to arrive gets 408
+    metrics_open: bool = False  # /metrics without an API key even when keys are set
     draining: bool = False
+    # Parsing, template rendering and tokenization run here, off the event loop.
+    workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=4, thread_name_prefix="headstart-prep"))
     created: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def next_engine_id(self) -> str:
         return f"e{next(self._ids)}"
+
+    @property
+    def max_generations(self) -> int:
+        """Most engine requests (prompts x n) one HTTP request may start: more can never run."""
+        return self.engine.num_slots + self.engine.max_queue
 
 
 @dataclass
@@ -73,8 +94,10 @@ class _Generation:
 
     def __init__(self, state: ServerState, kind: str, req: P.ChatCompletionRequest |
                  P.CompletionRequest, prompts: list[list[int]], prompt_text: str | None,
-                 snapshot_at: tuple[int, ...] = ()) -> None:
+                 snapshot_at: tuple[int, ...] = (), info: dict[str, Any] | None = None) -> None:
         self.state = state
+        self.info = info if info is not None else {}  # the guard's per-request scope state
+        self.recorded = False
         self.kind = kind
         self.req = req
         self.prompts = prompts
@@ -102,9 +125,7 @@ class _Generation:
             for j in range(req.n):
                 params = base
                 if req.seed is not None and req.n > 1:  # distinct but reproducible choices
-                    from dataclasses import replace
-
-                    params = replace(base, seed=req.seed + j)
+                    params = replace(base, seed=derived_seed(req.seed, j))
                 index = p * req.n + j
                 splitter = ReasoningSplitter.for_prompt(prompt_text) if prompt_text is not None \
                     else None
@@ -257,6 +278,11 @@ class _Generation:
                      usage=self.usage(), created=self.created)
 
     def record(self, status: int, error: str | None = None) -> None:
+        """Count and log this request's end, once (later calls do nothing)."""
+        if self.recorded:
+            return
+        self.recorded = True
+        self.info[LOGGED] = True
         state = self.state
         reasons = [c.finish.reason if c.finish else "abort" for c in self.choices]
         duration = time.monotonic() - self.started_at
@@ -278,32 +304,76 @@ def _error_response(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+async def _off_loop(state: ServerState, fn: Callable[..., R], *args: Any) -> R:
+    return await asyncio.get_running_loop().run_in_executor(state.workers, fn, *args)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A parsed, checked and tokenized completion request, ready for the engine."""
+
+    req: P.ChatCompletionRequest | P.CompletionRequest
+    prompts: list[list[int]]
+    prompt_text: str | None = None  # chat: the rendered prompt (for the reasoning split)
+    snapshot_at: tuple[int, ...] = ()
+
+
+def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
+    """Worker thread: parse, check and render a chat body, and encode it once."""
+    req = P.parse_chat_request(body)
+    _check_model(state, req.model)
+    _check_size(state, 1, req.n)
+    enc = P.chat_prompt(state.tokenizer, req)
+    at = enc.text.rfind(ASSISTANT_HEADER)
+    boundary = enc.token_boundary(at + len(ASSISTANT_HEADER)) if at >= 0 else None
+    # A snapshot there helps the next turn only when something follows it in this prompt.
+    snapshot_at = (boundary,) if boundary is not None and 0 < boundary < len(enc.ids) else ()
+    return _Prepared(req, [enc.ids], enc.text, snapshot_at)
+
+
+def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
+    """Worker thread: parse and check a completions body, and encode its prompts."""
+    req = P.parse_completion_request(body)
+    _check_model(state, req.model)
+    _check_size(state, len(req.prompt), req.n)
+    return _Prepared(req, P.completion_prompts(state.tokenizer, req))
+
+
+def _check_size(state: ServerState, prompts: int, n: int) -> None:
+    """A request that could never be held at once is refused before any work (400, not the
+    429 of a full queue, which says to retry)."""
+    if prompts * n > state.max_generations:
+        raise P.APIError(400, f"{prompts} prompt(s) x n={n} asks for {prompts * n} "
+                         f"generations; this server holds at most {state.max_generations} at "
+                         "once (slots + queue)", param="n" if prompts == 1 else "prompt",
+                         code="too_many_generations")
+
+
 def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="headstart", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.headstart = state
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") and state.keys is not None \
-                and not state.keys.check(request.headers.get("authorization")):
-            state.metrics.error("authentication_error")
-            return _error_response(P.APIError(
-                401, "a valid API key is required (Authorization: Bearer KEY)",
-                code="invalid_api_key"))
-        return await call_next(request)
+    # Inside Starlette's outermost error middleware, which would re-raise to the server (and
+    # so drop the connection) after any 500: the guard answers and returns instead.
+    app.add_middleware(Guard, state=state)
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError) -> JSONResponse:
         state.metrics.error(e.type)
+        request.scope.setdefault("state", {})[ERROR] = e.type
         return _error_response(e)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        state.metrics.error("server_error")
-        return _error_response(P.APIError(500, f"internal error: {type(e).__name__}"))
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404) and wrong methods (405), in the OpenAI shape.
+        if e.status_code == 404:
+            message = f"{request.method} {request.url.path[:200]} is not an endpoint of this server"
+        elif e.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path[:200]}"
+        else:
+            message = str(e.detail)
+        err = P.APIError(e.status_code, message, headers=dict(e.headers or {}))
+        return await api_error(request, err)
 
     @app.get("/health")
     async def health() -> Response:
@@ -328,19 +398,15 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = P.parse_chat_request(await request.body())
-        _check_model(state, req.model)
-        text = P.chat_prompt_text(state.tokenizer, req)
-        ids = state.tokenizer.encode(text)
-        return await _complete(state, request, "chat", req, [ids], text,
-                               _turn_boundary(state.tokenizer, text, ids))
+        body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+        prep = await _off_loop(state, _prepare_chat, state, body)
+        return await _complete(state, request, "chat", prep)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = P.parse_completion_request(await request.body())
-        _check_model(state, req.model)
-        prompts = P.completion_prompts(state.tokenizer, req)
-        return await _complete(state, request, "completion", req, prompts, None)
+        body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+        prep = await _off_loop(state, _prepare_completion, state, body)
+        return await _complete(state, request, "completion", prep)
 
     return app
 
@@ -349,59 +415,68 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="service_unavailable")
     if name is not None and name != state.model_name:
-        raise P.APIError(404, f"model '{name}' does not exist; this server serves "
+        raise P.APIError(404, f"model '{name[:200]}' does not exist; this server serves "
                          f"'{state.model_name}'", param="model", code="model_not_found")
 
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 
 
-def _turn_boundary(tokenizer: Tokenizer, text: str, ids: list[int]) -> tuple[int, ...]:
-    """The token position right after the generation prompt's ``<|im_start|>assistant\n``.
-
-    The next turn of this conversation renders the same text up to there and then the answer
-    (the thinking prefix is dropped from history), so a snapshot there is what the next turn
-    can reuse. Confirmed by re-encoding: only a position where the tokenization splits cleanly.
-    """
-    at = text.rfind(ASSISTANT_HEADER)
-    if at < 0:
-        return ()
-    head = tokenizer.encode(text[:at + len(ASSISTANT_HEADER)])
-    if len(head) < len(ids) and ids[:len(head)] == head:
-        return (len(head),)
-    return ()
-
-
-async def _complete(state: ServerState, request: Request, kind: str,
-                    req: P.ChatCompletionRequest | P.CompletionRequest,
-                    prompts: list[list[int]], prompt_text: str | None,
-                    snapshot_at: tuple[int, ...] = ()) -> Response:
-    gen = _Generation(state, kind, req, prompts, prompt_text, snapshot_at)
+async def _complete(state: ServerState, request: Request, kind: str, prep: _Prepared
+                    ) -> Response:
+    info = request.scope.setdefault("state", {})
+    gen = _Generation(state, kind, prep.req, prep.prompts, prep.prompt_text, prep.snapshot_at,
+                      info)
     gen.submit()
-    if req.stream:
-        return StreamingResponse(_stream(gen), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    if prep.req.stream:
+        return _GenerationStream(gen)
+    # The client may leave while its request waits or runs: free the slots at once.
+    watcher = asyncio.ensure_future(_on_disconnect(request, gen))
     try:
         while not gen.done:
-            try:
-                index, event = await asyncio.wait_for(gen.queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    gen.abort()
-                    gen.record(499, "client_disconnected")
-                    return Response(status_code=499)
-                continue
+            index, event = await gen.queue.get()
+            if event is _GONE:
+                gen.abort()
+                gen.record(499, "client_disconnected")
+                return Response(status_code=499)
             gen.take(index, event)
     except BaseException:
         gen.abort()
         gen.record(499, "cancelled")
         raise
+    finally:
+        watcher.cancel()
     if gen.error is not None:
         gen.abort()
         gen.record(500, "server_error")
         raise P.APIError(500, gen.error)
     gen.record(200)
     return JSONResponse(gen.full_response())
+
+
+_GONE = object()  # queued by the disconnect watcher
+
+
+async def _on_disconnect(request: Request, gen: _Generation) -> None:
+    await disconnected(request)
+    gen.queue.put_nowait((-1, _GONE))
+
+
+class _GenerationStream(StreamingResponse):
+    """SSE for one generation. Whatever ends the response (done, client gone before the first
+    chunk, cancelled), its engine requests are aborted and it is recorded once."""
+
+    def __init__(self, gen: _Generation) -> None:
+        super().__init__(_stream(gen), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.abort()
+            self.gen.record(499, "client_disconnected")  # no-op when the stream recorded
 
 
 async def _stream(gen: _Generation) -> AsyncIterator[bytes]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
 import tokenizers
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from headstart.errors import CheckpointError
 from headstart.sampling import MAX_LOGPROBS, SamplingParams
-from headstart.tokenizer import Tokenizer, byte_level_alphabet
+from headstart.tokenizer import ChatEncoding, Tokenizer, byte_level_alphabet
 
 __all__ = [
     "MAX_N",
@@ -44,6 +45,7 @@ __all__ = [
     "chat_chunk",
     "chat_completion_response",
     "chat_logprobs",
+    "chat_prompt",
     "chat_prompt_text",
     "completion_choice",
     "completion_chunk",
@@ -59,6 +61,8 @@ __all__ = [
     "usage_info",
     "validation_error",
 ]
+
+T = TypeVar("T")
 
 #: Most stop strings a request may give (OpenAI allows 4; vLLM has no limit).
 MAX_STOP = 16
@@ -159,7 +163,7 @@ _TopK = Annotated[StrictInt, Field(ge=-1)]
 _MaxTokens = Annotated[StrictInt, Field(ge=1)]
 _N = Annotated[StrictInt, Field(ge=1, le=MAX_N)]
 _NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
-_TokenId = Annotated[StrictInt, Field(ge=0)]
+_TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
 
 class _Lenient(BaseModel):
@@ -328,6 +332,12 @@ class ChatMessage(_Lenient):
         return out
 
 
+# Template variables a client may not set: the request's own fields, and the names of the
+# rendering call's parameters.
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "self",
+                                      "template_kwargs"})
+
+
 class ChatCompletionRequest(_CommonRequest):
     """Body of ``POST /v1/chat/completions``."""
 
@@ -353,9 +363,13 @@ class ChatCompletionRequest(_CommonRequest):
     @pydantic.field_validator("chat_template_kwargs", mode="after")
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
-        reserved = sorted(set(value) & {"messages", "tools", "add_generation_prompt"})
+        reserved = sorted(set(value) & _RESERVED_TEMPLATE_NAMES)
         if reserved:
             raise ValueError(f"may not set {', '.join(reserved)} (use the request fields)")
+        # They become template variables (keyword arguments): names only, and none private.
+        bad = sorted(k for k in value if not k.isidentifier() or k.startswith("_"))
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a template variable name")
         return value
 
     @pydantic.field_validator("top_logprobs")
@@ -431,6 +445,35 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# JSON's \\uD800 escapes decode to lone surrogates, which are not text: the tokenizer, the
+# template and the UTF-8 encoder of every response body would each fail on them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _where(path: tuple[str | int, ...]) -> str | None:
+    return _loc_to_param(path)
+
+
+def _check_text(data: Any) -> None:
+    """Raise a 400 naming the first string (or object key) that holds a lone surrogate."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                where = _where(path)
+                raise _bad(f"{where or 'the request'} holds a lone UTF-16 surrogate "
+                           "(\\ud800-\\udfff without its pair), which is not text", where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    raise _bad("an object key holds a lone UTF-16 surrogate, which is not text",
+                               _where(path))
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+
+
 def _load_object(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
@@ -438,6 +481,7 @@ def _load_object(raw: bytes) -> dict[str, Any]:
         raise _bad(f"invalid JSON in request body: {exc}") from None
     if not isinstance(data, dict):
         raise _bad(f"request body must be a JSON object, got {type(data).__name__}")
+    _check_text(data)
     return data
 
 
@@ -490,9 +534,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *,
         values[name] = int(given) if name == "top_k" else float(given)
     limit, limit_field = req.token_limit
     if limit is not None and limit > max_new_tokens:
-        raise _bad(f"{limit_field}={limit} is more than the {max_new_tokens} tokens this "
-                   f"request can generate (context length minus prompt, or the server's cap)",
-                   limit_field)
+        raise APIError(400, f"{limit_field}={limit} is more than the {max_new_tokens} tokens "
+                       "this request can generate (context length minus prompt, or the "
+                       "server's cap)", param=limit_field, code="context_length_exceeded")
     try:
         return SamplingParams(
             **values,
@@ -514,6 +558,25 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *,
 # ------------------------------------------------------------------------------ prompts
 
 
+def _render(render: Callable[..., T], req: ChatCompletionRequest) -> T:
+    """Call the tokenizer's ``render(messages, add_generation_prompt=True, tools, **kwargs)``;
+    every failure becomes a 400: the template ran over the client's data."""
+    if not req.messages:
+        raise _bad("'messages' must contain at least one message", "messages")
+    messages = [m.template_dict() for m in req.messages]
+    try:
+        return render(messages, add_generation_prompt=True, tools=req.tools,
+                      **req.chat_template_kwargs)
+    except ValueError as exc:
+        raise _bad(str(exc), "messages") from None
+    except CheckpointError as exc:
+        raise _bad(f"this model has no usable chat template; use /v1/completions ({exc})",
+                   "messages") from None
+    except Exception as exc:  # noqa: BLE001 - a template error on client data is the client's
+        raise _bad(f"chat template rejected the conversation: {type(exc).__name__}: "
+                   f"{str(exc)[:200]}", "messages") from None
+
+
 def chat_prompt_text(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     """Render the conversation with the checkpoint's chat template (generation prompt on).
 
@@ -521,17 +584,15 @@ def chat_prompt_text(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
     template. An empty conversation, a conversation the template rejects, or a checkpoint
     without a chat template give a 400 :class:`APIError`.
     """
-    if not req.messages:
-        raise _bad("'messages' must contain at least one message", "messages")
-    messages = [m.template_dict() for m in req.messages]
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tools=req.tools, **req.chat_template_kwargs)
-    except ValueError as exc:
-        raise _bad(str(exc), "messages") from None
-    except CheckpointError as exc:
-        raise _bad(f"this model has no usable chat template; use /v1/completions ({exc})",
-                   "messages") from None
+    return _render(tokenizer.apply_chat_template, req)
+
+
+def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> ChatEncoding:
+    """The rendered conversation and its token ids (:meth:`Tokenizer.encode_chat`): text from
+    the client's system, user and tool messages and tool definitions is encoded with special
+    tokens split, so it can never write the template's control tokens. Errors as
+    :func:`chat_prompt_text`."""
+    return _render(tokenizer.encode_chat, req)
 
 
 def completion_prompts(tokenizer: Tokenizer, req: CompletionRequest) -> list[list[int]]:
@@ -544,16 +605,20 @@ def completion_prompts(tokenizer: Tokenizer, req: CompletionRequest) -> list[lis
     if not prompts:
         raise _bad("'prompt' must not be empty", "prompt")
     vocab = tokenizer.vocab_size
+    texts = [p for p in prompts if isinstance(p, str)]
+    # One batch call: the tokenizers binding releases the GIL there (not in encode).
+    encoded = iter(e.ids for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+                   ) if texts else iter(())
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = next(encoded) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise _bad(f"{where} is empty", "prompt")
-        for token in ids:
-            if not 0 <= token < vocab:
-                raise _bad(f"token id {token} in {where} is outside the vocabulary "
-                           f"[0, {vocab})", "prompt")
+        if min(ids) < 0 or max(ids) >= vocab:
+            token = next(t for t in ids if not 0 <= t < vocab)
+            raise _bad(f"token id {token} in {where} is outside the vocabulary "
+                       f"[0, {vocab})", "prompt")
         out.append(ids)
     return out
 
