@@ -159,4 +159,4 @@ def test_pool_size_is_known_before_allocating(model):
 
     for slots, tokens in ((1, 8), (3, 100)):
         pool = model.new_state_pool(slots, tokens)
-        assert StatePool.bytes_for(model.cfg, slots, tokens, model.dtype) == pool.nbytes()
+        assert StatePool.bytes_for(model.state_groups(), slots, tokens, model.dtype) == pool.nbytes()

@@ -219,13 +219,13 @@ def test_snapshot_rows_are_reused_from_a_fixed_store(loaded):
     try:
         store = e.store
         assert store is not None and store.capacity == 3
-        ptr = store.recurrent.data_ptr()
+        ptr = store.fixed["recurrent"].data_ptr()
         prompts = [prompt(loaded, f"item_{i} = [{i}] * {i}\n") for i in range(7)]
         for i, ids in enumerate(prompts):
             ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"s{i}")
             assert len(e.cache.entries) == min(i + 1, 3)
             assert len(store.free) == 3 - len(e.cache.entries)
-        assert store.recurrent.data_ptr() == ptr
+        assert store.fixed["recurrent"].data_ptr() == ptr
         rows = sorted(entry.payload.row for entry in e.cache.entries.values())
         assert rows == [0, 1, 2]
         assert [e.cache.contains(p) for p in prompts] == [False] * 4 + [True] * 3

@@ -32,7 +32,7 @@ from headstart.ops.short_conv import (
     conv_spans_plan,
 )
 from headstart.quant import QuantizedTensor
-from headstart.state import StatePool, WindowRecords
+from headstart.state import StateGroup, StatePool, WindowRecords
 from headstart.weights import Weight, load_weights, stand_ins
 
 
@@ -302,8 +302,22 @@ class Qwen35Model:
         return cls(cfg, load_weights(model_dir, cfg, dtype, device, lazy=True), dtype, device,
                    kernels, unpack_bytes, arena)
 
+    def state_groups(self) -> tuple[StateGroup, ...]:
+        """Per GDN layer a conv tail (last K-1 pre-conv rows) and a recurrent state (fp32,
+        HF/FLA layout); per attention layer post-norm, post-RoPE key and value rows."""
+        cfg = self.cfg
+        n_lin, n_att = len(cfg.linear_layers), len(cfg.attention_layers)
+        kv = (cfg.num_key_value_heads, cfg.head_dim)
+        return (StateGroup("conv", n_lin, (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)),
+                StateGroup("recurrent", n_lin, (cfg.linear_num_value_heads,
+                                                cfg.linear_key_head_dim,
+                                                cfg.linear_value_head_dim), torch.float32),
+                StateGroup("keys", n_att, kv, token_axis=1),
+                StateGroup("values", n_att, kv, token_axis=1))
+
     def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
-        return StatePool.allocate(self.cfg, num_slots, max_tokens, self.dtype, self.device)
+        return StatePool.allocate(self.state_groups(), num_slots, max_tokens, self.dtype,
+                                  self.device)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:

@@ -169,11 +169,7 @@ class PrefillGraphs:
         n = len(tokens)
         self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
         out = self.graphs[n].replay()
-        p, s = self.pool, self.scratch
-        p.conv[:, slot].copy_(p.conv[:, s])
-        p.recurrent[:, slot].copy_(p.recurrent[:, s])
-        p.keys[:, slot, :, :n].copy_(p.keys[:, s, :, :n])
-        p.values[:, slot, :, :n].copy_(p.values[:, s, :, :n])
+        self.pool.copy_slot(self.scratch, slot, n)
         return out
 
 

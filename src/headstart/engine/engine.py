@@ -21,7 +21,7 @@ import torch
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.drafter import DFlashDrafter
 from headstart.engine.output import Finish, OutputStream, Piece
-from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot, SnapshotStore, fixed_bytes
+from headstart.engine.prompt_cache import PromptCacheIndex, Snapshot, SnapshotStore
 from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.speculative import Draft, verify, verify_tree
@@ -448,11 +448,8 @@ class Engine:
         self._release(entry)
 
     def _snapshot_bytes(self, length: int, with_logits: bool) -> int:
-        p = self.pool
-        fixed = fixed_bytes(p)
-        per_token = 2 * p.keys[:, 0, :, 0].numel() * p.keys.element_size()
         logits = self.model.cfg.vocab_size * 4 if with_logits else 0
-        return fixed + per_token * length + logits
+        return self.pool.fixed_bytes() + self.pool.token_bytes() * length + logits
 
     def _take_snapshots(self, work: list[Work], logits: torch.Tensor,
                         last_rows: list[int]) -> None:

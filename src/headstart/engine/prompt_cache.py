@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,14 +123,13 @@ class PromptCacheIndex:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A slot's state after ``length`` tokens (see the module docstring)."""
+    """A slot's state after ``length`` tokens (see the module docstring), group by group as
+    :meth:`StatePool.slot_state` lays it out: each fixed-size group whole (rows of a
+    :class:`SnapshotStore` when one is used; ``row`` is then set), each per-token group's first
+    ``length`` rows."""
 
     length: int
-    # conv and recurrent are rows of a SnapshotStore when one is used (``row`` is then set).
-    conv: torch.Tensor  # [linear layers, conv_dim, K-1]
-    recurrent: torch.Tensor  # [linear layers, Hv, Dk, Dv] fp32
-    keys: torch.Tensor  # [attention layers, nkv, length, hd]
-    values: torch.Tensor  # [attention layers, nkv, length, hd]
+    state: Mapping[str, torch.Tensor]
     logits: torch.Tensor | None  # [vocab] raw logits of the next token, end-of-prompt only
     # The drafter's state: target features of the newest rows before ``length`` (its context
     # ring is rebuilt from them), None without a drafter.
@@ -138,16 +137,9 @@ class Snapshot:
     row: int | None = None
 
     def restore(self, pool: StatePool, slot: int) -> None:
-        """Overwrite everything the slot's stream reads at positions < length."""
-        if (self.conv.shape != pool.conv[:, slot].shape
-                or self.recurrent.shape != pool.recurrent[:, slot].shape
-                or self.keys.shape[:2] != pool.keys.shape[:1] + pool.keys.shape[2:3]
-                or self.length > pool.max_tokens):
-            raise ValueError("snapshot does not fit this state pool")
-        pool.conv[:, slot].copy_(self.conv)
-        pool.recurrent[:, slot].copy_(self.recurrent)
-        pool.keys[:, slot, :, :self.length].copy_(self.keys)
-        pool.values[:, slot, :, :self.length].copy_(self.values)
+        """Overwrite everything the slot's stream reads at positions < length; raises
+        ValueError, writing nothing, when the snapshot does not fit ``pool``."""
+        pool.load_slot(slot, self.state, self.length)
 
     def to_host(self) -> Snapshot:
         """A copy in host memory (pinned when a GPU is present, for fast copies back)."""
@@ -159,58 +151,55 @@ class Snapshot:
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             return out.copy_(t)
 
-        return Snapshot(self.length, host(self.conv), host(self.recurrent), host(self.keys),
-                        host(self.values), host(self.logits), host(self.draft_features))
+        return Snapshot(self.length, {k: host(t) for k, t in self.state.items()},
+                        host(self.logits), host(self.draft_features))
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.state.values(), *(t for t in (self.logits, self.draft_features)
+                                        if t is not None)]
 
     def nbytes(self) -> int:
-        parts = [self.conv, self.recurrent, self.keys, self.values]
-        parts += [t for t in (self.logits, self.draft_features) if t is not None]
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def fingerprint(self) -> str:
         """A hash of every byte (tests use it to prove snapshots are never written)."""
         h = hashlib.sha256()
-        for t in (self.conv, self.recurrent, self.keys, self.values, self.logits,
-                  self.draft_features):
-            if t is not None:
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        for t in self._tensors():
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
 
-def fixed_bytes(pool: StatePool) -> int:
-    """Bytes of the part of a snapshot that does not depend on its length (GDN state)."""
-    return (pool.conv[:, 0].numel() * pool.conv.element_size()
-            + pool.recurrent[:, 0].numel() * pool.recurrent.element_size())
-
-
 class SnapshotStore:
-    """Preallocated storage for the fixed-size part of snapshots (every GDN layer's conv tail
-    and recurrent state: the bulk of a snapshot, e.g. 147 MiB at the 27B shape), ``capacity``
-    rows with a free list, so caching prompts does not allocate and free large blocks per
-    request. KV rows, logits and drafter features vary in size and stay per-snapshot tensors."""
+    """Preallocated storage for the fixed-size part of snapshots (every fixed-size state group,
+    e.g. the GDN layers' conv tails and recurrent states: the bulk of a snapshot, 147 MiB at the
+    27B shape), ``capacity`` rows with a free list, so caching prompts does not allocate and
+    free large blocks per request. Per-token rows, logits and drafter features vary in size and
+    stay per-snapshot tensors."""
 
     def __init__(self, pool: StatePool, capacity: int) -> None:
-        self.conv = torch.empty((capacity,) + tuple(pool.conv[:, 0].shape), dtype=pool.conv.dtype,
-                                device=pool.conv.device)
-        self.recurrent = torch.empty((capacity,) + tuple(pool.recurrent[:, 0].shape),
-                                     dtype=pool.recurrent.dtype, device=pool.recurrent.device)
+        self.fixed = {name: torch.empty((capacity, *t.shape), dtype=t.dtype, device=t.device)
+                      for name, t in pool.slot_state(0, 0).items()
+                      if not _group(pool, name).per_token}
+        self._capacity = capacity
         self.free = list(range(capacity - 1, -1, -1))
 
     @property
     def capacity(self) -> int:
-        return self.conv.shape[0]
+        return self._capacity
 
     def take(self, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
              draft_features: torch.Tensor | None = None) -> Snapshot:
         """Snapshot the slot after ``length`` tokens: the fixed part is copied into a free row,
-        KV rows, logits and drafter features into tensors of their own."""
+        per-token rows, logits and drafter features into tensors of their own."""
         row = self.free.pop()
-        self.conv[row].copy_(pool.conv[:, slot])
-        self.recurrent[row].copy_(pool.recurrent[:, slot])
-        return Snapshot(length, self.conv[row], self.recurrent[row],
-                        pool.keys[:, slot, :, :length].clone(),
-                        pool.values[:, slot, :, :length].clone(),
-                        None if logits is None else logits.detach().clone(),
+        state = {}
+        for name, view in pool.slot_state(slot, length).items():
+            if name in self.fixed:
+                state[name] = self.fixed[name][row]
+                state[name].copy_(view)
+            else:
+                state[name] = view.clone()
+        return Snapshot(length, state, None if logits is None else logits.detach().clone(),
                         None if draft_features is None else draft_features.detach().clone(),
                         row)
 
@@ -219,3 +208,7 @@ class SnapshotStore:
         if snapshot.row is not None:
             assert snapshot.row not in self.free, "a row is released once"
             self.free.append(snapshot.row)
+
+
+def _group(pool: StatePool, name: str):
+    return next(g for g in pool.groups if g.name == name)

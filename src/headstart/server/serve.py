@@ -270,7 +270,7 @@ def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
     if model.arena is not None:
         log.info("weights: %.2f GiB in one allocation (%d tensors)", model.arena.nbytes / 2**30,
                  len(model.arena))
-    need = StatePool.bytes_for(model.cfg, parallel + 1, context, model.dtype)
+    need = StatePool.bytes_for(model.state_groups(), parallel + 1, context, model.dtype)
     log.info("state pool: %d streams x %d tokens = %.2f GiB (+ up to %.2f GiB prompt cache)",
              parallel, context, need / 2**30, cache_bytes / 2**30)
     if model.device.type == "cuda":
