@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import triton
 from triton.testing import do_bench
 
-from headstart.ops.attention import attend_decode
-from headstart.ops.decode_attention import decode_attention
-from headstart.ops.gpu_gdn import gdn_decode
-from headstart.ops.quant_matmul import QmmConfig, prepare, quant_matmul
+from headstart.ops.attention.reference import attend_decode
+from headstart.ops.attention.triton import decode_attention
+from headstart.ops.gated_delta.triton import gdn_decode
+from headstart.ops.quant_matmul.triton import QmmConfig, prepare, quant_matmul
 from headstart.quant import QuantizedTensor, dequantize
 
 DEV = torch.device("cuda")
@@ -242,7 +242,7 @@ def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool =
 
 def compiled_mma() -> dict:
     """Every compiled variant of the MMA kernel so far (cache key -> compiled kernel)."""
-    from headstart.ops import quant_matmul as qm
+    from headstart.ops.quant_matmul import triton as qm
 
     return {key: k for caches in qm._mma_kernel.device_caches.values()
             for key, k in caches[0].items()}

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
+from headstart.ops.gated_delta.reference import chunked_gated_delta, gated_delta_step
 
 
 def timed(fn, reps: int, device: str) -> float:

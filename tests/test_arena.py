@@ -27,8 +27,8 @@ from headstart.config import load_config
 from headstart.errors import CheckpointError
 from headstart.kernels import REFERENCE
 from headstart.model import Qwen35Model
-from headstart.ops import quant_matmul
-from headstart.ops.quant_matmul import PreparedQuant
+from headstart.ops.quant_matmul import triton as quant_matmul
+from headstart.ops.quant_matmul.triton import PreparedQuant
 from headstart.quant import QuantizedTensor, quantize
 from headstart.weights import LazyWeights, load_weights, stand_ins
 

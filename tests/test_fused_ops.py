@@ -1,6 +1,6 @@
-"""The fused per-row kernels (``ops/gpu_fused.py``, the gated GDN step) against their PyTorch
-references (``ops/pointwise.py``) on fresh random inputs, and a model whose decode steps run them
-against the reference model.
+"""The fused per-row kernels (``ops/pointwise/triton.py``, the gated GDN step) against their
+PyTorch references (``ops/pointwise/reference.py``) on fresh random inputs, and a model whose
+decode steps run them against the reference model.
 
 On a GPU they run as compiled; without one, under Triton's CPU interpreter (conftest sets
 ``TRITON_INTERPRET=1``) when Triton is installed, else the module skips. Tolerances: the kernels
@@ -20,8 +20,10 @@ import torch
 pytest.importorskip("triton")
 
 from headstart.kernels import REFERENCE, _ref_gdn_decode_gates
-from headstart.ops import gpu_fused, gpu_gdn, pointwise
-from headstart.ops.gpu_gdn import gdn_decode_gates
+from headstart.ops.gated_delta import triton as gpu_gdn
+from headstart.ops.gated_delta.triton import gdn_decode_gates
+from headstart.ops.pointwise import reference as pointwise
+from headstart.ops.pointwise import triton as gpu_fused
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Triton's interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest even as torch does.

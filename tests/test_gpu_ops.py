@@ -25,11 +25,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from headstart.ops.attention import attend_decode
-from headstart.ops.decode_attention import decode_attention
-from headstart.ops.gated_delta import gated_delta_step, recurrent_gated_delta
-from headstart.ops.gpu_gdn import gdn_decode, gdn_prefill_varlen
-from headstart.ops.quant_matmul import QmmConfig, dequantize_prepared, prepare, quant_matmul
+from headstart.ops.attention.reference import attend_decode
+from headstart.ops.attention.triton import decode_attention
+from headstart.ops.gated_delta.fla import gdn_prefill_varlen
+from headstart.ops.gated_delta.reference import gated_delta_step, recurrent_gated_delta
+from headstart.ops.gated_delta.triton import gdn_decode
+from headstart.ops.quant_matmul.triton import QmmConfig, dequantize_prepared, prepare, quant_matmul
 from headstart.quant import quantize
 
 DEV = torch.device("cuda")
@@ -248,7 +249,7 @@ def test_masked_prompt_attention(nh, nkv, hd, lens):
     """The GPU kernels' several-prompts attention (SDPA under a block-diagonal causal mask)
     against the reference on the same packed rows."""
     from headstart.kernels import gpu_kernels
-    from headstart.ops.attention import attend_masked
+    from headstart.ops.attention.reference import attend_masked
 
     T = sum(lens)
     g = gen(T)

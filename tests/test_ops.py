@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headstart.ops.attention import attend, attend_masked
-from headstart.ops.gated_delta import chunked_gated_delta, recurrent_gated_delta
-from headstart.ops.short_conv import causal_conv, causal_conv_spans, conv_spans_plan
+from headstart.ops.attention.reference import attend, attend_masked
+from headstart.ops.conv.reference import causal_conv, causal_conv_spans, conv_spans_plan
+from headstart.ops.gated_delta.reference import chunked_gated_delta, recurrent_gated_delta
 from headstart.quant import dequantize, pack, quantize, unpack
 
 
@@ -137,7 +137,7 @@ def test_quantize_dequantize_error_bounded():
 
 
 def test_batched_step_equals_per_stream_recurrence():
-    from headstart.ops.gated_delta import gated_delta_step
+    from headstart.ops.gated_delta.reference import gated_delta_step
 
     streams = [gdn_inputs(1, 2, 6, 8, 12, seed=s) for s in range(5)]
     o, s = gated_delta_step(*(torch.cat([x[i] for x in streams]) if i < 5 else
@@ -149,7 +149,7 @@ def test_batched_step_equals_per_stream_recurrence():
 
 
 def test_conv_step_equals_conv():
-    from headstart.ops.short_conv import causal_conv_step
+    from headstart.ops.conv.reference import causal_conv_step
 
     g = torch.Generator().manual_seed(4)
     x, tails, w = torch.randn(3, 6, generator=g), torch.randn(3, 6, 3, generator=g), \
@@ -161,7 +161,7 @@ def test_conv_step_equals_conv():
 
 
 def test_attend_decode_equals_attend():
-    from headstart.ops.attention import attend_decode
+    from headstart.ops.attention.reference import attend_decode
 
     g = torch.Generator().manual_seed(5)
     n, nh, nkv, hd, L = 4, 6, 2, 8, 9

@@ -3,12 +3,14 @@
 The model's forward calls these through a :class:`Kernels` value and never branches on the
 platform itself. Two sets exist with the same signatures:
 
-* ``reference``: pure PyTorch (:mod:`headstart.ops`), runs anywhere; the executable spec.
+* ``reference``: pure PyTorch (the ``reference`` module of each :mod:`headstart.ops` family), runs
+  anywhere; the executable spec.
 * ``gpu``: CUDA + Triton: in-place GDN decode step and flash-decoding attention straight from the
   slot pools (no gathers of whole states or histories), flash-linear-attention's chunked kernel
   for multi-row spans, a fused 4-bit matmul on the MLX layout, and one kernel per per-row piece
-  of :mod:`headstart.ops.pointwise` (:mod:`headstart.ops.gpu_fused`). Every GPU kernel is tested
-  against its reference (``tests/test_gpu_ops.py``, ``tests/test_fused_ops.py``).
+  of :mod:`headstart.ops.pointwise.reference` (:mod:`headstart.ops.pointwise.triton`); the
+  ``triton`` module beside each reference, and ``ops/gated_delta/fla.py``. Every GPU kernel is
+  tested against its reference (``tests/test_gpu_ops.py``, ``tests/test_fused_ops.py``).
 
 :func:`select_kernels` picks ``gpu`` on a CUDA device when Triton and flash-linear-attention import,
 else ``reference``, and logs the choice.
@@ -23,9 +25,9 @@ from typing import Any
 
 import torch
 
-from headstart.ops import pointwise
-from headstart.ops.attention import attend, attend_decode, attend_masked
-from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step
+from headstart.ops.attention.reference import attend, attend_decode, attend_masked
+from headstart.ops.gated_delta.reference import chunked_gated_delta, gated_delta_step
+from headstart.ops.pointwise import reference as pointwise
 
 log = logging.getLogger("headstart.kernels")
 
@@ -83,7 +85,7 @@ class Kernels:
     # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
     prepare: Callable[[Any], Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
-    # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.
+    # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.reference.
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.add_rms_norm
     gated_rms_norm: Callable[..., torch.Tensor] = pointwise.gated_rms_norm
     silu_mul: Callable[..., torch.Tensor] = pointwise.silu_mul
@@ -96,10 +98,11 @@ REFERENCE = Kernels("reference", _ref_gdn_decode_gates, _ref_gdn_spans, _ref_att
 
 
 def gpu_kernels() -> Kernels:
-    from headstart.ops import gpu_fused
-    from headstart.ops.decode_attention import decode_attention
-    from headstart.ops.gpu_gdn import gdn_decode_gates, gdn_prefill_varlen
-    from headstart.ops.quant_matmul import prepare as prepare_quant
+    from headstart.ops.attention.triton import decode_attention
+    from headstart.ops.gated_delta.fla import gdn_prefill_varlen
+    from headstart.ops.gated_delta.triton import gdn_decode_gates
+    from headstart.ops.pointwise import triton as gpu_fused
+    from headstart.ops.quant_matmul.triton import prepare as prepare_quant
     from headstart.quant import QuantizedTensor
 
     def spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):

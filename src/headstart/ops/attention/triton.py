@@ -3,8 +3,9 @@
 Job: one query row per stream for n streams, each attending to the first ``lengths[i]`` rows of
 its slot in the pool, with grouped-query attention (query head ``i`` reads kv head
 ``i // (nh / nkv)``), scale ``hd^-0.5`` and an fp32 softmax: the contract of
-:func:`headstart.ops.attention.attend_decode`, except that K/V are read from the pool by slot
-index instead of being gathered first (the gather would copy every stream's whole history).
+:func:`headstart.ops.attention.reference.attend_decode`, except that K/V are read from the pool
+by slot index instead of being gathered first (the gather would copy every stream's whole
+history).
 
 Two launches:
 
@@ -26,7 +27,8 @@ CUDA-graph replay, cold L2): length 8192 141 us (floor, K+V bytes over the copy 
 
 Layout: ``keys``/``values`` ``[slots, nkv, max_tokens, hd]`` (one layer of the pool) with ``hd``
 contiguous; ``hd`` a power of two in 64..256. Non-goals: more than one query row per stream
-(prefill uses :func:`headstart.ops.attention.attend` or a prefill kernel), paged KV, ALiBi/softcap.
+(prefill uses :func:`headstart.ops.attention.reference.attend` or a prefill kernel), paged KV,
+ALiBi/softcap.
 """
 
 from __future__ import annotations

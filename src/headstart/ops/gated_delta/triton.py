@@ -1,15 +1,12 @@
-"""Gated DeltaNet cores on the GPU, reading and writing the recurrent-state pool by slot.
+"""The Gated DeltaNet decode step on the GPU, updating the recurrent-state pool in place by slot.
 
-Job: the two GDN entry points of the forward, with the contracts of the references in
-:mod:`headstart.ops.gated_delta` (raw q/k, L2-normalised with eps 1e-6 on the sum of squares and q
-scaled by ``Dk^-0.5`` inside; log decay ``g``; ``beta`` post-sigmoid; value head ``h`` reads key
-head ``h // (Hv/Hk)``; fp32 state ``[Hv, Dk, Dv]``, the HF/FLA layout, same as our pool):
+Job: the GDN entry points of a decode step, with the contracts of the references in
+:mod:`headstart.ops.gated_delta.reference` (raw q/k, L2-normalised with eps 1e-6 on the sum of
+squares and q scaled by ``Dk^-0.5`` inside; log decay ``g``; ``beta`` post-sigmoid; value head
+``h`` reads key head ``h // (Hv/Hk)``; fp32 state ``[Hv, Dk, Dv]``, the HF/FLA layout, same as our
+pool). Multi-row spans go through flash-linear-attention's chunked kernel instead
+(:mod:`headstart.ops.gated_delta.fla`).
 
-* :func:`gdn_prefill_varlen`: several multi-row sequences packed into one ``[T, ...]`` batch with
-  ``cu_seqlens``, through flash-linear-attention's chunked kernel. Initial states are gathered from
-  the pool by slot (zeros for fresh streams, whatever the slot held, NaN included) and the final
-  states scattered back. That gather/scatter is one state read + write per stream per layer,
-  small next to a prefill chunk's work.
 * :func:`gdn_decode`: one new row per stream for n streams, our own Triton kernel that updates the
   pool **in place** by slot index (FLA 0.6's fused_recurrent has no state-index argument, so using
   it would cost a gather and a scatter of ``n * Hv * Dk * Dv * 4`` bytes each, doubling the
@@ -47,46 +44,6 @@ from headstart.ops.triton_support import HAVE_TRITON, pdl_options, sm_count, tl,
 
 if HAVE_TRITON:
     from headstart.ops.triton_support import pdl_wait
-
-
-def _fla_chunk():
-    # Imported lazily: flash-linear-attention is an optional (GPU-only) dependency.
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    return chunk_gated_delta_rule
-
-
-def gdn_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                       fresh: torch.Tensor, state_pool: torch.Tensor,
-                       cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
-    """Chunked GDN over packed sequences; updates ``state_pool[slots]`` in place.
-
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1] (int,
-    starts at 0, on q's device); slots: [N] int64; fresh: [N] bool (start from a zero state);
-    state_pool: [slots, Hv, Dk, Dv] fp32. ``cu_seqlens_cpu`` (optional) spares FLA a host sync
-    when it builds its chunk index. Returns o: [T, Hv, Dv] in v's dtype.
-    """
-    chunk = _fla_chunk()
-    slots = slots.to(torch.long)
-    init = state_pool.index_select(0, slots)
-    # where(), not multiply: a fresh slot may hold NaN from an earlier, aborted stream.
-    init = torch.where(fresh.view(-1, 1, 1, 1), 0.0, init)
-    if slots.shape[0] == 1:
-        # One sequence (the common prefill): FLA's plain batched form. It needs no chunk index
-        # built from cu_seqlens, so it has no host work at all and can be captured in a CUDA
-        # graph (engine/cuda_graph.py captures short fresh prefills).
-        o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                         beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                         output_final_state=True, use_qk_l2norm_in_kernel=True)
-        state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
-        return o[0].to(v.dtype)
-    o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                     output_final_state=True, use_qk_l2norm_in_kernel=True,
-                     cu_seqlens=cu_seqlens.to(torch.long), cu_seqlens_cpu=cu_seqlens_cpu)
-    state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
-    return o[0].to(v.dtype)
 
 
 if HAVE_TRITON:
@@ -184,7 +141,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         # Whole-head programs (the fused norm) hold a [Dk, Dv] state each: past about two per SM
         # they run slower than Dv-sliced programs plus a separate norm kernel (27B, H200: 44.5
         # us vs 26.8 + 4.9 at 16 streams; 7.3 vs 4.3 + 3.9 at 1).
-        from headstart.ops.gpu_fused import gated_rms_norm
+        from headstart.ops.pointwise.triton import gated_rms_norm
 
         z, norm_w, eps = norm
         o = gdn_decode(q, k, v, g, beta, slots, fresh, state_pool, out_dtype, rows, A_log,

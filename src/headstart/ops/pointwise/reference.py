@@ -2,8 +2,9 @@
 and the decode rows' attention inputs. Pure PyTorch: the executable spec.
 
 Each function rounds where HF transformers' ``modeling_qwen3_5`` rounds (bf16 activations), and
-:mod:`headstart.ops.gpu_fused` implements the same signatures as single Triton kernels (a decode
-step is otherwise a few thousand tiny elementwise launches, ~30% of its time on an H200).
+:mod:`headstart.ops.pointwise.triton` implements the same signatures as single Triton kernels (a
+decode step is otherwise a few thousand tiny elementwise launches, ~30% of its time on an H200).
+Every size and constant comes in as an argument (no model config is read here).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from headstart.config import ModelConfig
-from headstart.ops.short_conv import causal_conv_step
+from headstart.ops.conv.reference import causal_conv_step
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,10 +86,12 @@ class Rotary:
     inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
 
     @classmethod
-    def create(cls, cfg: ModelConfig, device: torch.device | str) -> Rotary:
-        rd = cfg.rotary_dim
+    def create(cls, rotary_dim: int, theta: float, device: torch.device | str) -> Rotary:
+        """``rotary_dim``: the rotated dims of a head (even; ``ModelConfig.rotary_dim``, i.e.
+        ``int(head_dim * partial_rotary_factor)``); ``theta``: the RoPE base (``rope_theta``)."""
+        rd = rotary_dim
         exponent = torch.arange(0, rd, 2, dtype=torch.int64, device=device).float() / rd
-        return cls(1.0 / (cfg.rope_theta ** exponent))
+        return cls(1.0 / (theta ** exponent))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""One Triton kernel for each piece of :mod:`headstart.ops.pointwise` (same signatures).
+"""One Triton kernel for each piece of :mod:`headstart.ops.pointwise.reference` (same signatures).
 
 Why: a profile of the 27B decode step on an H200 (``benchmarks/profile_decode.py``) had 3,842
 kernel launches per step, 3,473 of them elementwise ops, gathers and copies between the matmuls:
@@ -9,8 +9,8 @@ launches per layer.
 Rounding follows the references: values are rounded to the activation dtype wherever the
 reference materialises a bf16 tensor, except inside the conv step and RoPE, where products are
 kept in fp32 (the reference rounds each product; the difference is within one bf16 ulp of the
-result). Tests: ``tests/test_gpu_ops.py`` (GPU) and ``tests/test_fused_interpret.py`` (Triton's
-CPU interpreter, when Triton is installed).
+result). Tests: ``tests/test_fused_ops.py`` (compiled on a GPU, else under Triton's CPU
+interpreter when Triton is installed).
 
 Non-goals: autograd; fp32 activations are supported but not tuned.
 """

@@ -1,5 +1,12 @@
 """``y = x @ W^T`` straight from MLX affine-quantized weights, for decode-sized batches (GPU).
 
+Contract: :func:`quant_matmul` computes ``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or
+fp16) with fp32 accumulation, ``W = scales * q + biases`` an MLX affine weight
+(:mod:`headstart.quant`) repacked once by :func:`prepare`; the spec is
+:func:`headstart.ops.quant_matmul.reference.quant_matmul`. Measurements (H200 tables, the launch
+config sweep, variants tried and removed) are in ``BENCHMARKS.md``, "4-bit matmul design notes
+(moved from the kernel's docstring)".
+
 Job: the projections of a decode step multiply a handful of rows (M = 1..16) by a large quantized
 weight. That is memory-bound: the time floor is the bytes of packed words + scales + biases over
 the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 16 rows of x)
@@ -44,38 +51,6 @@ launch (``triton_support``) a program loads its first words and scales before it
 kernel before it. The grid is sized to be resident in one wave (``_MMA_REGS``: 75 registers, 6
 programs per SM for M <= 8; 133 and 3 for M <= 16) and K is split until it fills that wave.
 
-Measured on the H200 (``benchmarks/gpu_ops.py --skip attention,gdn --quick --sweep --lm-head
---before <previous quant_matmul.py>``: CUDA-graph replay over weight copies, cold L2; floor =
-weight bytes over the 4.25 TB/s copy bandwidth), us and ratio to the floor, previous kernel in
-brackets:
-
-==========================  ============  ============  ============  =======
-shape                       M = 1         M = 4         M = 16        floor
-==========================  ============  ============  ============  =======
-q_proj 12288x5120           15.8 (30.1)   17.0 (38.9)   20.2 (40.8)     8.3
-in_proj_qkv 10240x5120      14.1 (29.5)   15.2 (34.5)   18.7 (35.4)     6.9
-mlp_gate_up 17408x5120      21.1 (49.9)   22.2 (55.6)   28.5 (58.9)    11.8
-mlp_down 5120x17408         22.4 (49.5)   24.1 (56.6)   28.3 (58.3)    11.8
-o_proj 5120x6144            11.3 (20.0)   12.6 (23.0)   15.8 (23.6)     4.2
-lm_head 248320x5120        225.4 (384.6) 250.4 (627.9) 237.3 (672.0)  168.3
-==========================  ============  ============  ============  =======
-
-That is 1.79-2.71x the floor at M = 1 (geometric mean 2.04 over the five projections, was 4.20),
-1.88-3.79x at M = 4..16 (2.44, was 5.02) and 1.34-1.49x for the lm_head. The lm_head, with 80
-chunks per program and no split-K, shows the steady state; the projections pay a roughly constant
-7-9 us on top of their floor: the first loads of each program (nothing to overlap them with),
-the x loads of each step (L2 latency, not prefetched), the split-K arrival and reduction. Sweep
-(same command, geometric means M = 1 | M = 4,16): 8 warps 2.13 | 2.93; BN 256 2.38 | 2.72;
-BN 64 2.02 | 2.65; 3 programs per SM 2.52 | 2.77; 12 (two waves) 2.36 | 3.05; no prefetch
-2.24 | 2.63; Triton's pipeliner (num_stages 3, through shared memory) instead of the prefetch
-6.15 | 8.92.
-
-Since then (same command with ``--configs``, H200, 2026-11-29): loading x one step ahead with
-the words (``prefetch_x``, the default now) gives 14.2 / 13.4 / 19.5 / 20.9 / 10.4 us at M = 1
-for the five projections above (geometric mean 1.90x the floor, 2.11 without it in the same
-run) and 2.29x at M = 4..16 (2.47). Two steps of words in flight (100 registers; tried and
-removed) lose at every residency tried (2.00-2.50 | 2.99-3.28); asking L2 for a program's
-later words before its wait was slower in a whole decode step (``profile_decode.py``).
 Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
 writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
 the partials in a fixed order (deterministic) and writes y, then resets the counter to zero. One
@@ -88,8 +63,7 @@ word, ``S = ceil(K / (PW * G))`` superblocks of ``PW`` groups, tiles of ``BN`` r
 to 128): ``words`` int32 ``[Np / BN, S, G, BN]`` with field ``i`` of word ``j`` of superblock
 ``t`` = element ``t*PW*G + i*G + j``, ``sb`` int32 ``[Np / BN, S, PW, BN]``. Fields are unpacked
 into fp32 with a shift, a LOP3 and an FFMA (magic-number exponent), then an FMA per weight (M == 1)
-or a bf16 tensor-core dot per group (M > 1). Measured 3.6-4.8x the floor at M = 1 and 4.7-5.7x at
-M = 4..16 for the 4-bit projections above (the brackets).
+or a bf16 tensor-core dot per group (M > 1).
 
 Non-goals: autograd, bits other than 2/4/8, M > 64 in the fused kernels (falls back), fp32 x
 (the MMA layout falls back to dequantize + matmul).

@@ -1,0 +1,59 @@
+"""Gated DeltaNet over multi-row spans on the GPU: flash-linear-attention's chunked kernel.
+
+:func:`gdn_prefill_varlen`: several multi-row sequences packed into one ``[T, ...]`` batch with
+``cu_seqlens``, with the contract of :func:`headstart.ops.gated_delta.reference.chunked_gated_delta`
+per sequence (raw q/k, L2-normalised inside; log decay ``g``; ``beta`` post-sigmoid; fp32 state
+``[Hv, Dk, Dv]``, the HF/FLA layout, same as our pool). Initial states are gathered from the pool
+by slot (zeros for fresh streams, whatever the slot held, NaN included) and the final states
+scattered back. That gather/scatter is one state read + write per stream per layer, small next to
+a prefill chunk's work. One sequence takes FLA's plain batched form: no host work, so it can be
+captured in a CUDA graph.
+
+flash-linear-attention is an optional (GPU-only) dependency, imported on first call;
+:func:`headstart.kernels.select_kernels` checks that it imports before choosing the GPU set.
+Non-goals: autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _fla_chunk():
+    # Imported lazily: flash-linear-attention is an optional (GPU-only) dependency.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def gdn_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                       fresh: torch.Tensor, state_pool: torch.Tensor,
+                       cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    """Chunked GDN over packed sequences; updates ``state_pool[slots]`` in place.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1] (int,
+    starts at 0, on q's device); slots: [N] int64; fresh: [N] bool (start from a zero state);
+    state_pool: [slots, Hv, Dk, Dv] fp32. ``cu_seqlens_cpu`` (optional) spares FLA a host sync
+    when it builds its chunk index. Returns o: [T, Hv, Dv] in v's dtype.
+    """
+    chunk = _fla_chunk()
+    slots = slots.to(torch.long)
+    init = state_pool.index_select(0, slots)
+    # where(), not multiply: a fresh slot may hold NaN from an earlier, aborted stream.
+    init = torch.where(fresh.view(-1, 1, 1, 1), 0.0, init)
+    if slots.shape[0] == 1:
+        # One sequence (the common prefill): FLA's plain batched form. It needs no chunk index
+        # built from cu_seqlens, so it has no host work at all and can be captured in a CUDA
+        # graph (engine/cuda_graph.py captures short fresh prefills).
+        o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                         beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+        return o[0].to(v.dtype)
+    o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                     output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     cu_seqlens=cu_seqlens.to(torch.long), cu_seqlens_cpu=cu_seqlens_cpu)
+    state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
+    return o[0].to(v.dtype)

@@ -1,0 +1,21 @@
+"""``x @ w.T`` for a weight in any of its loaded forms: a tensor, MLX affine 4-bit kept packed
+(:class:`~headstart.quant.QuantizedTensor`, dequantized per call: memory holds only the packed
+form), or prepared for the GPU's fused 4-bit kernel (read packed, in the kernel)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headstart.ops.quant_matmul.triton import PreparedQuant, quant_matmul
+from headstart.quant import QuantizedTensor
+
+__all__ = ["linear"]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedQuant) -> torch.Tensor:
+    if isinstance(w, PreparedQuant):
+        return quant_matmul(x, w)
+    if isinstance(w, QuantizedTensor):
+        return x @ w.dequantize(x.dtype).T
+    return F.linear(x, w)
