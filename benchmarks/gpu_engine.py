@@ -194,6 +194,7 @@ def _tokenizer():
 
 
 def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
+    from headstart.engine.config import CacheConfig, EngineConfig
     from headstart.engine.engine import Engine
     from headstart.model import Qwen35Model
 
@@ -242,7 +243,8 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
     torch.cuda.empty_cache()
     # Engine TTFT: miss and exact hit, 1 and 16 streams.
     t0 = time.perf_counter()  # warm-up, decode graphs, prefill graphs (2..64 tokens)
-    engine = Engine(model, _tokenizer(), (), num_slots=16, context=4096, cache_bytes=16 << 30)
+    engine = Engine(model, _tokenizer(), (), EngineConfig(16, 4096,
+                                                        cache=CacheConfig(bytes=16 << 30)))
     row["engine_start_s"] = time.perf_counter() - t0
     engine.start()
     try:
@@ -267,7 +269,8 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
 
 def run_spec(model, cfg: ModelConfig, row: dict) -> None:
     """TTFT with and without a random DFlash drafter (5 layers at the target's width)."""
-    from headstart.drafter import DFlashDrafter, DrafterConfig, drafter_shapes
+    from headstart.engine.spec.drafter import DFlashDrafter, DrafterConfig, drafter_shapes
+    from headstart.engine.config import EngineConfig
     from headstart.engine.engine import Engine
 
     L = cfg.num_hidden_layers
@@ -280,7 +283,7 @@ def run_spec(model, cfg: ModelConfig, row: dict) -> None:
          for k, s in drafter_shapes(dc).items()}
     drafter = DFlashDrafter(dc, w, model)
     for with_drafter in (False, True):
-        engine = Engine(model, _tokenizer(), (), num_slots=16, context=4096,
+        engine = Engine(model, _tokenizer(), (), EngineConfig(16, 4096),
                         drafter=drafter if with_drafter else None)
         engine.start()
         try:

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--shape", default="2b")
     ap.add_argument("--format", default="bf16", choices=["bf16", "4bit"])
     args = ap.parse_args()
+    from headstart.engine.config import CacheConfig, EngineConfig, GraphConfig
     from headstart.engine.engine import Engine
     from headstart.model import Qwen35Model
 
@@ -42,9 +43,9 @@ def main() -> None:
                 ("+ continuation graphs", 64, True))
     for label, tokens, continuations in settings:
         t0 = time.perf_counter()
-        engine = Engine(model, _tokenizer(), (), num_slots=16, context=4096,
-                        prefill_graph_tokens=tokens, continuation_graphs=continuations,
-                        cache_bytes=8 << 30)
+        engine = Engine(model, _tokenizer(), (), EngineConfig(
+            16, 4096, cache=CacheConfig(bytes=8 << 30),
+            graphs=GraphConfig(prefill_tokens=tokens, continuations=continuations)))
         row = {"setting": label, "start_s": time.perf_counter() - t0}
         engine.start()
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import Collector
 
+from headstart.engine.config import EngineConfig, GraphConfig, SchedulingConfig
 from headstart.engine.engine import (
     Engine,
     EngineRequest,
@@ -26,8 +27,8 @@ def loaded():
 
 @pytest.fixture
 def engine(loaded):
-    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=4, context=256,
-               max_queue=32, prefill_chunk=16, step_tokens=40)
+    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids,
+               EngineConfig(4, 256, max_queue=32, scheduling=SchedulingConfig(16, 40)))
     e.start()
     yield e
     e.stop()
@@ -131,9 +132,9 @@ def test_a_request_that_cannot_start_fails_alone(loaded, engine, monkeypatch):
 def test_warm_up_paths_run_and_leave_no_trace(loaded):
     """The GPU start-up warm-up (eager paths on a scratch slot) runs on any device, and a
     request afterwards answers exactly as on a fresh engine."""
-    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=2, context=256,
-               graphs=False)
-    e._warm_up(scratch=1)
+    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids,
+               EngineConfig(2, 256, graphs=GraphConfig(enabled=False)))
+    e.runner.warm_eager(scratch=1)
     e.start()
     try:
         ids = loaded.tokenizer.encode("def warm():")
@@ -150,21 +151,21 @@ def test_queued_drafter_features_keep_the_newest_window():
     gives the newest ``window`` rows and their first position, as one concatenation would."""
     import torch
 
-    from headstart.engine.engine import _Live
+    from headstart.engine.spec.features import FeatureQueue
 
-    live = _Live(None, None, None, None)
-    assert live.features is None
+    queue = FeatureQueue(window=6)
+    assert queue.rows is None
     ref, start = torch.zeros(0, 3), 10
     for n in (4, 1, 1, 3, 1, 7, 1, 1):
         rows = torch.randn(n, 3)
-        live.add_features(rows, start + ref.shape[0], window=6)
+        queue.add(rows, start + ref.shape[0])
         ref = torch.cat([ref, rows])
         drop = max(0, ref.shape[0] - 6)
         ref, start = ref[drop:], start + drop
-        assert torch.equal(live.features, ref) and live.features_start == start
-    live.features = live.features[:0]  # handed to the drafter's ring
-    live.add_features(torch.ones(2, 3), 99, window=6)
-    assert live.features_start == 99 and live.features.shape == (2, 3)
+        assert torch.equal(queue.rows, ref) and queue.start == start
+    queue.take()  # handed to the drafter's ring
+    queue.add(torch.ones(2, 3), 99)
+    assert queue.start == 99 and queue.rows.shape == (2, 3)
 
 
 def _sharing_a_step(loaded, engine, bad_params, prompt="def k():"):

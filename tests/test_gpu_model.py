@@ -239,7 +239,8 @@ def test_engine_with_every_graph_serves(ckpt, tmp_path, spec_mode):
     differently tiled kernels; the bit-exact tests above cover each graph."""
     from engine_helpers import Collector
 
-    from headstart.drafter import DFlashDrafter
+    from headstart.engine.spec.drafter import DFlashDrafter
+    from headstart.engine.config import EngineConfig, GraphConfig, SpecConfig
     from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
     from headstart.sampling import SamplingParams
 
@@ -251,9 +252,11 @@ def test_engine_with_every_graph_serves(ckpt, tmp_path, spec_mode):
     prompts = [[(5 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([7, 30, 70, 3])]
     results = []
     for drafter in (None, DFlashDrafter.load(drafter_dir, model)):
-        e = Engine(model, tok, (), num_slots=4, context=256, drafter=drafter,
-                   window_graphs=drafter is not None, spec_mode=spec_mode)
-        assert e.prefill_graphs is not None and (drafter is None or e.window_graphs is not None)
+        e = Engine(model, tok, (), EngineConfig(
+            4, 256, spec=SpecConfig(mode=spec_mode),
+            graphs=GraphConfig(windows=drafter is not None)), drafter=drafter)
+        assert e.runner.prefill_graphs is not None and (drafter is None or
+                                                        e.runner.window_graphs is not None)
         e.start()
         try:
             cs = [Collector() for _ in prompts]
@@ -273,7 +276,7 @@ def test_engine_with_every_graph_serves(ckpt, tmp_path, spec_mode):
 def test_draft_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path):
     """Captured proposals (2 streams in a bucket of 2, 3 in a bucket of 4 with a padding row on
     the spare ring slot) against the same forward run eagerly with the same rows."""
-    from headstart.drafter import DFlashDrafter
+    from headstart.engine.spec.drafter import DFlashDrafter
     from headstart.engine.cuda_graph import DraftGraphs
 
     model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")

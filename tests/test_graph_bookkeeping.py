@@ -11,7 +11,14 @@ import torch
 from engine_helpers import Collector
 
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.drafter import DFlashDrafter
+from headstart.engine.spec.drafter import DFlashDrafter
+from headstart.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    SchedulingConfig,
+    SpecConfig,
+)
 from headstart.engine.cuda_graph import PrefillGraphs
 from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
 from headstart.sampling import SamplingParams
@@ -71,7 +78,8 @@ def run_all(engine, prompts=PROMPTS):
 
 def counting(engine):
     counts = {"prefill": 0, "decode": 0}
-    for name, obj in (("prefill", engine.prefill_graphs), ("decode", engine.graphs)):
+    for name, obj in (("prefill", engine.runner.prefill_graphs),
+                      ("decode", engine.runner.decode_graphs)):
         real = obj.run
 
         def run(*a, _real=real, _name=name, **k):
@@ -91,9 +99,10 @@ def test_engine_with_graph_paths_equals_eager(target, tokenizer, with_drafter, c
     several fresh prefills in one step, and prefills next to decode rows."""
     def make(graphs):
         drafter = DFlashDrafter.load(target.drafter_dir, target) if with_drafter else None
-        e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
-                   step_tokens=48, drafter=drafter, graphs=graphs, graph_capture=False,
-                   prefill_graph_tokens=20, cache_bytes=cache)
+        config = EngineConfig(4, 128, scheduling=SchedulingConfig(16, 48),
+                              cache=CacheConfig(bytes=cache),
+                              graphs=GraphConfig(enabled=graphs, capture=False, prefill_tokens=20))
+        e = Engine(target, tokenizer, (), config, drafter=drafter)
         e.start()
         return e
 
@@ -116,11 +125,15 @@ def test_engine_with_graph_paths_equals_eager(target, tokenizer, with_drafter, c
         assert counts["decode"] > 0
 
 
-def emulated(target, tokenizer, drafter=None, *, num_slots: int = 4, context: int = 128, **kw):
-    """A started engine whose graphs run with capture off (prefill graphs up to 20 tokens)."""
-    e = Engine(target, tokenizer, (), num_slots=num_slots, context=context, prefill_chunk=16,
-               step_tokens=48, drafter=drafter, graphs=True, graph_capture=False,
-               prefill_graph_tokens=20, **kw)
+def emulated(target, tokenizer, drafter=None, *, num_slots: int = 4, context: int = 128,
+             spec: SpecConfig | None = None, cache: CacheConfig | None = None, **graphs):
+    """A started engine whose graphs run with capture off (prefill graphs up to 20 tokens);
+    ``graphs``: further GraphConfig fields."""
+    config = EngineConfig(num_slots, context, scheduling=SchedulingConfig(16, 48),
+                          cache=cache or CacheConfig(), spec=spec or SpecConfig(),
+                          graphs=GraphConfig(enabled=True, capture=False, prefill_tokens=20,
+                                             **graphs))
+    e = Engine(target, tokenizer, (), config, drafter=drafter)
     e.start()
     return e
 
@@ -173,17 +186,17 @@ def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
     streams at once and windows of different widths padded to one: greedy output equals
     decoding without a drafter, and every graph path was taken."""
     def make(drafter, **kw):
-        return emulated(target, tokenizer, drafter, spec_mode="chain", **kw)
+        return emulated(target, tokenizer, drafter, spec=SpecConfig(mode="chain"), **kw)
 
     plain = make(None)
     try:
         expected = run_all(plain)
     finally:
         plain.stop()
-    e = make(DFlashDrafter.load(target.drafter_dir, target), window_graphs=True)
+    e = make(DFlashDrafter.load(target.drafter_dir, target), windows=True)
     calls = {"windows": 0, "drafts": 0, "rollbacks": 0}
-    for key, graphs in (("windows", e.window_graphs), ("drafts", e.spec.graphs),
-                        ("rollbacks", e.rollback_graphs)):
+    for key, graphs in (("windows", e.runner.window_graphs), ("drafts", e.spec.graphs),
+                        ("rollbacks", e.runner.rollback_graphs)):
         count_runs(graphs, calls, key)
     try:
         assert run_all(e) == expected
@@ -198,8 +211,8 @@ def test_window_graphs_at_the_context_edge(target, tokenizer):
     windows: padding it to their width would write past the pool, so that step runs eagerly;
     greedy output still equals decoding without a drafter."""
     def make(drafter, **kw):
-        return emulated(target, tokenizer, drafter, num_slots=2, context=40, spec_mode="chain",
-                        **kw)
+        return emulated(target, tokenizer, drafter, num_slots=2, context=40,
+                        spec=SpecConfig(mode="chain"), **kw)
 
     cases = [(PROMPTS[5][:24], 16), (PROMPTS[1][:6], 30)]  # ends at 40 (the context), and 36
 
@@ -219,7 +232,7 @@ def test_window_graphs_at_the_context_edge(target, tokenizer):
         expected = run(plain)
     finally:
         plain.stop()
-    e = make(DFlashDrafter.load(target.drafter_dir, target), window_graphs=True)
+    e = make(DFlashDrafter.load(target.drafter_dir, target), windows=True)
     try:
         assert run(e) == expected
     finally:
@@ -257,9 +270,11 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
 
     def make(graphs):
         if graphs:
-            return emulated(target, tokenizer, continuation_graphs=True, cache_bytes=1 << 24)
-        e = Engine(target, tokenizer, (), num_slots=4, context=128, prefill_chunk=16,
-                   step_tokens=48, graphs=False, cache_bytes=1 << 24)
+            return emulated(target, tokenizer, continuations=True,
+                            cache=CacheConfig(bytes=1 << 24))
+        e = Engine(target, tokenizer, (), EngineConfig(
+            4, 128, scheduling=SchedulingConfig(16, 48), cache=CacheConfig(bytes=1 << 24),
+            graphs=GraphConfig(enabled=False)))
         e.start()
         return e
 
@@ -269,13 +284,13 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
         e = make(graphs)
         if graphs:
             counts = {"n": 0}
-            real = e.continuation_graphs.run
+            real = e.runner.continuation_graphs.run
 
             def run(*a, _real=real, _counts=counts):
                 _counts["n"] += 1
                 return _real(*a)
 
-            e.continuation_graphs.run = run
+            e.runner.continuation_graphs.run = run
         try:
             outputs.append((run_all(e, first), run_all(e, grown)))
             assert e.stats()["cache_hits"] >= len(grown)

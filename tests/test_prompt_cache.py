@@ -7,6 +7,7 @@ import math
 import pytest
 
 from engine_helpers import Collector
+from headstart.engine.config import CacheConfig, EngineConfig, SchedulingConfig
 from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
 from headstart.engine.prompt_cache import PromptCacheIndex
 from headstart.loading import load
@@ -39,6 +40,16 @@ def test_budget_evicts_least_recently_used():
     assert idx.insert([8], 101, 8) == [] and not idx.contains([8])  # larger than the budget
 
 
+def test_lookup_passes_over_unusable_entries_and_counts_once():
+    idx = PromptCacheIndex(budget_bytes=1000)
+    idx.insert([1, 2], 10, "short")
+    idx.insert([1, 2, 3], 10, "whole")
+    assert idx.lookup([1, 2, 3], usable=lambda e: e.payload != "whole").payload == "short"
+    assert (idx.stats.hits, idx.stats.misses) == (1, 0)
+    assert idx.lookup([1, 2, 3], usable=lambda e: False) is None
+    assert (idx.stats.hits, idx.stats.misses) == (1, 1)
+
+
 def test_token_cap_and_disabled():
     idx = PromptCacheIndex(budget_bytes=100, max_tokens=3)
     idx.insert([1, 2, 3, 4], 1, "x")
@@ -56,10 +67,12 @@ def loaded():
     return load()
 
 
-def make_engine(loaded, cache_mib=64, cache_bytes=None, **kw):
-    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=4, context=512,
-               prefill_chunk=32, step_tokens=64,
-               cache_bytes=cache_mib << 20 if cache_bytes is None else cache_bytes, **kw)
+def make_engine(loaded, cache_mib=64, cache_bytes=None, **cache):
+    """A started engine; ``cache``: CacheConfig fields besides the budget."""
+    budget = cache_mib << 20 if cache_bytes is None else cache_bytes
+    config = EngineConfig(4, 512, scheduling=SchedulingConfig(32, 64),
+                          cache=CacheConfig(bytes=budget, **cache))
+    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config)
     e.start()
     return e
 
@@ -121,10 +134,10 @@ def test_partial_hit_from_a_boundary_snapshot(loaded):
 def test_long_prompt_snapshots_at_fixed_interval(loaded):
     ids = prompt(loaded, "x = [i * i for i in range(10)]\n" * 20)
     assert len(ids) > 100
-    e = make_engine(loaded, cache_interval=40)
+    e = make_engine(loaded, interval=40)
     try:
         ask(e, ids, GREEDY, "long")
-        lengths = sorted(len(k) for k in e.cache.entries)
+        lengths = sorted(len(k) for k in e.cache.device.entries)
         assert lengths == [n for n in range(40, len(ids), 40)] + [len(ids)]
         variant = ids[:-3] + prompt(loaded, "pass")
         cold = make_engine(loaded, cache_mib=0)
@@ -143,7 +156,7 @@ def test_concurrent_restores_leave_the_snapshot_unchanged(loaded):
     e = make_engine(loaded)
     try:
         ask(e, ids, GREEDY, "seed")
-        (entry,) = [v for k, v in e.cache.entries.items() if len(k) == len(ids)]
+        (entry,) = [v for k, v in e.cache.device.entries.items() if len(k) == len(ids)]
         before = entry.payload.fingerprint()
         cs = []
         for i, params in enumerate([
@@ -165,7 +178,8 @@ def test_restore_overwrites_poisoned_buffers(loaded):
     try:
         want = ask(e, ids, GREEDY, "warm").tokens
         assert wait_idle(e)
-        for t in (e.pool.conv, e.pool.recurrent, e.pool.keys, e.pool.values):
+        pool = e.runner.pool
+        for t in (pool.conv, pool.recurrent, pool.keys, pool.values):
             t.fill_(math.nan)
         got = ask(e, ids, GREEDY, "poisoned")
         assert got.finish.cached_tokens == len(ids) and got.tokens == want
@@ -178,36 +192,38 @@ def test_failed_restore_falls_back_to_prefill(loaded):
     e = make_engine(loaded)
     try:
         want = ask(e, ids, GREEDY, "warm").tokens
-        for t in (e.pool.conv, e.pool.recurrent, e.pool.keys, e.pool.values):
+        pool = e.runner.pool
+        for t in (pool.conv, pool.recurrent, pool.keys, pool.values):
             t.fill_(math.nan)
-        e.fail_restores = 1
+        e.cache.fail_restores = 1
         got = ask(e, ids, GREEDY, "failing")
         assert got.tokens == want and got.finish.cached_tokens == 0
-        assert e.cache.stats.failed_restores == 1
+        assert e.cache.device.stats.failed_restores == 1
     finally:
         e.stop()
 
 
 def test_filling_past_the_budget_keeps_bytes_within_it(loaded):
     prompts = [prompt(loaded, f"value_{i} = compute({i})\n") for i in range(10)]
-    probe = make_engine(loaded, cache_interval=0)
+    probe = make_engine(loaded, interval=0)
     try:
         ask(probe, prompts[0], SamplingParams(temperature=0, max_tokens=1), "probe")
-        one = probe.cache.bytes_held
+        one = probe.cache.device.bytes_held
     finally:
         probe.stop()
-    e = make_engine(loaded, cache_bytes=int(3.5 * one), cache_interval=0)
+    e = make_engine(loaded, cache_bytes=int(3.5 * one), interval=0)
     try:
         for i, ids in enumerate(prompts):
             ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"r{i}")
-            assert e.cache.bytes_held <= e.cache.budget_bytes
+            assert e.cache.device.bytes_held <= e.cache.device.budget_bytes
             if i == 2:  # touch the first prompt: it becomes the most recently used
                 assert ask(e, prompts[0], SamplingParams(temperature=0, max_tokens=1),
                            "touch").finish.cached_tokens == len(prompts[0])
             if i == 3:  # least recently used went first: prompt 1, not the older prompt 0
-                assert e.cache.contains(prompts[0]) and not e.cache.contains(prompts[1])
-        assert len(e.cache.entries) == 3 and e.cache.stats.evictions == 7
-        assert [e.cache.contains(p) for p in prompts] == [False] * 7 + [True] * 3
+                device = e.cache.device
+                assert device.contains(prompts[0]) and not device.contains(prompts[1])
+        assert len(e.cache.device.entries) == 3 and e.cache.device.stats.evictions == 7
+        assert [e.cache.device.contains(p) for p in prompts] == [False] * 7 + [True] * 3
     finally:
         e.stop()
 
@@ -215,20 +231,20 @@ def test_filling_past_the_budget_keeps_bytes_within_it(loaded):
 def test_snapshot_rows_are_reused_from_a_fixed_store(loaded):
     """The GDN part of snapshots lives in preallocated rows: filling past the row count evicts
     the least recently used and recycles its row, without new storage."""
-    e = make_engine(loaded, cache_interval=0, max_snapshots=3)
+    e = make_engine(loaded, interval=0, max_snapshots=3)
     try:
-        store = e.store
+        store = e.cache.store
         assert store is not None and store.capacity == 3
         ptr = store.fixed["recurrent"].data_ptr()
         prompts = [prompt(loaded, f"item_{i} = [{i}] * {i}\n") for i in range(7)]
         for i, ids in enumerate(prompts):
             ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"s{i}")
-            assert len(e.cache.entries) == min(i + 1, 3)
-            assert len(store.free) == 3 - len(e.cache.entries)
+            assert len(e.cache.device.entries) == min(i + 1, 3)
+            assert len(store.free) == 3 - len(e.cache.device.entries)
         assert store.fixed["recurrent"].data_ptr() == ptr
-        rows = sorted(entry.payload.row for entry in e.cache.entries.values())
+        rows = sorted(entry.payload.row for entry in e.cache.device.entries.values())
         assert rows == [0, 1, 2]
-        assert [e.cache.contains(p) for p in prompts] == [False] * 4 + [True] * 3
+        assert [e.cache.device.contains(p) for p in prompts] == [False] * 4 + [True] * 3
         # A recycled row holds the new snapshot: an exact hit still answers like a miss.
         again = ask(e, prompts[-1], GREEDY, "again")
         cold = make_engine(loaded, cache_mib=0)
@@ -242,12 +258,12 @@ def test_snapshot_rows_are_reused_from_a_fixed_store(loaded):
 
 def test_host_tier_keeps_what_the_device_tier_evicts(loaded):
     """With one device row, older prompts move to the host tier and still hit from there."""
-    e = make_engine(loaded, cache_interval=0, max_snapshots=1, host_cache_bytes=64 << 20)
+    e = make_engine(loaded, interval=0, max_snapshots=1, host_bytes=64 << 20)
     try:
         prompts = [prompt(loaded, f"config_{i} = load({i!r})\n") for i in range(3)]
         first = [ask(e, ids, GREEDY, f"p{i}").tokens for i, ids in enumerate(prompts)]
-        assert len(e.cache.entries) == 1 and len(e.host.entries) == 2
-        assert e.host.contains(prompts[0]) and e.cache.contains(prompts[2])
+        assert len(e.cache.device.entries) == 1 and len(e.cache.host.entries) == 2
+        assert e.cache.host.contains(prompts[0]) and e.cache.device.contains(prompts[2])
         again = ask(e, prompts[0], GREEDY, "again")
         assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
         assert e.stats()["cache_host_hits"] == 1

@@ -8,9 +8,10 @@ import torch
 from engine_helpers import Collector
 
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.drafter import DFlashDrafter
+from headstart.engine.config import CacheConfig, EngineConfig, SchedulingConfig, SpecConfig
 from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
-from headstart.engine.speculative import verify
+from headstart.engine.spec.drafter import DFlashDrafter
+from headstart.engine.spec.verification import verify
 from headstart.generate import greedy_tokens
 from headstart.sampling import Sampler, SamplingParams, sampling_probs
 
@@ -45,9 +46,10 @@ class OracleDrafter(DFlashDrafter):
         return out
 
 
-def engine_for(target, tokenizer, drafter=None, **kw):
-    e = Engine(target, tokenizer, (), num_slots=4, context=256, prefill_chunk=16,
-               step_tokens=48, drafter=drafter, **kw)
+def engine_for(target, tokenizer, drafter=None, **parts):
+    """A started engine; ``parts``: EngineConfig's composed settings (spec=, cache=)."""
+    config = EngineConfig(4, 256, scheduling=SchedulingConfig(16, 48), **parts)
+    e = Engine(target, tokenizer, (), config, drafter=drafter)
     e.start()
     return e
 
@@ -87,7 +89,7 @@ def test_greedy_with_drafter_equals_without(target, tokenizer, plain_greedy, kin
     drafter = DFlashDrafter.load(target.drafter_dir, target)
     if kind == "oracle":
         drafter = OracleDrafter(drafter)
-    e = engine_for(target, tokenizer, drafter, spec_mode=mode)
+    e = engine_for(target, tokenizer, drafter, spec=SpecConfig(mode=mode))
     if kind == "oracle":
         drafter.engine = e
     try:
@@ -149,7 +151,7 @@ def test_rollback_equals_plain_steps(target):
 
 def test_first_token_is_delivered_before_any_draft(target, tokenizer):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter, spec_mode="chain")  # always drafts
+    e = engine_for(target, tokenizer, drafter, spec=SpecConfig(mode="chain"))  # always drafts
     try:
         c = Collector(drafter)
         e.submit(EngineRequest("a", PROMPTS[3], GREEDY, 24, c))
@@ -195,14 +197,14 @@ def test_sampling_with_drafts_is_lossless():
 
 def test_prompt_cache_keeps_drafter_features(target, tokenizer, plain_greedy):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter, cache_bytes=16 << 20)
+    e = engine_for(target, tokenizer, drafter, cache=CacheConfig(bytes=16 << 20))
     try:
         first = run_all(e, GREEDY, prompts=PROMPTS[:2])
         again = run_all(e, GREEDY, prompts=PROMPTS[:2])
         assert first == again == plain_greedy[:2]
-        snaps = [entry.payload for entry in e.cache.entries.values()]
+        snaps = [entry.payload for entry in e.cache.device.entries.values()]
         assert snaps and all(s.draft_features is not None for s in snaps)
-        assert e.cache.stats.hits >= 2
+        assert e.cache.device.stats.hits >= 2
     finally:
         e.stop()
 
@@ -256,7 +258,7 @@ def test_tree_window_rows_equal_their_paths_and_commit_equals_steps(target):
 
 
 def test_tree_building_keeps_the_greedy_spine_and_the_budget():
-    from headstart.engine.speculative import build_tree
+    from headstart.engine.spec.verification import build_tree
 
     g = torch.Generator().manual_seed(0)
     lp = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
@@ -273,7 +275,7 @@ def test_tree_building_keeps_the_greedy_spine_and_the_budget():
 
 def test_tree_sampling_is_lossless():
     """Tree walk with sampling: the first emitted token follows p_0 whatever the children."""
-    from headstart.engine.speculative import Draft, verify_tree
+    from headstart.engine.spec.verification import Draft, verify_tree
 
     logits = torch.tensor([[1.0, 0.2, -0.5, 0.7], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0],
                            [0.5, 0.5, 0.5, 0.5]])
@@ -295,7 +297,7 @@ def test_tree_sampling_is_lossless():
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_seeded_sampling_with_drafter_is_reproducible(target, tokenizer, mode):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter, spec_mode=mode)
+    e = engine_for(target, tokenizer, drafter, spec=SpecConfig(mode=mode))
     try:
         a = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
         b = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
@@ -308,7 +310,7 @@ def test_planner_drafts_only_while_rounds_beat_plain_steps():
     """Costs: a plain step 1.0, windows a little more, the drafter 0.1. With the optimistic
     start drafting pays; once nothing is accepted it does not, and the planner declines except
     for rechecks after 4, then 8 steps; when drafts are accepted again, it drafts every step."""
-    from headstart.engine.speculative import SpecPlanner
+    from headstart.engine.spec.planner import SpecPlanner
 
     p = SpecPlanner(4, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, None, draft_cost=0.1, recheck=4)
     assert p.worth_drafting()

@@ -68,7 +68,7 @@ def test_one_command_pipeline_end_to_end(tmp_path):
     assert report["acceptance"]["rounds"] > 0 and report["model_bytes"] < 15_000_000
     assert report["target"]["held_out_ppl"] > 1 and set(report["samples"])
     loaded = load(str(out))
-    from headstart.drafter import DFlashDrafter
+    from headstart.engine.spec.drafter import DFlashDrafter
 
     DFlashDrafter.load(out / "drafter", loaded.model)
 

@@ -12,7 +12,7 @@ import tiny
 import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.drafter import DFlashDrafter, DrafterConfig
+from headstart.engine.spec.drafter import DFlashDrafter, DrafterConfig
 from headstart.generate import greedy_tokens
 from headstart.loading import default_model_dir
 from headstart.model import Qwen35Model
@@ -84,7 +84,7 @@ def hf_head(ref):
 
 
 def test_state_dict_names_are_the_checkpoint_names(target):
-    from headstart.drafter import drafter_shapes
+    from headstart.engine.spec.drafter import drafter_shapes
 
     cfg = config(target[0].config.hidden_size)
     state = TrainableDrafter(cfg).state_dict()

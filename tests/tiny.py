@@ -124,7 +124,7 @@ def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,
     }
     if causal is not None:
         cfg["is_causal"] = causal
-    from headstart.drafter import DrafterConfig, drafter_shapes
+    from headstart.engine.spec.drafter import DrafterConfig, drafter_shapes
 
     dc = DrafterConfig(H, intermediate, layers, heads, kv_heads, head_dim, 1e-6, 1e6, block,
                        mask_token_id, tuple(taps), (False,) * layers, (0,) * layers)

@@ -1,10 +1,11 @@
 """Training a DFlash block drafter against a frozen Qwen3.5 target, saving it, measuring it.
 
-Job: the trainable twin of :class:`headstart.drafter.DFlashDrafter` (same tensor names, same
-math), the DFlash training recipe of ``shared/docs/dflash.md`` section 4 (random anchors, blocks
-``[x_a, MASK x (B-1)]`` that see the target's tapped features of positions before the anchor,
-same-position cross-entropy with decaying position weights), a checkpoint writer whose output
-``DFlashDrafter.load`` reads, and an acceptance measurement that drives headstart's own engine.
+Job: the trainable twin of :class:`headstart.engine.spec.drafter.DFlashDrafter` (same tensor
+names, same math), the DFlash training recipe of ``shared/docs/dflash.md`` section 4 (random
+anchors, blocks ``[x_a, MASK x (B-1)]`` that see the target's tapped features of positions
+before the anchor, same-position cross-entropy with decaying position weights), a checkpoint
+writer whose output ``DFlashDrafter.load`` reads, and an acceptance measurement that drives
+headstart's own engine.
 
 Non-goals: flex-attention / fused kernels (attention uses an explicit boolean mask, fine at the
 sizes trained here), offline feature caches, KD on target logits, multi-GPU, data preparation
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from headstart.drafter import (
+from headstart.engine.spec.drafter import (
     DrafterConfig,
     default_target_layer_ids,
     drafter_shapes,
@@ -199,8 +200,9 @@ class DrafterLayer(nn.Module):
 
 class TrainableDrafter(nn.Module):
     """The DFlash drafter as trainable parameters; ``state_dict()`` keys equal
-    :func:`headstart.drafter.drafter_shapes` names (``fc.weight``, ``layers.0.self_attn.q_proj.
-    weight``, ...). It owns no embedding and no head: the target's are passed in."""
+    :func:`headstart.engine.spec.drafter.drafter_shapes` names (``fc.weight``,
+    ``layers.0.self_attn.q_proj.weight``, ...). It owns no embedding and no head: the target's
+    are passed in."""
 
     def __init__(self, cfg: DrafterConfig, *, init_std: float = 0.02, seed: int = 0) -> None:
         super().__init__()
@@ -587,7 +589,7 @@ def save_drafter_checkpoint(drafter: TrainableDrafter, cfg: DrafterConfig, out_d
                             num_target_layers: int | None = None,
                             vocab_size: int | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (tensors in ``dtype``) in the DFlash format
-    that ``headstart.drafter.DFlashDrafter.load(out_dir, target)`` reads."""
+    that ``headstart.engine.spec.drafter.DFlashDrafter.load(out_dir, target)`` reads."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -650,8 +652,9 @@ def evaluate_acceptance(target_dir: str | Path, drafter_dir: str | Path,
     decoding is exact, so with ``strict`` any mismatch raises AssertionError; in bf16 near-tie
     argmaxes may legitimately flip (dflash.md 2.4), hence the switch. Generation ignores EOS so
     both runs produce exactly ``max_tokens`` per prompt."""
-    from headstart.drafter import DFlashDrafter
+    from headstart.engine.config import EngineConfig, SpecConfig
     from headstart.engine.engine import Engine
+    from headstart.engine.spec.drafter import DFlashDrafter
     from headstart.model import Qwen35Model
     from headstart.sampling import SamplingParams
     from headstart.tokenizer import Tokenizer
@@ -665,8 +668,8 @@ def evaluate_acceptance(target_dir: str | Path, drafter_dir: str | Path,
     context = max(len(p) for p in prompts) + max_tokens + block + 1
 
     def make(d: DFlashDrafter | None) -> Engine:
-        kw = {"drafter": d, "draft_block": block, "spec_mode": spec_mode} if d else {}
-        e = Engine(target, tok, (), num_slots=1, context=context, **kw)
+        spec = SpecConfig(draft_block=block, mode=spec_mode)  # used only with a drafter
+        e = Engine(target, tok, (), EngineConfig(1, context, spec=spec), drafter=d)
         e.start()
         return e
 

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _drafter_stage(args, model, train, staging: Path, held, vocab: int, device: str,
                    dtype: torch.dtype, report: dict) -> None:
-    from headstart.drafter import DrafterConfig
+    from headstart.engine.spec.drafter import DrafterConfig
     from training.drafter import evaluate_acceptance, save_drafter_checkpoint, train_drafter
 
     dcfg = DrafterConfig(

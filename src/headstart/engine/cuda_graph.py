@@ -8,13 +8,12 @@
   harmlessly and are dropped.
 * :class:`PrefillGraphs`: the prefill of a new stream's first ``n`` prompt tokens (``2 <= n <=
   max_tokens``), captured once per length on the scratch slot. Launched eagerly such a prefill
-  costs hundreds of kernel launches per layer from Python, ten times its GPU work; that is most
-  of a short prompt's time to first token. After a replay the scratch slot's state (conv tails,
-  recurrent states, the ``n`` KV rows) is copied into the stream's slot: a few hundred MB at
-  most, tens of microseconds. Exact lengths, not padded buckets: padding rows would run through
-  the recurrence and corrupt the state.
+  costs hundreds of kernel launches per layer from Python, far more than its GPU work (figures:
+  BENCHMARKS.md). After a replay the scratch slot's state (every state group, the ``n``
+  per-token rows) is copied into the stream's slot. Exact lengths, not padded buckets: padding
+  rows would run through the recurrence and corrupt the state.
 
-Also on by default (``Engine(window_graphs=False, continuation_graphs=False)`` turns them off),
+Also on by default (``GraphConfig(windows=False, continuations=False)`` turns them off),
 each checked against eager replay on a GPU by ``tests/test_gpu_model.py``:
 
 * :class:`WindowGraphs` (chain verify windows per stream bucket and width),

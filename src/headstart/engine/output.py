@@ -34,6 +34,16 @@ class Finish:
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache (set by the engine)
 
 
+@dataclass
+class Failed:
+    """The final event of a request that failed inside the engine."""
+
+    message: str
+
+
+Event = Piece | Finish | Failed
+
+
 class OutputStream:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: Sequence[int],
                  max_new_tokens: int) -> None:
@@ -47,7 +57,8 @@ class OutputStream:
         self.produced = 0  # sampled tokens, including a final stop token
 
     def add(self, token: int, logprob: float | None = None,
-            top_logprobs: list[tuple[int, float]] | None = None) -> tuple[Piece | None, Finish | None]:
+            top_logprobs: list[tuple[int, float]] | None = None
+            ) -> tuple[Piece | None, Finish | None]:
         """Take the next sampled token; returns what to deliver and whether the request ends."""
         self.produced += 1
         if token in self.stop_ids:  # the stop token itself is not shown

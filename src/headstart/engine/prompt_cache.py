@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,13 +61,16 @@ class PromptCacheIndex:
     def enabled(self) -> bool:
         return self.budget_bytes > 0
 
-    def lookup(self, tokens: Sequence[int], max_length: int | None = None) -> CacheEntry | None:
-        """The entry with the longest prefix of ``tokens`` (at most ``max_length`` long), marked
-        as recently used; None on a miss. Counts a hit or a miss."""
+    def lookup(self, tokens: Sequence[int], max_length: int | None = None,
+               usable: Callable[[CacheEntry], bool] | None = None) -> CacheEntry | None:
+        """The entry with the longest prefix of ``tokens`` (at most ``max_length`` long) that
+        ``usable`` accepts (default: any), marked as recently used; None on a miss. Counts
+        exactly one hit or one miss; entries ``usable`` refuses are neither marked nor
+        counted."""
         limit = len(tokens) if max_length is None else min(max_length, len(tokens))
         for length in sorted((n for n in self.lengths if n <= limit), reverse=True):
             entry = self.entries.get(tuple(tokens[:length]))
-            if entry is not None:
+            if entry is not None and (usable is None or usable(entry)):
                 self.entries.move_to_end(entry.tokens)
                 self.stats.hits += 1
                 return entry
@@ -171,9 +174,9 @@ class Snapshot:
 
 class SnapshotStore:
     """Preallocated storage for the fixed-size part of snapshots (every fixed-size state group,
-    e.g. the GDN layers' conv tails and recurrent states: the bulk of a snapshot, 147 MiB at the
-    27B shape), ``capacity`` rows with a free list, so caching prompts does not allocate and
-    free large blocks per request. Per-token rows, logits and drafter features vary in size and
+    e.g. the GDN layers' conv tails and recurrent states: the bulk of a snapshot), ``capacity``
+    rows with a free list, so caching prompts does not allocate and free large blocks per
+    request. Per-token rows, logits and drafter features vary in size and
     stay per-snapshot tensors."""
 
     def __init__(self, pool: StatePool, capacity: int) -> None:

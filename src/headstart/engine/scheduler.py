@@ -122,6 +122,19 @@ class Scheduler:
             if w.seq.status is Status.RUNNING:
                 w.seq.computed = w.start + len(w.tokens)
 
+    def restored(self, seq: Sequence, n: int) -> None:
+        """The first ``n`` prompt tokens of a newly admitted sequence were restored into its
+        slot (prompt cache) instead of computed; call before :meth:`plan`."""
+        assert seq.status is Status.RUNNING and 0 <= n <= len(seq.prompt)
+        seq.computed = seq.cached = n
+
+    def accept(self, seq: Sequence, tokens: list[int], computed: int) -> None:
+        """A verify round's outcome: ``tokens`` emitted, and the slot's state now holds the
+        first ``computed`` tokens of the stream (the last emitted token is fed next)."""
+        assert seq.status is Status.RUNNING and not seq.prefilling
+        seq.output.extend(tokens)
+        seq.computed = computed
+
     def append_token(self, seq: Sequence, token: int) -> None:
         """A sampled token that the sequence will continue from (fed in the next step)."""
         assert seq.status is Status.RUNNING and not seq.prefilling

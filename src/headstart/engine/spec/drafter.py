@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from headstart.errors import CheckpointError, ConfigError
 from headstart.model import Qwen35Model, linear
-from headstart.ops.pointwise import rotate_half
+from headstart.ops.pointwise.reference import rotate_half
 from headstart.weights import safetensors_files
 
 

@@ -3,64 +3,78 @@
 Given the decoding streams of a step, :class:`Speculator` writes each stream's pending target
 features into the drafter's context ring, runs one drafter forward for all of them, and turns
 the proposals into a chain or a tree per stream (the planner decides from measured window costs
-and running acceptance). Verifying and committing a window is the engine's part
-(:mod:`headstart.engine.speculative` has the acceptance rules).
+and running acceptance). It also judges a verified window (:meth:`Speculator.judge`, the rules
+in :mod:`headstart.engine.spec.verification`); committing the accepted rows to the target's
+state is the model runner's part.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from headstart.batch import ForwardBatch, SeqChunk
-from headstart.drafter import DFlashDrafter
-from headstart.engine.speculative import Draft, SpecPlanner, Verdict, build_tree
+from headstart.batch import SeqChunk
+from headstart.engine.config import SpecConfig
+from headstart.engine.spec.drafter import DFlashDrafter
+from headstart.engine.spec.features import FeatureQueue
+from headstart.engine.spec.planner import SpecPlanner
+from headstart.engine.spec.verification import Draft, Verdict, build_tree, verify, verify_tree
 from headstart.model import Qwen35Model
-from headstart.state import StatePool
+from headstart.sampling import Sampler, SamplingParams
+
+K = TypeVar("K")
+STATS = ("rounds", "drafted", "accepted", "tree_rounds")  # the keys of Speculator.stats
 
 
 @dataclass
 class DraftJob:
-    """One stream's round: anchor at ``start``, at most ``room`` tokens to emit, and the target
-    features of its committed rows not yet in the ring (positions ``features_start ..``)."""
+    """One stream's round: anchor at ``start``, at most ``room`` tokens to emit, and the queue
+    of target features of its committed rows not yet in its ring."""
 
     slot: int
     anchor: int
     start: int
     room: int
-    features: torch.Tensor | None
-    features_start: int
+    features: FeatureQueue
 
 
 class Speculator:
     def __init__(self, drafter: DFlashDrafter, model: Qwen35Model, num_slots: int, context: int,
-                 vocab_size: int, block: int | None = None, window: int = 4096,
-                 mode: str = "auto", tree_width: int = 4, tree_budget: int | None = None) -> None:
-        assert mode in ("chain", "tree", "auto")
+                 vocab_size: int, config: SpecConfig) -> None:
+        assert config.mode in ("chain", "tree", "auto")
         self.drafter, self.model = drafter, model
         self.context, self.vocab_size = context, vocab_size
         self.taps: tuple[int, ...] = drafter.cfg.target_layer_ids
-        self.block = block or drafter.cfg.block_size
-        self.window = window
-        self.mode = mode
-        self.tree_width = tree_width
-        self.tree_budget = tree_budget or 2 * max(1, self.block - 1)
+        self.block = config.draft_block or drafter.cfg.block_size
+        self.window = config.draft_window
+        self.mode = config.mode
+        self.tree_width = config.tree_width
+        self.tree_budget = config.tree_budget or 2 * max(1, self.block - 1)
         self.spare = num_slots  # a ring slot no stream owns (padding rows of draft graphs)
-        self.pool = drafter.new_pool(num_slots + 1, window)
+        self.pool = drafter.new_pool(num_slots + 1, self.window)
         self.graphs = None  # DraftGraphs, see capture_graphs
         self.planner: SpecPlanner | None = None
-        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "tree_rounds": 0}
+        self.stats = dict.fromkeys(STATS, 0)
 
-    def measure(self, pool: StatePool, slot: int,
-                runners: tuple[Callable[[], object], Callable[[int], object]] | None = None
-                ) -> None:
-        """Time verify windows (chains of 2..block rows, a tree of the node budget) on an idle
-        slot; the planner weighs expected accepted tokens against these costs. ``runners``:
-        (one decode step, a chain window of n rows) as the engine will run them (graph
-        replays), instead of eager forwards."""
+    def warm_up(self, features: torch.Tensor) -> None:
+        """Run the drafter once (context from ``features``, one proposal) on a pool of its own,
+        so the first round pays no kernel compilation; not counted as drafting."""
+        dpool = self.drafter.new_pool(1, 8)
+        self.drafter.add_context(dpool, 0, features, 0)
+        self.drafter.propose_logits(dpool, [0], [0], [self.block], self.block)
+        self.drafter.forwards = 0
+
+    def measure(self, runnable: Callable[[SeqChunk], Callable[[], object]],
+                features: torch.Tensor) -> None:
+        """Time a plain decode step, verify windows (chains of 2..block rows, a tree of the node
+        budget) and one drafter forward (context: ``features``, the taps of a short prompt);
+        the planner weighs expected accepted tokens against these costs. ``runnable(chunk)``
+        runs ``chunk``'s forward as the engine's steps will (a graph replay or an eager
+        forward) on an idle slot."""
         def timed(fn: Callable[[], object]) -> float:
             best = float("inf")
             for _ in range(3):
@@ -71,28 +85,16 @@ class Speculator:
                 best = min(best, time.perf_counter() - t0)
             return best
 
-        def eager(chunk: SeqChunk) -> Callable[[], object]:
-            batch = ForwardBatch.build([chunk], self.model.device)
-            return lambda: self.model.forward_ex(batch, pool, self.taps)
-
         if self.block < 2:
             return
-        if runners is not None:
-            step, window = runners
-            costs = {1: timed(step)}
-            for rows in range(2, self.block + 1):
-                costs[rows] = timed(lambda rows=rows: window(rows))
-        else:
-            costs = {1: timed(eager(SeqChunk(slot, 1, (0,), 1)))}
-            for rows in range(2, self.block + 1):
-                costs[rows] = timed(eager(SeqChunk(slot, 1, (0,) * rows, rows, record=True)))
+        costs = {1: timed(runnable(SeqChunk(0, 1, (0,), 1)))}
+        for rows in range(2, self.block + 1):
+            costs[rows] = timed(runnable(SeqChunk(0, 1, (0,) * rows, rows, record=True)))
         n = self.tree_budget + 1
-        tree = timed(eager(SeqChunk(slot, 1, (0,) * n, n, parents=(-1, *range(n - 1)))))
+        tree = timed(runnable(SeqChunk(0, 1, (0,) * n, n, parents=(-1, *range(n - 1)))))
         # One drafter forward over a short context, as a round pays it.
-        feats = self.model.forward_ex(ForwardBatch.build([SeqChunk(slot, 0, (0,) * 8, 1)],
-                                                         self.model.device), pool, self.taps).taps
         dpool = self.drafter.new_pool(1, 16)
-        self.drafter.add_context(dpool, 0, feats, 0)
+        self.drafter.add_context(dpool, 0, features, 0)
         before = self.drafter.forwards
         if self.graphs is not None:
             draft = timed(lambda: self.graphs.run([self.spare], [0], [8]))
@@ -105,11 +107,21 @@ class Speculator:
     def reset(self, slot: int) -> None:
         self.pool.reset(slot)
 
+    def drafts(self, jobs: Mapping[K, DraftJob]) -> dict[K, Draft]:
+        """Drafts, by key, for the jobs whose stream may emit two tokens or more, when this
+        step drafts at all (see :meth:`worth_drafting`); a step that does not draft leaves
+        every queue of features for the next one that does."""
+        jobs = {k: job for k, job in jobs.items() if min(self.block, job.room) >= 2}
+        if not jobs or not self.worth_drafting():
+            return {}
+        return dict(zip(jobs, self.propose(list(jobs.values())), strict=True))
+
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
-        """One drafter forward for all jobs (their features first go into the rings)."""
+        """One drafter forward for all jobs (their queued features first go into the rings)."""
         for job in jobs:
-            if job.features is not None and job.features.shape[0]:
-                self.drafter.add_context(self.pool, job.slot, job.features, job.features_start)
+            features, start = job.features.take()
+            if features is not None and features.shape[0]:
+                self.drafter.add_context(self.pool, job.slot, features, start)
         block = max(min(self.block, job.room) for job in jobs)
         args = ([j.slot for j in jobs], [j.anchor for j in jobs], [j.start for j in jobs])
         if self.graphs is not None and self.graphs.covers(len(jobs), block):
@@ -148,6 +160,18 @@ class Speculator:
         if self.mode == "tree":
             return "tree", b - 1
         return self.planner.choose(b)
+
+    def judge(self, logits: torch.Tensor, draft: Draft, params: SamplingParams,
+              rng: torch.Generator | None, sampler: Sampler) -> tuple[Verdict, list[int]]:
+        """The verdict on a verified window (``logits``: its rows, masked) and the accepted
+        path as window rows (0, the anchor, first); counted in :attr:`stats` and the planner."""
+        if draft.parents is None:
+            verdict = verify(logits, list(draft.tokens), params, rng, sampler)
+            path = list(range(len(verdict.tokens)))
+        else:
+            verdict, path = verify_tree(logits, draft, params, rng, sampler)
+        self.observe(draft, verdict)
+        return verdict, path
 
     def observe(self, draft: Draft, verdict: Verdict) -> None:
         s = self.stats

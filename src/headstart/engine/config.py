@@ -1,0 +1,77 @@
+"""The engine's settings, one frozen value per concern, composed into :class:`EngineConfig`.
+
+Every field has the default the server uses unless told otherwise, so a caller names only what
+it changes: ``EngineConfig(4, 256, cache=CacheConfig(bytes=64 << 20))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """``prefill_chunk``: the most prompt tokens of one stream in a step; ``step_tokens``: the
+    most rows of a step (decode rows first, then prompt chunks)."""
+
+    prefill_chunk: int = 512
+    step_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The prompt-state cache. ``bytes``: the device tier's budget (0 turns the cache off);
+    ``host_bytes``: a second tier in host memory for snapshots the first evicts; ``max_tokens``:
+    the longest prefix worth an entry (0: no cap); ``interval``: long prompts are also
+    snapshotted every ``interval`` tokens (0: only at the end and the requested boundaries);
+    ``max_snapshots``: the most device snapshots (rows of preallocated fixed-size storage)."""
+
+    bytes: int = 0
+    host_bytes: int = 0
+    max_tokens: int = 0
+    interval: int = 1024
+    max_snapshots: int = 256
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding, used when the engine has a drafter. ``draft_block``: the rows of a
+    verify window (default: the drafter's block size); ``draft_window``: context rows per
+    stream in the drafter's ring; ``mode``: "chain", "tree" or "auto" (the planner picks per
+    round, and whether to draft at all, from measured costs); ``tree_width``: children per
+    tree node; ``tree_budget``: tree nodes (default: twice the drafts of a chain)."""
+
+    draft_block: int | None = None
+    draft_window: int = 4096
+    mode: str = "auto"
+    tree_width: int = 4
+    tree_budget: int | None = None
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs. ``enabled``: replay decode steps and fresh prefills of 2 ..
+    ``prefill_tokens`` tokens from graphs (None: when the kernels allow it, on a GPU);
+    ``capture=False`` keeps every graph's bookkeeping but runs eagerly (tests on a CPU);
+    ``windows``: with a drafter, also proposals, chain verify windows and rollbacks;
+    ``continuations``: continued prefill chunks of up to ``prefill_tokens`` tokens."""
+
+    enabled: bool | None = None
+    capture: bool = True
+    prefill_tokens: int = 64
+    windows: bool = True
+    continuations: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``num_slots`` streams run at once, each up to ``context`` tokens (prompt and output);
+    beyond the slots, at most ``max_queue`` requests wait."""
+
+    num_slots: int
+    context: int
+    max_queue: int = 256
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)

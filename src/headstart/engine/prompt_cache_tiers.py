@@ -1,0 +1,198 @@
+"""The prompt cache as the engine sees it: two tiers of snapshots behind one object.
+
+:class:`PromptCache` owns a device tier (a :class:`PromptCacheIndex` over snapshots whose
+fixed-size part lives in a :class:`SnapshotStore`) and an optional host tier (an index over host
+copies). Its methods follow a prefix cache's interface (``match_prefix``, ``insert``, eviction):
+the engine asks where a prompt's prefill may pause (:meth:`PromptCache.boundaries`), restores the
+longest match into a new stream's slot, and offers every forward's results for snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from headstart.engine.config import CacheConfig
+from headstart.engine.prompt_cache import CacheEntry, PromptCacheIndex, Snapshot, SnapshotStore
+from headstart.engine.scheduler import Sequence as Seq
+from headstart.engine.scheduler import Work
+from headstart.state import StatePool
+
+log = logging.getLogger("headstart.engine")
+
+
+@dataclass(frozen=True)
+class Match:
+    """A cached prefix found by :meth:`PromptCache.match_prefix`, and the tier holding it."""
+
+    entry: CacheEntry
+    index: PromptCacheIndex
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self.entry.payload
+
+
+class PromptCache:
+    """Snapshots of prompt prefixes in two tiers; the contract:
+
+    * Lookup (:meth:`match_prefix`): each enabled tier finds its longest entry that is a
+      prefix of the prompt and usable: an entry as long as the whole prompt is usable only if
+      it holds the first token's logits (a boundary snapshot that happens to end where this
+      prompt ends cannot give that token, so a shorter entry is used instead). Each enabled
+      tier counts one hit or one miss per lookup. The longer of the two tiers' matches is
+      returned, the device tier's on a tie.
+    * Restore (:meth:`restore`): copies a match into a slot; a failed restore is counted in
+      its tier, drops the entry and leaves the stream to prefill from scratch.
+    * Snapshots (:meth:`take_snapshots`): after a forward, a sequence whose rows just ended at
+      one of its boundaries, or at the end of its prompt before any output (then with that
+      row's logits), is snapshotted into the device tier unless that prefix is cached already
+      or the tier refuses it (over budget, or longer than ``max_tokens``). A failed snapshot
+      is logged and is a later miss, nobody's failure.
+    * Eviction: the device tier drops least recently used entries, to stay within its byte
+      budget or when the snapshot store has no free row; each entry it drops is copied to the
+      host tier (if there is one and it lacks that prefix), whose own budget evicts its least
+      recently used entries for good. The host tier only receives entries demoted this way.
+    * Statistics (:meth:`stats`): the device tier's entries, bytes, hits, misses, restored
+      tokens, evictions and failed restores; the host tier's entries, bytes and hits.
+
+    Without a device budget the cache is off: no boundaries, no lookups, no snapshots.
+    """
+
+    def __init__(self, pool: StatePool, config: CacheConfig, vocab_size: int) -> None:
+        self.pool = pool
+        self.device = PromptCacheIndex(config.bytes, config.max_tokens)
+        self.host = PromptCacheIndex(config.host_bytes, config.max_tokens)
+        self.interval = config.interval
+        self.logit_bytes = vocab_size * 4  # a snapshot's logits row, float32
+        self.fail_restores = 0  # test hook: make the next N restores raise
+        self.store: SnapshotStore | None = None
+        if self.enabled:
+            # Rows for the fixed part of snapshots: as many as the budget could hold, capped so
+            # a large budget over a small model does not reserve memory it will never use.
+            rows = config.bytes // self.snapshot_bytes(0, False)
+            self.store = SnapshotStore(pool, max(1, min(rows, config.max_snapshots)))
+
+    @property
+    def enabled(self) -> bool:
+        return self.device.enabled
+
+    def boundaries(self, prompt_len: int, snapshot_at: Sequence[int]) -> tuple[int, ...]:
+        """Where a prompt's prefill must pause for a snapshot besides its end: the requested
+        positions and every ``interval`` tokens, inside the prompt."""
+        if not self.enabled:
+            return ()
+        n = prompt_len
+        fixed = range(self.interval, n, self.interval) if self.interval else ()
+        return tuple(sorted({p for p in (*snapshot_at, *fixed) if 0 < p < n}))
+
+    def snapshot_bytes(self, length: int, with_logits: bool) -> int:
+        logits = self.logit_bytes if with_logits else 0
+        return self.pool.fixed_bytes() + self.pool.token_bytes() * length + logits
+
+    # -- lookup and restore ----------------------------------------------------------------
+    def match_prefix(self, prompt: Sequence[int]) -> Match | None:
+        """The longest usable cached prefix of ``prompt`` over both tiers (see the class)."""
+        def usable(entry: CacheEntry) -> bool:
+            return entry.length < len(prompt) or entry.payload.logits is not None
+
+        if not self.enabled:
+            return None
+        found = [Match(entry, index) for index in (self.device, self.host) if index.enabled
+                 for entry in [index.lookup(prompt, usable=usable)] if entry is not None]
+        return max(found, key=lambda m: m.entry.length, default=None)
+
+    def restore(self, match: Match, slot: int, owner: str = "") -> Snapshot | None:
+        """Copy ``match`` into ``slot`` (for request ``owner``); its snapshot, or None when the
+        restore failed (then the slot must be treated as empty: the stream prefills from
+        position 0)."""
+        try:
+            if self.fail_restores:
+                self.fail_restores -= 1
+                raise RuntimeError("injected restore failure")
+            match.snapshot.restore(self.pool, slot)
+        except Exception:
+            log.exception("prompt-cache restore failed for %s; prefilling instead", owner)
+            match.index.stats.failed_restores += 1
+            gone = match.index.discard(match.entry.tokens)
+            if match.index is self.device:
+                self._release(gone)
+            return None
+        match.index.stats.restored_tokens += match.entry.length
+        return match.snapshot
+
+    # -- snapshots -------------------------------------------------------------------------
+    def take_snapshots(self, work: Sequence[Work], logits: torch.Tensor,
+                       last_rows: Sequence[int],
+                       features: Callable[[Seq, int], torch.Tensor | None]) -> None:
+        """After a forward over ``work`` (``last_rows[j]``: the logits row of item j's last
+        row): take the snapshots the class docstring describes. ``features(seq, end)``: the
+        drafter features of ``seq``'s rows before ``end``, or None."""
+        if not self.enabled:
+            return
+        for w, row in zip(work, last_rows, strict=True):
+            try:
+                self._snapshot(w, logits, row, features)
+            except Exception:  # a snapshot not taken is a later cache miss, nobody's failure
+                log.exception("snapshot of %s failed; not cached", w.seq.id)
+
+    def _snapshot(self, w: Work, logits: torch.Tensor, row: int,
+                  features: Callable[[Seq, int], torch.Tensor | None]) -> None:
+        seq = w.seq
+        end = w.start + len(w.tokens)
+        if end > len(seq.prompt) or w.start >= len(seq.prompt):
+            return
+        at_end = end == len(seq.prompt) and w.samples and not seq.output
+        if at_end or end in seq.boundaries:
+            self.insert(seq.prompt[:end], seq.slot, logits[row] if at_end else None,
+                        lambda: features(seq, end))
+
+    def insert(self, tokens: Sequence[int], slot: int, logits: torch.Tensor | None,
+               features: Callable[[], torch.Tensor | None]) -> bool:
+        """Snapshot ``slot``, which holds exactly ``tokens``, into the device tier (with
+        ``logits``, the next token's, when given; ``features()``: the drafter's). False when
+        the prefix is cached already or the tier refuses it."""
+        key = tuple(tokens)
+        if self.device.contains(key) or not self.device.admits(
+                len(key), self.snapshot_bytes(len(key), logits is not None)):
+            return False
+        assert self.store is not None
+        while not self.store.free:  # fixed storage full: the least recently used goes
+            self._demote(self.device.evict_oldest())
+        snap = self.store.take(self.pool, slot, len(key),
+                               logits.float() if logits is not None else None, features())
+        for gone in self.device.insert(key, snap.nbytes(), snap):
+            self._demote(gone)
+        if not self.device.contains(key):  # refused (over budget): give the row back
+            self.store.release(snap)
+            return False
+        return True
+
+    def _demote(self, entry: CacheEntry | None) -> None:
+        """A snapshot leaves the device tier: kept in the host tier if there is one."""
+        if entry is None:
+            return
+        if self.host.enabled and not self.host.contains(entry.tokens):
+            snap = entry.payload.to_host()
+            self.host.insert(entry.tokens, snap.nbytes(), snap)
+        self._release(entry)
+
+    def _release(self, entry: CacheEntry | None) -> None:
+        if entry is not None and self.store is not None:
+            self.store.release(entry.payload)
+
+    def stats(self) -> dict[str, int]:
+        """The ``cache_*`` statistics (see the class docstring)."""
+        d, h, store = self.device, self.host, self.store
+        return {"cache_entries": len(d.entries), "cache_bytes": d.bytes_held,
+                "cache_budget_bytes": d.budget_bytes,
+                "cache_store_rows": store.capacity if store else 0,
+                "cache_free_rows": len(store.free) if store else 0,
+                "cache_host_entries": len(h.entries), "cache_host_bytes": h.bytes_held,
+                "cache_host_hits": h.stats.hits, "cache_hits": d.stats.hits,
+                "cache_misses": d.stats.misses, "cache_restored_tokens": d.stats.restored_tokens,
+                "cache_evictions": d.stats.evictions,
+                "cache_failed_restores": d.stats.failed_restores}

@@ -1,0 +1,38 @@
+"""A request as the engine takes it, and what the engine holds for it while it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from headstart.engine.output import Event, OutputStream
+from headstart.engine.scheduler import Sequence as Seq
+from headstart.engine.spec.features import FeatureQueue
+from headstart.sampling import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    sink: Callable[[Event], None]  # called on the engine thread; must not block
+    # Prompt positions worth a snapshot besides the end (e.g. right after the last
+    # "<|im_start|>assistant\n", where the next turn of the conversation diverges).
+    snapshot_at: tuple[int, ...] = ()
+    draft: bool = True  # speculative decoding when the engine has a drafter ("draft": false)
+
+
+@dataclass
+class Live:
+    """A request from submission to its final event: its scheduler sequence, its output
+    stream, its generator (None: unseeded) and, when it drafts, its queue of features."""
+
+    req: EngineRequest
+    seq: Seq
+    out: OutputStream
+    rng: torch.Generator | None
+    features: FeatureQueue | None = None  # set when this stream drafts

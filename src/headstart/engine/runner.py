@@ -1,0 +1,294 @@
+"""The model side of the engine: the model, its state pool and every graph of its forward.
+
+:class:`ModelRunner` is the only caller of the target model: it warms up and captures graphs at
+start-up (:meth:`ModelRunner.warm_up`), runs each step (:meth:`ModelRunner.run`), choosing in one
+place between graph replays, a graphed verify-window batch and one eager forward, and afterwards
+commits what a verify round accepted (:meth:`ModelRunner.rollback`,
+:meth:`ModelRunner.commit_tree`). The engine describes a step as a :class:`Step`; whichever path
+runs it, the outputs come back laid out as the eager forward's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from headstart.batch import ForwardBatch, SeqChunk
+from headstart.engine.config import EngineConfig
+from headstart.engine.scheduler import Work
+from headstart.engine.spec.proposal import Speculator
+from headstart.engine.spec.verification import Draft
+from headstart.model import ForwardOutput, Qwen35Model
+
+
+def chunk_of(w: Work, draft: Draft | None = None) -> SeqChunk:
+    """A work item's rows as the forward takes them: with a draft, the verify window (the
+    pending row then the drafted tokens, every row's logits, recorded for rollback when a
+    chain); without, its own rows and the last row's logits when it samples."""
+    if draft is None:
+        return SeqChunk(w.seq.slot, w.start, w.tokens, int(w.samples))
+    tokens = w.tokens + draft.tokens
+    return SeqChunk(w.seq.slot, w.start, tokens, len(tokens), record=draft.parents is None,
+                    parents=draft.window_parents)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward: ``chunks`` (one per stream, each slot at most once), and whether the
+    drafter's features (the tapped layers' rows) are wanted from an eager forward. A chunk is a
+    verify window when it is recorded or a tree. The forward's ``logits`` hold every chunk's
+    logit rows, chunk after chunk, and ``taps`` (when present) every row."""
+
+    chunks: tuple[SeqChunk, ...]
+    taps: bool = False
+
+    @classmethod
+    def of(cls, work: Sequence[Work], drafts: dict[int, Draft], taps: bool) -> Step:
+        """The step of ``work``, item j a verify window when ``drafts`` has j."""
+        return cls(tuple(chunk_of(w, drafts.get(j)) for j, w in enumerate(work)), taps)
+
+    @cached_property
+    def _layout(self) -> tuple[list[int], list[tuple[int, int]]]:
+        ends, spans, row, begin = [], [], 0, 0
+        for c in self.chunks:
+            row += c.logit_rows
+            ends.append(row)
+            spans.append((begin, begin + len(c.tokens)))
+            begin += len(c.tokens)
+        return ends, spans
+
+    def last_row(self, j: int) -> int:
+        """The logits row of chunk j's last row (meaningful when it has logit rows)."""
+        return self._layout[0][j] - 1
+
+    def logit_rows(self, j: int) -> slice:
+        end = self._layout[0][j]
+        return slice(end - self.chunks[j].logit_rows, end)
+
+    def rows(self, j: int) -> slice:
+        """Chunk j's rows in the packed batch (its rows of ``taps``)."""
+        return slice(*self._layout[1][j])
+
+
+def _is_window(c: SeqChunk) -> bool:
+    return c.record or c.parents is not None
+
+
+class ModelRunner:
+    """Owns the model, the state pool (with graphs, one extra slot: the scratch slot, where
+    padding rows and graph captures write) and every graph. Engine-thread only."""
+
+    # At most this many prefill chunks are replayed one by one in a step; more go eager, where
+    # they share one batched forward.
+    MAX_GRAPH_PREFILLS = 4
+
+    def __init__(self, model: Qwen35Model, config: EngineConfig,
+                 spec: Speculator | None = None) -> None:
+        self.model, self.spec = model, spec
+        self.num_slots, self.context = config.num_slots, config.context
+        self.prefill_chunk = config.scheduling.prefill_chunk
+        self.graph_config = g = config.graphs
+        self.graphed = (g.enabled if g.enabled is not None else
+                        model.kernels.graphs and model.device.type == "cuda")
+        self.pool = model.new_state_pool(self.num_slots + int(self.graphed), self.context)
+        self.scratch = self.num_slots
+        self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
+        self.decode_graphs = self.prefill_graphs = self.continuation_graphs = None
+        self.window_graphs = self.rollback_graphs = None
+        # Of the last step: slot -> its chunk, GDN record, and (graphed windows) the padded
+        # width and index in the window batch, for rollback / commit_tree.
+        self._chunks: dict[int, SeqChunk] = {}
+        self._records: dict = {}
+        self._ran_rows: dict[int, tuple[int, int]] = {}
+
+    # -- start-up ---------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """With graphs: run the eager paths once, then capture every graph (the speculator's
+        draft graphs too). Then, with a drafter, measure what the planner weighs, as steps will
+        run (so no timing includes compilation)."""
+        if self.graphed:
+            self.warm_eager(self.scratch)
+            self._capture()
+        if self.spec is not None and self.spec.block >= 2:
+            features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
+            self.spec.measure(self._runnable, features)
+
+    def warm_eager(self, scratch: int) -> None:
+        """Run each eager path once on the ``scratch`` slot (slot 0 beside it) so the first
+        request pays no kernel compilation or autotuning: prefill chunks of a few sizes, a
+        continued chunk, a decode row beside a chunk, two chunks in one step and, with a
+        drafter, a recorded verify window, its rollback and a draft."""
+        sizes = sorted({min(n, self.context - 1)
+                        for n in (7, 14, 16, 31, 32, 64, 128, self.prefill_chunk)})
+        for n in sizes:
+            self._forward([SeqChunk(scratch, 0, (0,) * n, 1)])
+        short = min(16, self.context // 4)
+        if short >= 2:
+            # A chunk that continues a stream (masked attention from position > 0, as after a
+            # snapshot boundary or a cache hit); the varlen kernels (two chunks in one step).
+            self._forward([SeqChunk(scratch, short, (0,) * short, 1)])
+            if self.num_slots >= 2:
+                self._forward([SeqChunk(scratch, 2 * short, (0,), 1),
+                               SeqChunk(0, 0, (0,) * short, 1)])
+                self._forward([SeqChunk(scratch, 0, (0,) * short, 1),
+                               SeqChunk(0, 0, (0,) * short, 1)])
+        if self.spec is not None and self.spec.block >= 2:
+            b = self.spec.block
+            out = self._forward([SeqChunk(scratch, 1, (0,) * b, b, record=True)])
+            self.model.rollback(self.pool, scratch, out.records[scratch], 1)
+            self.spec.warm_up(out.taps)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _capture(self) -> None:
+        from headstart.engine.cuda_graph import (
+            ContinuationGraphs,
+            DecodeGraphs,
+            PrefillGraphs,
+            RollbackGraphs,
+            WindowGraphs,
+        )
+
+        g, model, pool, s, taps = self.graph_config, self.model, self.pool, self.scratch, self.taps
+        self.decode_graphs = DecodeGraphs(model, pool, self.num_slots, s, taps, capture=g.capture)
+        mempool = self.decode_graphs.mempool  # shared: no two graphs replay at once
+        if g.prefill_tokens >= 2:
+            self.prefill_graphs = PrefillGraphs(model, pool, min(g.prefill_tokens,
+                                                                 self.context - 1),
+                                                s, taps, capture=g.capture, mempool=mempool)
+            if g.continuations:
+                self.continuation_graphs = ContinuationGraphs(
+                    model, pool, g.prefill_tokens, s, taps, capture=g.capture, mempool=mempool)
+        spec = self.spec
+        if g.windows and spec is not None and spec.block >= 2:
+            self.window_graphs = WindowGraphs(model, pool, self.num_slots,
+                                              range(2, spec.block + 1), s, taps,
+                                              capture=g.capture, mempool=mempool)
+            self.rollback_graphs = RollbackGraphs(model, pool, self.window_graphs.records,
+                                                  spec.block, s, capture=g.capture,
+                                                  mempool=mempool)
+            spec.capture_graphs(self.num_slots, g.capture, mempool)
+
+    def _runnable(self, chunk: SeqChunk) -> Callable[[], object]:
+        """``chunk``'s forward as steps run it, to be timed: when rounds run from graphs (window
+        graphs captured), decode rows and chain windows replay on the scratch slot; the rest
+        is an eager forward on ``chunk.slot``."""
+        wg = self.window_graphs
+        if wg is not None and chunk.parents is None:
+            if len(chunk.tokens) == 1:
+                return lambda: self.decode_graphs.run([0], [1], [self.scratch])
+            return lambda: wg.run([list(chunk.tokens)], [chunk.start], [self.scratch])
+        batch = ForwardBatch.build([chunk], self.model.device)
+        return lambda: self.model.forward_ex(batch, self.pool, self.taps)
+
+    # -- steps --------------------------------------------------------------------------------
+    def run(self, step: Step) -> ForwardOutput:
+        """Run ``step``: from graph replays when every chunk is a decode row or a prefill chunk
+        of a captured length (at most MAX_GRAPH_PREFILLS chunks); from one window-graph replay
+        when every chunk is a chain window that fits the captured widths and the pool; else as
+        one eager forward. Outputs are laid out as :class:`Step` says; views of graph outputs
+        are valid until the next run."""
+        self._chunks, self._records, self._ran_rows = {}, {}, {}
+        chunks = step.chunks
+        plan = self._graph_plan(chunks)
+        if plan is not None:
+            out = self._graph_forward(chunks, *plan)
+        elif self._windows_fit(chunks):
+            out = self._window_forward(chunks)
+        else:
+            out = self._forward(chunks, step.taps)
+        self._chunks, self._records = {c.slot: c for c in chunks}, out.records
+        return out
+
+    def commit(self, slot: int, path: Sequence[int]) -> None:
+        """After the last step: keep the accepted ``path`` (window rows from the anchor, 0
+        first) of ``slot``'s verify window in its state and undo the rest: a chain keeps its
+        first ``len(path)`` rows (:meth:`rollback`), a tree its path (:meth:`commit_tree`)."""
+        if self._chunks[slot].parents is not None:
+            self.commit_tree(slot, path)
+        else:
+            self.rollback(slot, len(path))
+
+    def rollback(self, slot: int, keep: int) -> None:
+        """After the last step: keep the first ``keep`` rows of ``slot``'s chain window in its
+        state (the GDN state is replayed over them; KV rows past them are never read)."""
+        ran = self._ran_rows.get(slot)
+        if ran is not None:  # a graphed window: roll back from the shared records
+            width, index = ran
+            if keep < width:  # padding rows count as rejected rows
+                self.rollback_graphs.run(slot, index, keep)
+        elif keep < len(self._chunks[slot].tokens):
+            self.model.rollback(self.pool, slot, self._records.pop(slot), keep)
+
+    def commit_tree(self, slot: int, path: Sequence[int]) -> None:
+        """After the last step: make ``slot`` hold the state after its tree window's accepted
+        ``path`` (window rows from the anchor)."""
+        chunk = self._chunks[slot]
+        self.model.commit_tree(self.pool, slot, chunk.start, self._records.pop(slot), path)
+
+    def _forward(self, chunks: Sequence[SeqChunk], taps: bool = True) -> ForwardOutput:
+        return self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
+                                     self.taps if taps else ())
+
+    def _graph_plan(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int]] | None:
+        """(decode rows, prefill chunks) by index when the whole step can replay graphs."""
+        g, pg, cg = self.decode_graphs, self.prefill_graphs, self.continuation_graphs
+        if g is None or any(_is_window(c) for c in chunks):
+            return None
+        decode = [j for j, c in enumerate(chunks)
+                  if len(c.tokens) == 1 and c.start > 0 and c.logit_rows]
+        prefill = [j for j, c in enumerate(chunks) if len(c.tokens) > 1 and (
+            pg.covers(len(c.tokens)) if c.start == 0 and pg is not None else
+            cg is not None and c.start > 0 and cg.covers(len(c.tokens)))]
+        if (len(decode) + len(prefill) != len(chunks) or len(prefill) > self.MAX_GRAPH_PREFILLS
+                or len(decode) > self.num_slots):
+            return None
+        return decode, prefill
+
+    def _graph_forward(self, chunks: Sequence[SeqChunk], decode: list[int], prefill: list[int]
+                       ) -> ForwardOutput:
+        logits: dict[int, torch.Tensor] = {}
+        taps: dict[int, torch.Tensor | None] = {}
+        for j in prefill:
+            c = chunks[j]
+            out = (self.prefill_graphs.run(c.tokens, c.slot) if c.start == 0 else
+                   self.continuation_graphs.run(c.tokens, c.start, c.slot))
+            # Cloned: another prefill of the same length in this step replays the same graph.
+            logits[j] = out.logits.clone() if c.logit_rows else out.logits[:0]
+            taps[j] = out.taps.clone() if out.taps is not None else None
+        if decode:
+            out = self.decode_graphs.run([chunks[j].tokens[0] for j in decode],
+                                         [chunks[j].start for j in decode],
+                                         [chunks[j].slot for j in decode])
+            for r, j in enumerate(decode):
+                logits[j] = out.logits[r:r + 1]
+                taps[j] = out.taps[r:r + 1] if out.taps is not None else None
+        order = range(len(chunks))
+        tapped = [taps[j] for j in order]
+        return ForwardOutput(torch.cat([logits[j] for j in order]),
+                             torch.cat(tapped) if all(t is not None for t in tapped) else None,
+                             {})
+
+    def _windows_fit(self, chunks: Sequence[SeqChunk]) -> bool:
+        wg = self.window_graphs
+        if wg is None or not all(c.record and c.parents is None for c in chunks):
+            return False
+        width = max(len(c.tokens) for c in chunks)
+        # Padded windows write rows up to start + width: they must stay inside the pool.
+        return wg.covers(len(chunks), width) and all(c.start + width <= self.pool.max_tokens
+                                                     for c in chunks)
+
+    def _window_forward(self, chunks: Sequence[SeqChunk]) -> ForwardOutput:
+        """Every chunk a chain window: one replay at the widest window's width (shorter ones
+        padded; the padding rows are rolled back like rejected drafts)."""
+        width = max(len(c.tokens) for c in chunks)
+        out = self.window_graphs.run([c.tokens + (0,) * (width - len(c.tokens)) for c in chunks],
+                                     [c.start for c in chunks], [c.slot for c in chunks])
+        rows = torch.cat([torch.arange(j * width, j * width + len(c.tokens))
+                          for j, c in enumerate(chunks)]).to(out.logits.device)
+        self._ran_rows = {c.slot: (width, j) for j, c in enumerate(chunks)}
+        return ForwardOutput(out.logits[rows], out.taps[rows] if out.taps is not None else None,
+                             out.records)
