@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_default_tokenizer import build_tokenizer  # noqa: E402
+from make_default_tokenizer import build_tokenizer
 
-from headstart.config import load_config  # noqa: E402
-from headstart.weights import expected_shapes  # noqa: E402
+from headstart.config import load_config
+from headstart.weights import expected_shapes
 
 LEARNED_VOCAB = 4096
 SEED = 20261129

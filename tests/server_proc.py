@@ -24,7 +24,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"headstart-test-{self.port}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - held until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "headstart", "serve", "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from server_proc import ServerProcess
 
 from headstart import cli
 from headstart.bench import rows as R
@@ -20,7 +21,6 @@ from headstart.bench.arms import arm_orders, parse_arm
 from headstart.bench.check import ReceiptError, check_receipt, verify
 from headstart.bench.env import sha256_file
 from headstart.bench.summary import summarize
-from server_proc import ServerProcess
 
 QUICK = ["--streams", "1", "2", "--bursts", "2", "--max-tokens", "6", "--no-progress"]
 
@@ -292,7 +292,7 @@ def test_arm_parsing_and_orders():
 
 
 def test_csv_round_trip_is_exact():
-    row = {f: None for f in R.FIELDS} | {"arm": "a,b \"q\"", "order": 0, "slot": 0,
+    row = dict.fromkeys(R.FIELDS) | {"arm": "a,b \"q\"", "order": 0, "slot": 0,
                                          "prompt_id": "p", "phase": "cold", "streams": 1,
                                          "rep": 0, "stream": 0, "request_sha": "x",
                                          "t_send": 0.1 + 0.2, "n_deltas": 0,
@@ -304,7 +304,7 @@ def test_csv_round_trip_is_exact():
 def test_ratios_are_per_order_and_geometric():
     """Arm b is 2x slower than a in order 0 and 8x in order 1 (say, drift): balanced 4x."""
     def row(arm, order, ttft):
-        r = {f: None for f in R.FIELDS} | {"arm": arm, "order": order, "slot": 0,
+        r = dict.fromkeys(R.FIELDS) | {"arm": arm, "order": order, "slot": 0,
                                            "prompt_id": "p", "phase": "cold", "streams": 1,
                                            "rep": 0, "stream": 0, "request_sha": "s",
                                            "t_send": 0.0, "t_first": ttft, "t_done": ttft,
@@ -329,8 +329,14 @@ def test_plot_is_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
 
 
 def test_prompt_files(tmp_path):
-    from headstart.bench.workload import (CHAT, COMPLETIONS, Sampling, load_prompt_file,
-                                          request_body, request_sha)
+    from headstart.bench.workload import (
+        CHAT,
+        COMPLETIONS,
+        Sampling,
+        load_prompt_file,
+        request_body,
+        request_sha,
+    )
 
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"prompts": [

@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_proc import ServerProcess
 
 MODEL = "headstart-default"
@@ -127,8 +126,8 @@ def test_disconnects_free_slots(server):
             "ignore_eos": True, "temperature": 0}
 
     def open_and_drop(n_chunks: int):
-        with httpx.Client(timeout=30) as c:
-            with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+        with httpx.Client(timeout=30) as c, \
+                c.stream("POST", server.url + "/v1/completions", json=body) as r:
                 for i, _ in enumerate(r.iter_lines()):
                     if i >= n_chunks:
                         break
@@ -143,9 +142,10 @@ def test_disconnects_free_slots(server):
     assert r.status_code == 200 and time.monotonic() - t0 < 10
 
     def rss_kb() -> int:
-        for line in open(f"/proc/{server.proc.pid}/status"):
-            if line.startswith("VmRSS"):
-                return int(line.split()[1])
+        with open(f"/proc/{server.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1])
         return 0
 
     rng = random.Random(0)

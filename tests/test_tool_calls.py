@@ -9,13 +9,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from headstart.engine.config import EngineConfig
 from headstart.engine.engine import Engine
 from headstart.engine.output import Finish, Piece
 from headstart.loading import load
+from headstart.models.qwen35.tool_calls import ToolCallParser
 from headstart.server import protocol as P
 from headstart.server.api import ServerState, _Generation
 from headstart.server.metrics import Metrics
-from headstart.server.tool_calls import ToolCallParser
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file",
@@ -86,10 +87,10 @@ def test_the_templates_own_history_rendering_parses_back():
 
 def generation(stream: bool, tools=TOOLS):
     loaded = load()
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=1,
-                    context=256)  # not started: the test feeds the events itself
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids,
+                    EngineConfig(1, 256))  # not started: the test feeds the events itself
     state = ServerState(engine=engine, tokenizer=loaded.tokenizer, model_name="m", context=256,
-                        generation_defaults={}, metrics=Metrics(slots=1))
+                        generation_defaults={}, metrics=Metrics(slots=1), chat=loaded.family.chat)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     if tools is not None:
         body["tools"] = tools

@@ -97,7 +97,8 @@ def _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtyp
             planned = int(step * time_budget_s / elapsed)
         total = planned or 10**9
         warm = max(1, int(0.04 * total))
-        scale = step / warm if step < warm else 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+        done = min(1.0, (step - warm) / max(1, total - warm))
+        scale = step / warm if step < warm else 0.5 * (1 + math.cos(math.pi * done))
         for group in opt.param_groups:
             group["lr"] = lr * max(scale, 0.02)
         idx = torch.randint(0, train.shape[0], (batch,), generator=gen)

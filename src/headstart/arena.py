@@ -180,8 +180,8 @@ class WeightArena:
                 continue
             key = slot_key(name, field)
             if key not in self.slots:
-                raise ArenaMismatch(f"weight {key!r} ({Slot(key, tuple(t.shape), t.dtype).describe()})"
-                                    " was not in the arena's plan")
+                slot = Slot(key, tuple(t.shape), t.dtype).describe()
+                raise ArenaMismatch(f"weight {key!r} ({slot}) was not in the arena's plan")
             s, _ = self.slots[key]
             if (tuple(t.shape), t.dtype) != (s.shape, s.dtype):
                 raise ArenaMismatch(

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from headstart.errors import CheckpointError
-from headstart.model import Qwen35Model
+from headstart.models import CausalLM, ModelFamily, family_for
 from headstart.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,7 +39,8 @@ def default_drafter(device_type: str, model_dir: Path | None = None) -> Path | N
 
 
 def resolve_model_dir(name: str | None) -> Path:
-    """None -> the embedded default; an existing folder -> itself; ``org/name`` -> a hub download."""
+    """None -> the embedded default; an existing folder -> itself; ``org/name`` -> a hub
+    download."""
     if name is None:
         return default_model_dir()
     path = Path(name).expanduser()
@@ -65,8 +66,9 @@ def resolve_model_dir(name: str | None) -> Path:
 @dataclass
 class LoadedModel:
     path: Path
-    model: Qwen35Model
+    model: CausalLM
     tokenizer: Tokenizer
+    family: ModelFamily
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -77,12 +79,14 @@ class LoadedModel:
 
 def load(name: str | None = None, device: str = "cpu", dtype: str | None = None,
          kernels: str = "auto") -> LoadedModel:
-    """Load model and tokenizer. dtype defaults to float32 on CPU and bfloat16 elsewhere;
-    kernels: "auto" (GPU kernels on CUDA when available), "reference" or "gpu"."""
+    """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
+    to float32 on CPU and bfloat16 elsewhere; kernels: "auto" (GPU kernels on CUDA when
+    available), "reference" or "gpu"."""
     path = resolve_model_dir(name)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    family = family_for(path)
     tokenizer = Tokenizer.from_dir(path)
-    model = Qwen35Model.load(path, DTYPES[dtype], device, kernels)
-    return LoadedModel(path, model, tokenizer)
+    model = family.load(path, DTYPES[dtype], device, kernels)
+    return LoadedModel(path, model, tokenizer, family)

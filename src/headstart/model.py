@@ -22,15 +22,19 @@ from headstart.arena import ArenaPlan, WeightArena
 from headstart.batch import ForwardBatch
 from headstart.config import FULL, ModelConfig, load_config
 from headstart.kernels import Kernels, select_kernels
-from headstart.ops.gated_delta import chunked_gated_delta, gated_delta_step, recurrent_gated_delta
-from headstart.ops.pointwise import Rotary, gdn_gates, rms_norm
-from headstart.ops.quant_matmul import PreparedQuant, quant_matmul
-from headstart.ops.short_conv import (
+from headstart.ops.conv.reference import (
     causal_conv,
     causal_conv_spans,
     causal_conv_step,
     conv_spans_plan,
 )
+from headstart.ops.gated_delta.reference import (
+    chunked_gated_delta,
+    gated_delta_step,
+    recurrent_gated_delta,
+)
+from headstart.ops.pointwise.reference import Rotary, gdn_gates, rms_norm
+from headstart.ops.quant_matmul.triton import PreparedQuant, quant_matmul
 from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool, WindowRecords
 from headstart.weights import Weight, load_weights, stand_ins
@@ -253,7 +257,7 @@ class Qwen35Model:
         self.w, self.head = self._consume(weights, unpack, place)
         if self.arena is not None:
             self.arena.check_complete()
-        self.rotary = Rotary.create(cfg, self.device)
+        self.rotary = Rotary.create(cfg.rotary_dim, cfg.rope_theta, self.device)
         # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
         self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
         self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})

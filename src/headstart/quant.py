@@ -16,7 +16,8 @@ import torch
 
 @dataclass
 class QuantizedTensor:
-    """A 2-D weight kept in MLX affine form. ``packed`` is int32 (bit-identical to the file's U32)."""
+    """A 2-D weight kept in MLX affine form. ``packed`` is int32 (bit-identical to the file's
+    U32)."""
 
     packed: torch.Tensor  # [out, in * bits // 32] int32
     scales: torch.Tensor  # [out, in // group_size]
@@ -68,7 +69,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`unpack`: codes ``[..., N]`` in ``[0, 2**bits)`` -> int32 ``[..., N*bits/32]``."""
+    """Inverse of :func:`unpack`: codes ``[..., N]`` in ``[0, 2**bits)`` -> int32
+    ``[..., N*bits/32]``."""
     per_word = 32 // bits
     c = codes.to(torch.int64).reshape(*codes.shape[:-1], -1, per_word)
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)
@@ -92,6 +94,7 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64,
     # Round scales/biases to their storage dtype first so codes are chosen against what is stored.
     scale = scale.to(scale_dtype)
     bias = lo.to(scale_dtype)
-    codes = ((g - bias.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round().clamp(0, levels)
+    codes = ((g - bias.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round()
+    codes = codes.clamp(0, levels)
     packed = pack(codes.reshape(out, n).to(torch.int32), bits)
     return QuantizedTensor(packed, scale, bias, bits, group_size)

@@ -561,7 +561,7 @@ class Tokenizer:
         if tools is not None:
             for tool in tools:
                 if not isinstance(tool, Mapping):
-                    raise ValueError(  # noqa: TRY004 - a 400 for the client, like the rest
+                    raise ValueError(
                         f"tools must be JSON-schema dicts, got {type(tool).__name__}"
                     )
         template = self._select_template(tools)

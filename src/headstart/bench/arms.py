@@ -11,6 +11,7 @@ Non-goals: sending the workload (``client.py``); recording the environment (``en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -136,7 +137,7 @@ class ArmProcess:
         self.argv = spec.argv(self.port)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(log_path, "wb")
+        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - held until stop()
         try:
             # Own session: stop() signals the whole group, so servers that fork workers
             # (vLLM, SGLang) do not leave them behind.
@@ -163,10 +164,8 @@ class ArmProcess:
         return self.proc.returncode
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)  # the group this Popen created (start_new_session)
-        except ProcessLookupError:
-            pass
 
 
 def arm_orders(names: list[str], n_orders: int) -> list[list[str]]:

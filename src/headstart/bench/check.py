@@ -28,8 +28,7 @@ from headstart.bench.arms import arm_orders
 from headstart.bench.env import client_hash, sha256_file
 from headstart.bench.receipt import MANIFEST, REQUIRED, load_json, run_title
 from headstart.bench.summary import format_table, summarize
-from headstart.bench.workload import (Prompt, Sampling, request_body, request_sha, salt_for,
-                                      schedule)
+from headstart.bench.workload import Prompt, Sampling, request_body, request_sha, salt_for, schedule
 from headstart.errors import HeadstartError
 
 _SHOW = 10  # problems of one kind listed before "... and N more"
@@ -86,7 +85,7 @@ def _diff(a: Any, b: Any, path: str, out: list[str]) -> None:
     elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             out.append(f"{path}: {len(a)} entries stored, {len(b)} recomputed")
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             _diff(x, y, f"{path}[{i}]", out)
     elif not _same(a, b):
         out.append(f"{path}: stored {a!r}, recomputed {b!r}")
@@ -133,7 +132,8 @@ def _load_rows(folder: Path, manifest: dict[str, Any], report: CheckReport
     if len(js) != len(cs):
         report.problems.append(f"requests.csv has {len(cs)} rows, requests.json {len(js)}")
     diffs = [f"row {i} ({_describe(a)}): field {f!r}: JSON {a[f]!r}, CSV {b[f]!r}"
-             for i, (a, b) in enumerate(zip(js, cs)) for f in R.FIELDS if a[f] != b[f]]
+             for i, (a, b) in enumerate(zip(js, cs, strict=False))
+             for f in R.FIELDS if a[f] != b[f]]
     report.problems += _capped("CSV and JSON rows differ", diffs)
     return js
 

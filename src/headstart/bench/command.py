@@ -68,7 +68,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="fixed output length, with ignore_eos (default: 128)")
     w.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="(default: 0, greedy)")
-    w.add_argument("--seed", type=int, default=0, metavar="N", help="sent with every request (default: 0)")
+    w.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="sent with every request (default: 0)")
     w.add_argument("--no-seed", dest="seed", action="store_const", const=None,
                    help="send no seed")
     w.add_argument("--streams", type=int, nargs="+", default=[1, 16], metavar="N",
@@ -104,8 +105,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace):  # -> runner.Plan (imported lazily)
     from headstart.bench.arms import parse_arms
     from headstart.bench.runner import Plan
-    from headstart.bench.workload import Sampling, builtin_prompts, load_prompt_file, \
-        select_prompts
+    from headstart.bench.workload import Sampling, builtin_prompts, load_prompt_file, select_prompts
 
     for name in ("orders", "max_tokens", "bursts"):
         if getattr(args, name) < 1:

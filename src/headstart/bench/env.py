@@ -11,6 +11,7 @@ its ``/v1/models`` and ``/health`` say, recorded by the runner).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata as md
 import os
@@ -138,10 +139,8 @@ def torch_info() -> dict[str, Any] | None:
 def packages() -> dict[str, str]:
     out = {}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
     return out
 
 

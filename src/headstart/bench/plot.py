@@ -36,7 +36,7 @@ def plot_ttft(rows: list[Row], arms: list[str], path: Path) -> bool:
         data = [[r["ttft_s"] * 1e3 for r in rows if r["arm"] == arm and r["ttft_s"] is not None
                  and (r["phase"], r["streams"]) == cell] for cell in cells]
         positions = [c - 0.4 + width * (i + 0.5) for c in range(len(cells))]
-        keep = [(p, d) for p, d in zip(positions, data) if d]
+        keep = [(p, d) for p, d in zip(positions, data, strict=False) if d]
         if not keep:
             continue
         with warnings.catch_warnings():

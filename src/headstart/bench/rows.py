@@ -115,7 +115,7 @@ def from_csv(text: str) -> list[Row]:
         if len(cells) != len(FIELDS):
             raise ValueError(f"CSV line {line}: {len(cells)} cells, expected {len(FIELDS)}")
         try:
-            rows.append({f: _parse(f, c) for f, c in zip(FIELDS, cells)})
+            rows.append({f: _parse(f, c) for f, c in zip(FIELDS, cells, strict=False)})
         except ValueError as e:
             raise ValueError(f"CSV line {line}: {e}") from None
     return rows

@@ -23,15 +23,13 @@ import httpx
 from tqdm import tqdm
 
 from headstart.bench import env as envmod
-from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, \
-    wait_ready
+from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, wait_ready
 from headstart.bench.check import check_receipt
 from headstart.bench.client import burst
 from headstart.bench.receipt import run_title, write_receipt
 from headstart.bench.rows import Row
 from headstart.bench.summary import format_table
-from headstart.bench.workload import Prompt, Sampling, request_body, request_sha, salt_for, \
-    schedule
+from headstart.bench.workload import Prompt, Sampling, request_body, request_sha, salt_for, schedule
 
 
 @dataclass

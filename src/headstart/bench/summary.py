@@ -37,7 +37,7 @@ def bursts(rows: Iterable[Row]) -> list[Row]:
         groups[key_of(r, BURST_KEY)].append(r)
     out = []
     for key, members in groups.items():
-        rec: Row = dict(zip(BURST_KEY, key))
+        rec: Row = dict(zip(BURST_KEY, key, strict=False))
         done = [m["t_done"] for m in members]
         wall = None
         if all(d is not None for d in done):
@@ -71,7 +71,7 @@ def _collect(records: Iterable[Row], metrics: tuple[str, ...]) -> dict[tuple, di
 
 
 def _ratio(arm: list[float | None], base: list[float | None]) -> dict[str, Any]:
-    per_order = [a / b if a is not None and b else None for a, b in zip(arm, base)]
+    per_order = [a / b if a is not None and b else None for a, b in zip(arm, base, strict=False)]
     logs = [math.log(r) for r in per_order if r is not None and r > 0]
     return {"per_order": per_order,
             "balanced": math.exp(statistics.fmean(logs)) if logs else None}
@@ -119,7 +119,7 @@ _COLUMNS = (("phase", "", 7), ("streams", "", 8), ("arm", "", 14), ("reqs", "", 
 def _line(cells: list[str], widths: list[int]) -> str:
     # phase and arm left-aligned, numbers right-aligned; a gap after "streams" before the arm
     return "".join(c.ljust(w) if i in (0, 2) else c.rjust(w) + ("  " if i == 1 else "")
-                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                   for i, (c, w) in enumerate(zip(cells, widths, strict=False))).rstrip()
 
 
 def format_table(summary: dict[str, Any], title: str = "") -> str:

@@ -28,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull
+from headstart.models import ChatFormat
+from headstart.models.contract import ToolCallParsing
 from headstart.sampling import derived_seed
 from headstart.server import protocol as P
 from headstart.server.auth import ApiKeys
@@ -35,7 +37,6 @@ from headstart.server.guard import ERROR, LOGGED, Guard, disconnected, read_body
 from headstart.server.metrics import Metrics
 from headstart.server.reasoning import ReasoningSplitter
 from headstart.server.request_log import RequestLog, request_record
-from headstart.server.tool_calls import ToolCallParser
 from headstart.tokenizer import Tokenizer
 
 log = logging.getLogger("headstart.server")
@@ -51,6 +52,7 @@ class ServerState:
     context: int
     generation_defaults: dict[str, float]
     metrics: Metrics
+    chat: ChatFormat = field(default_factory=ChatFormat)  # the model family's chat format
     keys: ApiKeys | None = None
     request_log: RequestLog | None = None
     max_tokens_cap: int | None = None  # server-wide cap on tokens generated per request
@@ -79,8 +81,8 @@ class _Choice:
 
     index: int
     engine_id: str
-    splitter: ReasoningSplitter | None  # chat only
-    tools: ToolCallParser | None = None  # chat requests with tools
+    splitter: ReasoningSplitter | None  # chat requests of a model that thinks
+    tools: ToolCallParsing | None = None  # chat requests with tools, of a model that calls them
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[P.LogprobEntry] = field(default_factory=list)
@@ -127,10 +129,11 @@ class _Generation:
                 if req.seed is not None and req.n > 1:  # distinct but reproducible choices
                     params = replace(base, seed=derived_seed(req.seed, j))
                 index = p * req.n + j
-                splitter = ReasoningSplitter.for_prompt(prompt_text) if prompt_text is not None \
-                    else None
-                parser = ToolCallParser(req.tools) if kind == "chat" and \
-                    req.parses_tool_calls else None
+                chat = state.chat
+                splitter = ReasoningSplitter.for_prompt(prompt_text) \
+                    if prompt_text is not None and chat.thinks else None
+                parser = chat.tool_calls(req.tools) if kind == "chat" and \
+                    req.parses_tool_calls and chat.tool_calls is not None else None
                 self.choices.append(_Choice(index, state.next_engine_id(), splitter, parser))
                 self.params.append((ids, params))
 
@@ -214,9 +217,8 @@ class _Generation:
         as_ids = self.req.return_tokens_as_token_ids
         tok = self.state.tokenizer
         if self.kind == "chat":
-            assert c.splitter is not None
-            reasoning, content = c.splitter.push(text)
-            if finish_reason is not None:
+            reasoning, content = c.splitter.push(text) if c.splitter else ("", text)
+            if finish_reason is not None and c.splitter:
                 r2, c2 = c.splitter.flush()
                 reasoning, content = reasoning + r2, content + c2
             calls = []
@@ -324,8 +326,9 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
     _check_model(state, req.model)
     _check_size(state, 1, req.n)
     enc = P.chat_prompt(state.tokenizer, req)
-    at = enc.text.rfind(ASSISTANT_HEADER)
-    boundary = enc.token_boundary(at + len(ASSISTANT_HEADER)) if at >= 0 else None
+    header = state.chat.assistant_header
+    at = enc.text.rfind(header) if header else -1
+    boundary = enc.token_boundary(at + len(header)) if at >= 0 else None
     # A snapshot there helps the next turn only when something follows it in this prompt.
     snapshot_at = (boundary,) if boundary is not None and 0 < boundary < len(enc.ids) else ()
     return _Prepared(req, [enc.ids], enc.text, snapshot_at)
@@ -417,9 +420,6 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.model_name:
         raise P.APIError(404, f"model '{name[:200]}' does not exist; this server serves "
                          f"'{state.model_name}'", param="model", code="model_not_found")
-
-
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
 
 
 async def _complete(state: ServerState, request: Request, kind: str, prep: _Prepared

@@ -100,7 +100,7 @@ class Guard:
                 try:
                     await _send_error(tracked, P.APIError(500, f"internal error: "
                                                           f"{type(e).__name__}"))
-                except Exception:  # noqa: BLE001 - the client is gone
+                except Exception:
                     response["status"] = 500
         finally:
             self._log_unlogged(scope, info, response["status"], started_at)

@@ -14,7 +14,7 @@ per-key labels (unbounded label values would blow up the series count).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -144,7 +144,7 @@ class Metrics:
 class _PromptCacheCollector(Collector):
     """Prompt-cache figures owned by the engine thread, read when /metrics is scraped."""
 
-    _COUNTERS = {
+    _COUNTERS: ClassVar[dict[str, tuple[str, str]]] = {
         "cache_hits": ("headstart_prompt_cache_hits", "Prompt-cache lookups that found a prefix."),
         "cache_misses": ("headstart_prompt_cache_misses", "Prompt-cache lookups that found none."),
         "cache_restored_tokens": ("headstart_prompt_cache_restored_tokens",
@@ -159,7 +159,7 @@ class _PromptCacheCollector(Collector):
         "spec_drafted": ("headstart_spec_decode_draft_tokens", "Draft tokens proposed."),
         "spec_accepted": ("headstart_spec_decode_accepted_tokens", "Draft tokens accepted."),
     }
-    _GAUGES = {
+    _GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
         "cache_bytes": ("headstart_prompt_cache_bytes", "Bytes held by snapshots."),
         "cache_budget_bytes": ("headstart_prompt_cache_budget_bytes", "Snapshot byte budget."),
         "cache_entries": ("headstart_prompt_cache_entries", "Snapshots held."),

@@ -572,7 +572,7 @@ def _render(render: Callable[..., T], req: ChatCompletionRequest) -> T:
     except CheckpointError as exc:
         raise _bad(f"this model has no usable chat template; use /v1/completions ({exc})",
                    "messages") from None
-    except Exception as exc:  # noqa: BLE001 - a template error on client data is the client's
+    except Exception as exc:
         raise _bad(f"chat template rejected the conversation: {type(exc).__name__}: "
                    f"{str(exc)[:200]}", "messages") from None
 

@@ -47,7 +47,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8888,
                    help="TCP port to listen on, 1..65535 (default: %(default)s)")
     p.add_argument("--parallel", type=int, default=None,
-                   help="concurrent streams (slots); default 16 (on CPU too: measured best, see BENCHMARKS.md)")
+                   help="concurrent streams (slots); default 16 (on CPU too: measured best, "
+                        "see BENCHMARKS.md)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per stream, prompt included (default: min(32768, model max))")
     p.add_argument("--max-queue", type=int, default=256,
@@ -282,6 +283,15 @@ def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
                 "lower --parallel or --context")
 
 
+def _served_name(model: str | None) -> str:
+    """The model id clients send: a hub name as given, else the folder's name."""
+    if model is None:
+        return "headstart-default"
+    if "/" in model and not Path(model).exists():
+        return model.rstrip("/")
+    return Path(model).name
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run ``headstart serve`` until a signal; 0 after a drained (or forced) shutdown.
 
@@ -325,26 +335,27 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         if shipped is not None:
             args.drafter = str(shipped)
     if args.drafter:
-        from headstart.drafter import DFlashDrafter
+        from headstart.engine.spec.drafter import DFlashDrafter
 
         drafter = DFlashDrafter.load(args.drafter, loaded.model)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, num_slots=parallel,
-                    context=context, max_queue=args.max_queue,
-                    cache_bytes=max(0, args.prompt_cache_mib) << 20,
-                    cache_max_tokens=args.prompt_cache_max_tokens,
-                    cache_interval=args.prompt_cache_interval, drafter=drafter,
-                    host_cache_bytes=max(0, args.prompt_cache_host_mib) << 20,
-                    draft_block=args.draft_block, draft_window=args.draft_window,
-                    graphs=False if args.no_graphs else None,
-                    prefill_graph_tokens=args.prefill_graph_tokens,
-                    window_graphs=args.window_graphs,
-                    continuation_graphs=args.continuation_graphs)
+    from headstart.engine.config import CacheConfig, EngineConfig, GraphConfig, SpecConfig
+
+    config = EngineConfig(
+        parallel, context, max_queue=args.max_queue,
+        cache=CacheConfig(bytes=max(0, args.prompt_cache_mib) << 20,
+                          host_bytes=max(0, args.prompt_cache_host_mib) << 20,
+                          max_tokens=args.prompt_cache_max_tokens,
+                          interval=args.prompt_cache_interval),
+        spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
+        graphs=GraphConfig(enabled=False if args.no_graphs else None,
+                           prefill_tokens=args.prefill_graph_tokens,
+                           windows=args.window_graphs, continuations=args.continuation_graphs))
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, drafter=drafter)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
-    name = args.served_model_name or (args.model.rstrip("/") if args.model and "/" in args.model
-                                      and not Path(args.model).exists() else
-                                      (Path(args.model).name if args.model else "headstart-default"))
+    name = args.served_model_name or _served_name(args.model)
     state = ServerState(engine=engine, tokenizer=loaded.tokenizer, model_name=name,
+                        chat=loaded.family.chat,
                         context=context, generation_defaults=dict(cfg.generation_defaults),
                         metrics=metrics, keys=keys,
                         request_log=RequestLog(args.request_log) if args.request_log else None,

@@ -1,0 +1,32 @@
+"""Qwen3.5: Gated DeltaNet layers interleaved with gated full attention (the default family)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from headstart.models.contract import ChatFormat, ModelFamily
+from headstart.models.qwen35.tool_calls import ToolCallParser
+
+__all__ = ["CHAT", "FAMILY"]
+
+#: The Qwen3.5 chat template opens the model's turn with this header; the next turn renders the
+#: same text up to here (thinking dropped from history), so a snapshot here serves it.
+CHAT = ChatFormat(assistant_header="<|im_start|>assistant\n", thinks=True,
+                  tool_calls=ToolCallParser)
+
+
+def _load(model_dir: Path, dtype: torch.dtype, device: torch.device | str, kernels: str):
+    from headstart.model import Qwen35Model
+
+    return Qwen35Model.load(model_dir, dtype, device, kernels)
+
+
+FAMILY = ModelFamily(
+    name="qwen35",
+    architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    model_types=("qwen3_5", "qwen3_5_text"),
+    load=_load,
+    chat=CHAT,
+)
