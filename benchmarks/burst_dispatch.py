@@ -31,16 +31,19 @@ def main() -> None:
     model.kernels = replace(model.kernels, gdn_spans=lambda q, k, v, *rest: v.clone())
     pool = model.new_state_pool(args.prompts + 1, args.length + 1)
     gen = torch.Generator().manual_seed(0)
-    chunks = [SeqChunk(s, 0, tuple(torch.randint(3, 4000, (args.length,),
-                                                 generator=gen).tolist()))
-              for s in range(args.prompts)]
+    chunks = [
+        SeqChunk(s, 0, tuple(torch.randint(3, 4000, (args.length,), generator=gen).tolist()))
+        for s in range(args.prompts)
+    ]
     model.forward(ForwardBatch.build(chunks), pool)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model.forward(ForwardBatch.build(chunks), pool)
     ops = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
     top = ", ".join(f"{name} {n}" for name, n in collections.Counter(ops).most_common(5))
-    print(f"{args.prompts} prompts x {args.length} tokens, {model.cfg.num_hidden_layers} layers: "
-          f"{len(ops)} top-level aten ops per forward ({top})")
+    print(
+        f"{args.prompts} prompts x {args.length} tokens, {model.cfg.num_hidden_layers} layers: "
+        f"{len(ops)} top-level aten ops per forward ({top})"
+    )
 
 
 if __name__ == "__main__":

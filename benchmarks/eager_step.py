@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_engine import config, cuda_time, random_weights
 
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.model import Qwen35Model
+from headstart.models.qwen35.model import Qwen35Model
 
 
 def main() -> None:
@@ -33,12 +33,13 @@ def main() -> None:
     args = ap.parse_args()
     quant = args.format == "4bit"
     cfg = config(args.shape, quant)
-    cfg = replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[:args.layers])
+    cfg = replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[: args.layers])
     lines = []
     for arena in (True, False):
         gen = torch.Generator(device="cuda").manual_seed(0)
-        model = Qwen35Model(cfg, random_weights(cfg, quant, gen), torch.bfloat16, "cuda",
-                            arena=arena)
+        model = Qwen35Model(
+            cfg, random_weights(cfg, quant, gen), torch.bfloat16, "cuda", arena=arena
+        )
         pool = model.new_state_pool(2, 1024)
         model.forward(ForwardBatch.build([SeqChunk(0, 0, tuple(range(5, 105)))], "cuda"), pool)
         step = ForwardBatch.build([SeqChunk(0, 100, (7,))], "cuda")
@@ -47,8 +48,10 @@ def main() -> None:
             os.environ["HEADSTART_PDL"] = flag
             t_step = cuda_time(lambda m=model, b=step, p=pool: m.forward(b, p), reps=10)
             t_pre = cuda_time(lambda m=model, b=prefill, p=pool: m.forward(b, p), reps=5)
-            lines.append(f"{args.format} layers={args.layers} arena={arena} pdl={flag}: "
-                         f"eager step {t_step * 1e3:.2f} ms, prefill 512 {t_pre * 1e3:.2f} ms")
+            lines.append(
+                f"{args.format} layers={args.layers} arena={arena} pdl={flag}: "
+                f"eager step {t_step * 1e3:.2f} ms, prefill 512 {t_pre * 1e3:.2f} ms"
+            )
             print(lines[-1], flush=True)
         del model, pool
         torch.cuda.empty_cache()

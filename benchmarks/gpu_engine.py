@@ -31,51 +31,86 @@ from pathlib import Path
 import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.config import FULL, ModelConfig
+from headstart.models.qwen35.config import FULL, ModelConfig
+from headstart.models.qwen35.weights import LazyWeights, expected_shapes
 from headstart.quant import QuantizedTensor
-from headstart.weights import LazyWeights, expected_shapes
 
 SHAPES = {
-    "27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48,
-                tie_word_embeddings=False),
-    "2b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-               num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16,
-               tie_word_embeddings=True),
+    "27b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+        tie_word_embeddings=False,
+    ),
+    "2b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def config(shape: str, quant: bool) -> ModelConfig:
     s = SHAPES[shape]
     L = s["num_hidden_layers"]
-    from headstart.config import Quantization, QuantSpec
+    from headstart.models.qwen35.config import Quantization, QuantSpec
 
     return ModelConfig(
-        vocab_size=248320, head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
         layer_types=tuple(FULL if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)),
-        rms_norm_eps=1e-6, rope_theta=1e7, partial_rotary_factor=0.25,
-        max_position_embeddings=262144, eos_token_ids=(), dtype="bfloat16",
-        quantization=Quantization(QuantSpec(4, 64)) if quant else None, **s)
+        rms_norm_eps=1e-6,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=262144,
+        eos_token_ids=(),
+        dtype="bfloat16",
+        quantization=Quantization(QuantSpec(4, 64)) if quant else None,
+        **s,
+    )
 
 
-def random_tensor(name: str, shape: tuple[int, ...], quant: bool, device: str,
-                  gen: torch.Generator | None):
+def random_tensor(
+    name: str, shape: tuple[int, ...], quant: bool, device: str, gen: torch.Generator | None
+):
     """One random weight at a real shape (MLX 4-bit where ``quant`` and K allows); meta: no data."""
     if len(shape) == 1:
-        t = torch.ones(shape, device=device) if "norm" in name else \
-            torch.rand(shape, device=device, generator=gen) - 0.5
+        t = (
+            torch.ones(shape, device=device)
+            if "norm" in name
+            else torch.rand(shape, device=device, generator=gen) - 0.5
+        )
         return t.float()
     if name.endswith("conv1d.weight"):
         return (torch.randn(shape, device=device, generator=gen) * 0.3).bfloat16()
     if quant and shape[1] % 64 == 0:
         out, inp = shape
-        packed = torch.empty(out, inp // 8, dtype=torch.int32, device=device) \
-            if device == "meta" else torch.randint(-2**31, 2**31 - 1, (out, inp // 8),
-                                                   dtype=torch.int32, device=device,
-                                                   generator=gen)
-        scales = torch.full((out, inp // 64), 2.0 / 15 / inp ** 0.5, dtype=torch.bfloat16,
-                            device=device)
+        packed = (
+            torch.empty(out, inp // 8, dtype=torch.int32, device=device)
+            if device == "meta"
+            else torch.randint(
+                -(2**31),
+                2**31 - 1,
+                (out, inp // 8),
+                dtype=torch.int32,
+                device=device,
+                generator=gen,
+            )
+        )
+        scales = torch.full(
+            (out, inp // 64), 2.0 / 15 / inp**0.5, dtype=torch.bfloat16, device=device
+        )
         return QuantizedTensor(packed, scales, -7.5 * scales, 4, 64)
     return (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).bfloat16()
 
@@ -96,17 +131,19 @@ class RandomRecipe:
         return random_tensor(self.name, self.shape, self.quant, str(device), self.gen)
 
 
-def random_weights(cfg: ModelConfig, quant: bool, gen: torch.Generator,
-                   device: str = "cuda") -> LazyWeights:
+def random_weights(
+    cfg: ModelConfig, quant: bool, gen: torch.Generator, device: str = "cuda"
+) -> LazyWeights:
     """Random weights at ``cfg``'s shapes, each made on the device only when the model takes it
     (``Qwen35Model`` plans its weight arena from the meta stand-ins), so building a 27B model
     holds the arena plus one layer in flight, not a second full copy."""
-    return LazyWeights({n: RandomRecipe(n, s, quant, gen) for n, s in expected_shapes(cfg).items()},
-                       device)
+    return LazyWeights(
+        {n: RandomRecipe(n, s, quant, gen) for n, s in expected_shapes(cfg).items()}, device
+    )
 
 
 def nbytes(t) -> int:
-    if isinstance(t, QuantizedTensor) or hasattr(t, "nbytes") and callable(t.nbytes):
+    if isinstance(t, QuantizedTensor) or (hasattr(t, "nbytes") and callable(t.nbytes)):
         return t.nbytes()
     return t.numel() * t.element_size()
 
@@ -168,7 +205,7 @@ def engine_ttft(engine, prompts: list[list[int]], repeat: int = 3) -> float:
 
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     out = []
-    for r in range(repeat):
+    for _r in range(repeat):
         timers = []
         for i, ids in enumerate(prompts):
             t = Timer()
@@ -196,7 +233,7 @@ def _tokenizer():
 def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
     from headstart.engine.config import CacheConfig, EngineConfig
     from headstart.engine.engine import Engine
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
 
     quant = fmt == "4bit"
     cfg = config(shape, quant)
@@ -205,8 +242,13 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
     model = Qwen35Model(cfg, random_weights(cfg, quant, gen), torch.bfloat16, "cuda")
     build_s = time.perf_counter() - t0
     w_bytes = decode_floor_bytes(cfg, model.w, 0, 0)
-    row = {"shape": shape, "format": fmt, "build_s": build_s, "weight_gb": w_bytes / 1e9,
-           "bandwidth_gbs": args.bandwidth / 1e9}
+    row = {
+        "shape": shape,
+        "format": fmt,
+        "build_s": build_s,
+        "weight_gb": w_bytes / 1e9,
+        "bandwidth_gbs": args.bandwidth / 1e9,
+    }
     rows.append(row)
     from headstart.engine.cuda_graph import DecodeGraphs
 
@@ -233,18 +275,21 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
     windows = WindowGraphs(model, pool, 1, (2, 4, 8, 16), 16, mempool=graphs.mempool)
     for b in (2, 4, 8, 16):
         batch = ForwardBatch.build([SeqChunk(0, 101, (7,) * b, b, record=True)], "cuda")
-        row[f"verify{b}_x"] = cuda_time(lambda: model.forward_ex(batch, pool), reps=5) \
-            / (row["decode1_ms"] / 1e3)
-        row[f"verify{b}_graph_x"] = cuda_time(
-            lambda: windows.run([[7] * b], [101], [0])) / (row["decode1_ms"] / 1e3)
+        row[f"verify{b}_x"] = cuda_time(lambda: model.forward_ex(batch, pool), reps=5) / (
+            row["decode1_ms"] / 1e3
+        )
+        row[f"verify{b}_graph_x"] = cuda_time(lambda: windows.run([[7] * b], [101], [0])) / (
+            row["decode1_ms"] / 1e3
+        )
     del windows
     del graphs, pool
     gc.collect()
     torch.cuda.empty_cache()
     # Engine TTFT: miss and exact hit, 1 and 16 streams.
     t0 = time.perf_counter()  # warm-up, decode graphs, prefill graphs (2..64 tokens)
-    engine = Engine(model, _tokenizer(), (), EngineConfig(16, 4096,
-                                                        cache=CacheConfig(bytes=16 << 30)))
+    engine = Engine(
+        model, _tokenizer(), (), EngineConfig(16, 4096, cache=CacheConfig(bytes=16 << 30))
+    )
     row["engine_start_s"] = time.perf_counter() - t0
     engine.start()
     try:
@@ -252,8 +297,10 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
             for n in (1, 16):
                 # One unmeasured miss of this shape first: kernels compile on first use.
                 engine_ttft(engine, distinct_prompts(n, length, length * 1000 + n), repeat=1)
-                row[f"ttft{length}_miss{n}_ms"] = engine_ttft(
-                    engine, distinct_prompts(n, length, length * 100 + n), repeat=1) * 1e3
+                row[f"ttft{length}_miss{n}_ms"] = (
+                    engine_ttft(engine, distinct_prompts(n, length, length * 100 + n), repeat=1)
+                    * 1e3
+                )
                 # Exact hits: the same prompts again (now cached).
                 hit = distinct_prompts(n, length, 7 + length + n)
                 engine_ttft(engine, hit, repeat=1)
@@ -269,22 +316,44 @@ def run_headstart(shape: str, fmt: str, args, rows: list[dict]) -> None:
 
 def run_spec(model, cfg: ModelConfig, row: dict) -> None:
     """TTFT with and without a random DFlash drafter (5 layers at the target's width)."""
-    from headstart.engine.spec.drafter import DFlashDrafter, DrafterConfig, drafter_shapes
     from headstart.engine.config import EngineConfig
     from headstart.engine.engine import Engine
+    from headstart.engine.spec.drafter import DFlashDrafter, DrafterConfig, drafter_shapes
 
     L = cfg.num_hidden_layers
-    dc = DrafterConfig(cfg.hidden_size, cfg.hidden_size * 3, 5, 32, 8, 128, 1e-6, 1e7, 16,
-                       248077, tuple(round(1 + i * (L - 4) / 4) for i in range(5)),
-                       (False,) * 5, (0,) * 5)
+    dc = DrafterConfig(
+        cfg.hidden_size,
+        cfg.hidden_size * 3,
+        5,
+        32,
+        8,
+        128,
+        1e-6,
+        1e7,
+        16,
+        248077,
+        tuple(round(1 + i * (L - 4) / 4) for i in range(5)),
+        (False,) * 5,
+        (0,) * 5,
+    )
     gen = torch.Generator(device="cuda").manual_seed(1)
-    w = {k: (torch.ones(s, device="cuda") if len(s) == 1 else
-             (torch.randn(s, device="cuda", generator=gen) / s[1] ** 0.5).bfloat16())
-         for k, s in drafter_shapes(dc).items()}
+    w = {
+        k: (
+            torch.ones(s, device="cuda")
+            if len(s) == 1
+            else (torch.randn(s, device="cuda", generator=gen) / s[1] ** 0.5).bfloat16()
+        )
+        for k, s in drafter_shapes(dc).items()
+    }
     drafter = DFlashDrafter(dc, w, model)
     for with_drafter in (False, True):
-        engine = Engine(model, _tokenizer(), (), EngineConfig(16, 4096),
-                        drafter=drafter if with_drafter else None)
+        engine = Engine(
+            model,
+            _tokenizer(),
+            (),
+            EngineConfig(16, 4096),
+            drafter=drafter if with_drafter else None,
+        )
         engine.start()
         try:
             key = "ttft31_spec_ms" if with_drafter else "ttft31_nospec_ms"
@@ -297,11 +366,16 @@ def run_hf(shape: str, args, rows: list[dict]) -> None:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     s = SHAPES[shape]
-    hc = Qwen3_5TextConfig(vocab_size=248320, head_dim=256, linear_num_key_heads=16,
-                           linear_key_head_dim=128, linear_value_head_dim=128,
-                           max_position_embeddings=262144,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e7,
-                                            "partial_rotary_factor": 0.25}, **s)
+    hc = Qwen3_5TextConfig(
+        vocab_size=248320,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        **s,
+    )
     with torch.device("cuda"):
         torch.set_default_dtype(torch.bfloat16)
         model = Qwen3_5ForCausalLM(hc).eval()
@@ -319,6 +393,7 @@ def run_hf(shape: str, args, rows: list[dict]) -> None:
         def step():
             model(tok, past_key_values=cache, use_cache=True)
             # The cache grows each call, as in generation.
+
         return cuda_time(step, reps=10)
 
     @torch.no_grad()
@@ -328,6 +403,7 @@ def run_hf(shape: str, args, rows: list[dict]) -> None:
         def first():
             out = model(ids, use_cache=True)
             out.logits[:, -1].argmax(-1).item()
+
         return cuda_time(first, reps=5)
 
     for n in (1, 16):
@@ -363,22 +439,56 @@ def main() -> None:
             except Exception:
                 traceback.print_exc()
             print(json.dumps(rows[-1] if rows else {}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-           "copy_bandwidth_gbs": args.bandwidth / 1e9}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "copy_bandwidth_gbs": args.bandwidth / 1e9,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print(json.dumps(env))
-    cols = ["shape", "format", "decode1_ms", "floor1_ms", "decode4_ms", "decode16_ms",
-            "floor16_ms", "tok_s1", "tok_s16", "decode1_eager_ms", "prefill512_ms",
-            "prefill4096_ms", "ttft14_miss1_ms", "ttft31_miss1_ms", "ttft31_hit1_ms",
-            "ttft31_miss16_ms", "ttft31_hit16_ms", "verify2_x", "verify4_x", "verify8_x",
-            "verify16_x", "verify2_graph_x", "verify4_graph_x", "verify8_graph_x",
-            "verify16_graph_x", "ttft31_nospec_ms", "ttft31_spec_ms", "engine_start_s"]
+    cols = [
+        "shape",
+        "format",
+        "decode1_ms",
+        "floor1_ms",
+        "decode4_ms",
+        "decode16_ms",
+        "floor16_ms",
+        "tok_s1",
+        "tok_s16",
+        "decode1_eager_ms",
+        "prefill512_ms",
+        "prefill4096_ms",
+        "ttft14_miss1_ms",
+        "ttft31_miss1_ms",
+        "ttft31_hit1_ms",
+        "ttft31_miss16_ms",
+        "ttft31_hit16_ms",
+        "verify2_x",
+        "verify4_x",
+        "verify8_x",
+        "verify16_x",
+        "verify2_graph_x",
+        "verify4_graph_x",
+        "verify8_graph_x",
+        "verify16_graph_x",
+        "ttft31_nospec_ms",
+        "ttft31_spec_ms",
+        "engine_start_s",
+    ]
     for r in rows:
-        print(" ".join(f"{c}={r[c]:.3f}" if isinstance(r.get(c), float) else f"{c}={r.get(c)}"
-                       for c in cols if c in r))
+        print(
+            " ".join(
+                f"{c}={r[c]:.3f}" if isinstance(r.get(c), float) else f"{c}={r.get(c)}"
+                for c in cols
+                if c in r
+            )
+        )
 
 
 if __name__ == "__main__":

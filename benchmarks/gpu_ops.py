@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+import contextlib
+
 import triton
 from triton.testing import do_bench
 
@@ -110,14 +112,15 @@ def copy_bandwidth() -> float:
 
 def random_qt(n: int, k: int, group: int = 64) -> QuantizedTensor:
     """Random codes and bf16 scales/biases (values are irrelevant to speed; never zeros)."""
-    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=DEV)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=DEV)
     scales = (torch.rand(n, k // group, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
     biases = (torch.randn(n, k // group, device=DEV) * 0.05).to(torch.bfloat16)
     return QuantizedTensor(packed, scales, biases, 4, group)
 
 
-def torch_int4_calls(n: int, k: int, group: int, x: torch.Tensor, copies: int
-                     ) -> list[Callable[[], object]] | None:
+def torch_int4_calls(
+    n: int, k: int, group: int, x: torch.Tensor, copies: int
+) -> list[Callable[[], object]] | None:
     """Calls of torch's int4 tinygemm on ``copies`` random weights, or None where unsupported."""
     if not hasattr(torch, "_weight_int4pack_mm"):
         return None
@@ -130,8 +133,9 @@ def torch_int4_calls(n: int, k: int, group: int, x: torch.Tensor, copies: int
                 w_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
                 packed = torch._convert_weight_to_int4pack(w_u8, tiles)
                 sz = torch.randn(k // group, n, 2, device=DEV).to(torch.bfloat16)
-                calls.append(lambda packed=packed, sz=sz:
-                             torch._weight_int4pack_mm(x, packed, group, sz))
+                calls.append(
+                    lambda packed=packed, sz=sz: torch._weight_int4pack_mm(x, packed, group, sz)
+                )
             calls[0]()
             return calls
         except (RuntimeError, TypeError) as e:  # API or shape not supported here
@@ -157,8 +161,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool = False,
-                 before=None) -> list[dict]:
+def bench_matmul(
+    bw: float, sweep_on: bool, quick: bool = False, lm_head: bool = False, before=None
+) -> list[dict]:
     rows = []
     sweep = SWEEP if sweep_on else {}
     sweep_ratios: dict[tuple[str, int], list[float]] = {}
@@ -171,26 +176,28 @@ def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool =
         w_ref = qts[0].dequantize(torch.float32) if n * k <= 2**27 else None
         variants = {c: v for c, v in sweep.items() if not big}
         ours = [prepare(qt) for qt in qts]
-        preps = {c: [prepare(qt, **kw) for qt in qts] for c, (kw, _) in variants.items()
-                 if kw}
+        preps = {c: [prepare(qt, **kw) for qt in qts] for c, (kw, _) in variants.items() if kw}
         olds = [before.prepare(qt) for qt in qts] if before is not None else None
         del qts
         floor = nbytes / (bw * 1e9) * 1e6
-        w16s = ([qt0.dequantize(torch.bfloat16) for _ in range(2)]  # 2 x >100 MB: beyond L2
-                if not quick else [])
+        w16s = (
+            [qt0.dequantize(torch.bfloat16) for _ in range(2)]  # 2 x >100 MB: beyond L2
+            if not quick
+            else []
+        )
         for m in MS:
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
             res = {"shape": name, "N": n, "K": k, "M": m, "bytes": nbytes, "floor_us": floor}
-            y_ref = (x.float() @ w_ref.T if w_ref is not None
-                     else quant_matmul(x, ours[0]).float())
+            y_ref = x.float() @ w_ref.T if w_ref is not None else quant_matmul(x, ours[0]).float()
             res["err"] = rel_err(quant_matmul(x, ours[0]), y_ref)
             bad = [f"ours {res['err']:.1e}"] if res["err"] > 1e-2 else []
-            for cname, (kw, cfg) in variants.items():
+            for cname, (_kw, cfg) in variants.items():
                 ps = preps.get(cname, ours)
                 seen = compiled_mma()
                 err = rel_err(quant_matmul(x, ps[0], cfg), y_ref)  # same function, any config
                 REGISTERS.setdefault(cname, set()).update(
-                    (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen)
+                    (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen
+                )
                 if err > 1e-2:
                     bad.append(f"{cname} {err:.1e}")
                 t = bench_graph([lambda p=p, cfg=cfg: quant_matmul(x, p, cfg) for p in ps])
@@ -199,35 +206,42 @@ def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool =
             seen = compiled_mma()
             quant_matmul(x, ours[0])
             REGISTERS.setdefault("ours", set()).update(
-                (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen)
+                (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen
+            )
             res["ours_us"] = bench_graph([lambda p=p: quant_matmul(x, p) for p in ours])
             res["ours_eager_us"] = bench(lambda: quant_matmul(x, ours[0]))
             if olds is not None:
                 err = rel_err(before.quant_matmul(x, olds[0]), y_ref)
                 if err > 1e-2:
                     bad.append(f"before {err:.1e}")
-                res["before_us"] = bench_graph([lambda p=p: before.quant_matmul(x, p)
-                                                for p in olds])
+                res["before_us"] = bench_graph(
+                    [lambda p=p: before.quant_matmul(x, p) for p in olds]
+                )
             nan = float("nan")
             res["torch_deq_mm_us"] = res["torch_int4_us"] = res["bf16_cublas_us"] = nan
             if not quick:
                 res["torch_deq_mm_us"] = bench(
-                    lambda: x @ dequantize(qt0.packed, qt0.scales, qt0.biases, 4, 64,
-                                           torch.bfloat16).T, rep=20)
+                    lambda: (
+                        x @ dequantize(qt0.packed, qt0.scales, qt0.biases, 4, 64, torch.bfloat16).T
+                    ),
+                    rep=20,
+                )
                 int4 = torch_int4_calls(n, k, 64, x, len(ours))
                 res["torch_int4_us"] = bench_graph(int4) if int4 else nan
                 del int4
                 res["bf16_cublas_us"] = bench_graph([lambda w=w: x @ w.T for w in w16s])
             res["ratio"] = res["ours_us"] / floor
             rows.append(res)
-            print(f"  {name:12s} M={m:2d} ours {res['ours_us']:6.1f} us (eager "
-                  f"{res['ours_eager_us']:5.1f})  floor {floor:5.1f}  ratio {res['ratio']:.2f}"
-                  + (f"  before {res['before_us']:6.1f}" if "before_us" in res else "")
-                  + f"  int4 {res['torch_int4_us']:6.1f}  deq+mm {res['torch_deq_mm_us']:6.1f}"
-                  f"  bf16 {res['bf16_cublas_us']:6.1f}"
-                  + "".join(f"  {c}={res[f'cfg_{c}']:.1f}" for c in sweep
-                            if f"cfg_{c}" in res)
-                  + (f"  WRONG: {', '.join(bad)}" if bad else ""), flush=True)
+            print(
+                f"  {name:12s} M={m:2d} ours {res['ours_us']:6.1f} us (eager "
+                f"{res['ours_eager_us']:5.1f})  floor {floor:5.1f}  ratio {res['ratio']:.2f}"
+                + (f"  before {res['before_us']:6.1f}" if "before_us" in res else "")
+                + f"  int4 {res['torch_int4_us']:6.1f}  deq+mm {res['torch_deq_mm_us']:6.1f}"
+                f"  bf16 {res['bf16_cublas_us']:6.1f}"
+                + "".join(f"  {c}={res[f'cfg_{c}']:.1f}" for c in sweep if f"cfg_{c}" in res)
+                + (f"  WRONG: {', '.join(bad)}" if bad else ""),
+                flush=True,
+            )
         del preps, ours, olds, w16s, qt0, w_ref
         torch.cuda.empty_cache()
     for cname, regs in REGISTERS.items():
@@ -235,8 +249,10 @@ def bench_matmul(bw: float, sweep_on: bool, quick: bool = False, lm_head: bool =
     if sweep_ratios:
         print("config sweep: geometric-mean ratio to floor (M=1 | M=4,16)")
         for cname in sweep:
-            print(f"  {cname:10s} {geomean(sweep_ratios.get((cname, 1), [])):5.2f} | "
-                  f"{geomean(sweep_ratios.get((cname, 16), [])):5.2f}")
+            print(
+                f"  {cname:10s} {geomean(sweep_ratios.get((cname, 1), [])):5.2f} | "
+                f"{geomean(sweep_ratios.get((cname, 16), [])):5.2f}"
+            )
     return rows
 
 
@@ -244,8 +260,9 @@ def compiled_mma() -> dict:
     """Every compiled variant of the MMA kernel so far (cache key -> compiled kernel)."""
     from headstart.ops.quant_matmul import triton as qm
 
-    return {key: k for caches in qm._mma_kernel.device_caches.values()
-            for key, k in caches[0].items()}
+    return {
+        key: k for caches in qm._mma_kernel.device_caches.values() for key, k in caches[0].items()
+    }
 
 
 REGISTERS: dict[str, set] = {}  # config name -> {(registers, spills)} of the kernels it compiled
@@ -263,17 +280,30 @@ def bench_attention(bw: float) -> list[dict]:
         lengths = torch.full((n,), length, device=DEV, dtype=torch.int32)
         nbytes = 2 * n * nkv * length * hd * 2
         floor = nbytes / (bw * 1e9) * 1e6
-        ours = bench_graph([lambda s=s: decode_attention(q, keys, values, s, lengths)
-                            for s in slot_sets])
+        ours = bench_graph(
+            [lambda s=s: decode_attention(q, keys, values, s, lengths) for s in slot_sets]
+        )
         eager = bench(lambda: decode_attention(q, keys, values, slot_sets[0], lengths))
         sl = slot_sets[0]
-        ref = bench(lambda: attend_decode(q, keys[sl, :, :length], values[sl, :, :length],
-                                          lengths), rep=30)
-        rows.append({"n": n, "length": length, "ours_us": ours, "ours_eager_us": eager,
-                     "floor_us": floor, "ratio": ours / floor, "torch_ref_us": ref})
-        print(f"  attention n={n} len={length}: ours {ours:.1f} us (eager {eager:.1f}) floor "
-              f"{floor:.1f} ratio {ours / floor:.2f}  torch gather+attend {ref:.1f} us",
-              flush=True)
+        ref = bench(
+            lambda: attend_decode(q, keys[sl, :, :length], values[sl, :, :length], lengths), rep=30
+        )
+        rows.append(
+            {
+                "n": n,
+                "length": length,
+                "ours_us": ours,
+                "ours_eager_us": eager,
+                "floor_us": floor,
+                "ratio": ours / floor,
+                "torch_ref_us": ref,
+            }
+        )
+        print(
+            f"  attention n={n} len={length}: ours {ours:.1f} us (eager {eager:.1f}) floor "
+            f"{floor:.1f} ratio {ours / floor:.2f}  torch gather+attend {ref:.1f} us",
+            flush=True,
+        )
     del keys, values
     torch.cuda.empty_cache()
     return rows
@@ -292,8 +322,9 @@ def bench_gdn(bw: float) -> list[dict]:
         slots = torch.arange(n, device=DEV)
         fresh = torch.zeros(n, dtype=torch.bool, device=DEV)
         floor1 = 2 * n * Hv * D * D * 4 / (bw * 1e9) * 1e6  # state read + write, one layer
-        calls = [lambda i=i: gdn_decode(q, k, v, g, beta, slots, fresh, pool[i])
-                 for i in range(layers)]
+        calls = [
+            lambda i=i: gdn_decode(q, k, v, g, beta, slots, fresh, pool[i]) for i in range(layers)
+        ]
         total = bench_graph(calls) * layers
 
         def all_layers() -> None:
@@ -301,11 +332,22 @@ def bench_gdn(bw: float) -> list[dict]:
                 c()
 
         eager = bench(all_layers)
-        rows.append({"n": n, "layer_us": total / layers, "floor_layer_us": floor1,
-                     "graph48_us": total, "eager48_us": eager, "floor48_us": floor1 * layers,
-                     "ratio": total / (floor1 * layers)})
-        print(f"  gdn decode n={n}: 48 layers graph {total:.1f} us, eager {eager:.1f} us "
-              f"(floor {floor1 * layers:.1f})", flush=True)
+        rows.append(
+            {
+                "n": n,
+                "layer_us": total / layers,
+                "floor_layer_us": floor1,
+                "graph48_us": total,
+                "eager48_us": eager,
+                "floor48_us": floor1 * layers,
+                "ratio": total / (floor1 * layers),
+            }
+        )
+        print(
+            f"  gdn decode n={n}: 48 layers graph {total:.1f} us, eager {eager:.1f} us "
+            f"(floor {floor1 * layers:.1f})",
+            flush=True,
+        )
         del pool
         torch.cuda.empty_cache()
     return rows
@@ -325,8 +367,10 @@ def main() -> None:
         for name in set(SWEEP) - set(args.configs.split(",")):
             del SWEEP[name]
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"triton {triton.__version__}")
+    print(
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"triton {triton.__version__}"
+    )
     bw = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bw:.0f} GB/s", flush=True)
     skip = set(args.skip.split(","))
@@ -334,29 +378,38 @@ def main() -> None:
     mm = [] if "matmul" in skip else bench_matmul(bw, args.sweep, args.quick, args.lm_head, before)
     att = [] if "attention" in skip else bench_attention(bw)
     gdn = [] if "gdn" in skip else bench_gdn(bw)
-    try:
-        Path(args.json).write_text(json.dumps({"copy_GBps": bw, "matmul": mm, "attention": att,
-                                               "gdn": gdn}, indent=1))
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        Path(args.json).write_text(
+            json.dumps({"copy_GBps": bw, "matmul": mm, "attention": att, "gdn": gdn}, indent=1)
+        )
 
-    print(f"\ncopy bandwidth {bw:.0f} GB/s; us per call (median); ours = CUDA-graph replay over "
-          "weight copies (cold L2), eager = one Python launch; ratio = ours / floor")
-    print(f"{'matmul 4-bit g64':24s} {'M':>2s} {'ours':>6s} {'eager':>6s} {'floor':>6s} "
-          f"{'ratio':>5s} {'before':>6s} {'b.rat':>5s} {'int4':>6s} {'deq+mm':>7s} {'bf16':>6s}")
+    print(
+        f"\ncopy bandwidth {bw:.0f} GB/s; us per call (median); ours = CUDA-graph replay over "
+        "weight copies (cold L2), eager = one Python launch; ratio = ours / floor"
+    )
+    print(
+        f"{'matmul 4-bit g64':24s} {'M':>2s} {'ours':>6s} {'eager':>6s} {'floor':>6s} "
+        f"{'ratio':>5s} {'before':>6s} {'b.rat':>5s} {'int4':>6s} {'deq+mm':>7s} {'bf16':>6s}"
+    )
     for r in mm:
         b = r.get("before_us", float("nan"))
-        print(f"{r['shape'] + ' ' + str(r['N']) + 'x' + str(r['K']):24.24s} {r['M']:2d} "
-              f"{r['ours_us']:6.1f} {r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} "
-              f"{r['ratio']:5.2f} {b:6.1f} {b / r['floor_us']:5.2f} {r['torch_int4_us']:6.1f} "
-              f"{r['torch_deq_mm_us']:7.1f} {r['bf16_cublas_us']:6.1f}")
+        print(
+            f"{r['shape'] + ' ' + str(r['N']) + 'x' + str(r['K']):24.24s} {r['M']:2d} "
+            f"{r['ours_us']:6.1f} {r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} "
+            f"{r['ratio']:5.2f} {b:6.1f} {b / r['floor_us']:5.2f} {r['torch_int4_us']:6.1f} "
+            f"{r['torch_deq_mm_us']:7.1f} {r['bf16_cublas_us']:6.1f}"
+        )
     for r in att:
-        print(f"attention n={r['n']} len={r['length']:<5d}   {r['ours_us']:6.1f} "
-              f"{r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} {r['ratio']:5.2f}  torch ref "
-              f"{r['torch_ref_us']:.1f}")
+        print(
+            f"attention n={r['n']} len={r['length']:<5d}   {r['ours_us']:6.1f} "
+            f"{r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} {r['ratio']:5.2f}  torch ref "
+            f"{r['torch_ref_us']:.1f}"
+        )
     for r in gdn:
-        print(f"gdn decode n={r['n']:<2d} x48 layers {r['graph48_us']:6.1f} {r['eager48_us']:6.1f} "
-              f"{r['floor48_us']:6.1f} {r['ratio']:5.2f}")
+        print(
+            f"gdn decode n={r['n']:<2d} x48 layers {r['graph48_us']:6.1f} {r['eager48_us']:6.1f} "
+            f"{r['floor48_us']:6.1f} {r['ratio']:5.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import SHAPES  # noqa: E402
+from gpu_engine import SHAPES
 
-from headstart.loading import default_model_dir  # noqa: E402
+from headstart.loading import default_model_dir
 
 
 def main() -> None:
@@ -31,20 +31,38 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[args.shape]
     L = s["num_hidden_layers"]
-    cfg = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-           "vocab_size": 248320, "head_dim": 256, "linear_num_key_heads": 16,
-           "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-           "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                           for i in range(L)],
-           "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "dtype": "bfloat16",
-           "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
-                               "partial_rotary_factor": 0.25}, **s}
+    cfg = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)
+        ],
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "dtype": "bfloat16",
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+        },
+        **s,
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-              "generation_config.json"):
+    for f in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         shutil.copy(default_model_dir() / f, out / f)
-    from headstart.config import load_config
-    from headstart.weights import expected_shapes
+    from headstart.models.qwen35.config import load_config
+    from headstart.models.qwen35.weights import expected_shapes
 
     shapes = expected_shapes(load_config(out))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,8 +72,11 @@ def main() -> None:
         if name.endswith("conv1d.weight"):
             shape = (shape[0], 1, shape[1])
         if len(shape) == 1:
-            t = torch.zeros(shape, device=dev) if "norm" in name and "linear_attn" not in name \
+            t = (
+                torch.zeros(shape, device=dev)
+                if "norm" in name and "linear_attn" not in name
                 else torch.rand(shape, device=dev, generator=gen) - 0.5
+            )
             t = t.float()
         else:
             t = (torch.randn(shape, device=dev, generator=gen) / shape[-1] ** 0.5).bfloat16()

@@ -58,12 +58,18 @@ def apply_variant(model, variant: str) -> None:
             raise ValueError(f"unknown variant key {key!r}")
 
 
-def profile(shape: str, fmt: str, layers: int | None, streams: list[int], bandwidth: float,
-            variants: list[str]) -> list[str]:
+def profile(
+    shape: str,
+    fmt: str,
+    layers: int | None,
+    streams: list[int],
+    bandwidth: float,
+    variants: list[str],
+) -> list[str]:
     from dataclasses import replace
 
     from headstart.engine.cuda_graph import DecodeGraphs
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
 
     quant = fmt == "4bit"
     cfg = config(shape, quant)
@@ -87,12 +93,15 @@ def profile(shape: str, fmt: str, layers: int | None, streams: list[int], bandwi
     return lines
 
 
-def profile_streams(model, cfg, graphs, streams: list[int], bandwidth: float, label: str
-                    ) -> list[str]:
+def profile_streams(
+    model, cfg, graphs, streams: list[int], bandwidth: float, label: str
+) -> list[str]:
     lines = []
     for n in streams:
+
         def step(n=n, graphs=graphs):
             graphs.run([7] * n, [100] * n, list(range(n)))
+
         wall = cuda_time(step, reps=20)
         floor = decode_floor_bytes(cfg, model.w, n, 101) / bandwidth
         reps = 5
@@ -104,8 +113,12 @@ def profile_streams(model, cfg, graphs, streams: list[int], bandwidth: float, la
             torch.cuda.synchronize()
         by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
         for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name and \
-                    not ev.name.startswith("Memcpy") and not ev.name.startswith("Memset"):
+            if (
+                ev.device_type == torch.autograd.DeviceType.CUDA
+                and ev.name
+                and not ev.name.startswith("Memcpy")
+                and not ev.name.startswith("Memset")
+            ):
                 by_name[ev.name][0] += ev.device_time_total / reps
                 by_name[ev.name][1] += 1 / reps
         total = sum(v[0] for v in by_name.values())
@@ -114,10 +127,12 @@ def profile_streams(model, cfg, graphs, streams: list[int], bandwidth: float, la
         for name, (t, c) in by_name.items():
             cats[category(name)][0] += t
             cats[category(name)][1] += c
-        head = (f"## {label} layers={cfg.num_hidden_layers} streams={n}: wall "
-                f"{wall * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms ({wall / floor:.2f}x), "
-                f"kernels {total / 1e3:.2f} ms in {count:.0f} launches, gaps "
-                f"{wall * 1e3 - total / 1e3:.2f} ms")
+        head = (
+            f"## {label} layers={cfg.num_hidden_layers} streams={n}: wall "
+            f"{wall * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms ({wall / floor:.2f}x), "
+            f"kernels {total / 1e3:.2f} ms in {count:.0f} launches, gaps "
+            f"{wall * 1e3 - total / 1e3:.2f} ms"
+        )
         lines.append(head)
         for cat, (t, c) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"  {cat:10s} {t / 1e3:8.3f} ms {c:6.0f} launches")

@@ -52,8 +52,9 @@ def main() -> None:
     def snapshots(a: int):
         states, s = [], state[None]
         for t in range(B):
-            _, s = gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1],
-                                    beta[t:t + 1], s)
+            _, s = gated_delta_step(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], s
+            )
             states.append(s)
         return states[a].clone()
 
@@ -61,23 +62,33 @@ def main() -> None:
         initial = state.clone()
         chunked_gated_delta(q, k, v, decay, beta, state)  # the verify itself
         if a + 1 < B:
-            return chunked_gated_delta(q[:a + 1], k[:a + 1], v[:a + 1], decay[:a + 1],
-                                       beta[:a + 1], initial)[1]
+            return chunked_gated_delta(
+                q[: a + 1], k[: a + 1], v[: a + 1], decay[: a + 1], beta[: a + 1], initial
+            )[1]
         return None
 
     rows = []
     for a in (0, B // 4, B - 1):
-        rows.append({"accepted": a, "snapshots_ms": timed(lambda: snapshots(a), args.reps, dev) * 1e3,
-                     "replay_ms": timed(lambda: replay(a), args.reps, dev) * 1e3})
+        rows.append(
+            {
+                "accepted": a,
+                "snapshots_ms": timed(lambda: snapshots(a), args.reps, dev) * 1e3,
+                "replay_ms": timed(lambda: replay(a), args.reps, dev) * 1e3,
+            }
+        )
     state_bytes = H * D * D * 4
-    mem = {"snapshots_extra_bytes": B * state_bytes, "replay_extra_bytes": state_bytes
-           + B * (3 * H * D + 2 * H) * 4}
+    mem = {
+        "snapshots_extra_bytes": B * state_bytes,
+        "replay_extra_bytes": state_bytes + B * (3 * H * D + 2 * H) * 4,
+    }
     print(f"# {dev}, one GDN layer (16 heads, 128x128 fp32 state), window {B}")
     print(f"{'accepted':>8} {'snapshots ms':>13} {'replay ms':>10}")
     for r in rows:
         print(f"{r['accepted']:>8} {r['snapshots_ms']:>13.2f} {r['replay_ms']:>10.2f}")
-    print(f"extra memory per stream per layer: snapshots {mem['snapshots_extra_bytes'] / 2**20:.1f} "
-          f"MiB, replay {mem['replay_extra_bytes'] / 2**20:.2f} MiB")
+    print(
+        f"extra memory per stream per layer: snapshots {mem['snapshots_extra_bytes'] / 2**20:.1f} "
+        f"MiB, replay {mem['replay_extra_bytes'] / 2**20:.2f} MiB"
+    )
     print(json.dumps({"rows": rows, **mem}))
 
 

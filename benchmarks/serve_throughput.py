@@ -22,13 +22,19 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_proc import ServerProcess  # noqa: E402
+from server_proc import ServerProcess
 
 
 async def burst(url: str, streams: int, tokens: int) -> dict:
     async def one(i: int, client: httpx.AsyncClient) -> tuple[float, float, int]:
-        body = {"prompt": f"def function_{i}(x):", "max_tokens": tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": f"def function_{i}(x):",
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         sent = time.perf_counter()
         first = last = None
         n = 0
@@ -51,9 +57,14 @@ async def burst(url: str, streams: int, tokens: int) -> dict:
         wall = time.perf_counter() - t0
     total = sum(r[3] for r in results)
     per_stream = [(r[3] - 1) / (r[2] - r[1]) for r in results if r[2] > r[1]]
-    return {"streams": streams, "tokens": total, "wall_s": wall, "tok_per_s": total / wall,
-            "per_stream_tok_per_s": statistics.median(per_stream) if per_stream else 0.0,
-            "ttft_s": statistics.median(r[1] - r[0] for r in results)}
+    return {
+        "streams": streams,
+        "tokens": total,
+        "wall_s": wall,
+        "tok_per_s": total / wall,
+        "per_stream_tok_per_s": statistics.median(per_stream) if per_stream else 0.0,
+        "ttft_s": statistics.median(r[1] - r[0] for r in results),
+    }
 
 
 def main() -> None:
@@ -69,8 +80,9 @@ def main() -> None:
     url = args.url
     if url is None:
         extra = ["--model", args.model] if args.model else []
-        srv = ServerProcess("--parallel", str(args.parallel), "--context", "1024",
-                            "--device", args.device, *extra).wait_ready()
+        srv = ServerProcess(
+            "--parallel", str(args.parallel), "--context", "1024", "--device", args.device, *extra
+        ).wait_ready()
         url = srv.url
     try:
         asyncio.run(burst(url, 1, 8))  # warm-up
@@ -78,14 +90,19 @@ def main() -> None:
     finally:
         if srv is not None:
             srv.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    print(f"# {platform.processor() or platform.machine()}, commit {commit}, "
-          f"--parallel {args.parallel}, {args.tokens} tokens per stream")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"# {platform.processor() or platform.machine()}, commit {commit}, "
+        f"--parallel {args.parallel}, {args.tokens} tokens per stream"
+    )
     print(f"{'streams':>8} {'tok/s':>9} {'per-stream tok/s':>17} {'ttft ms':>8} {'wall s':>7}")
     for r in rows:
-        print(f"{r['streams']:>8} {r['tok_per_s']:>9.1f} {r['per_stream_tok_per_s']:>17.1f} "
-              f"{r['ttft_s'] * 1000:>8.1f} {r['wall_s']:>7.2f}")
+        print(
+            f"{r['streams']:>8} {r['tok_per_s']:>9.1f} {r['per_stream_tok_per_s']:>17.1f} "
+            f"{r['ttft_s'] * 1000:>8.1f} {r['wall_s']:>7.2f}"
+        )
     print(json.dumps({"commit": commit, "rows": rows}))
 
 

@@ -32,20 +32,31 @@ def main() -> None:
     args = ap.parse_args()
     from headstart.engine.config import CacheConfig, EngineConfig, GraphConfig
     from headstart.engine.engine import Engine
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
 
     quant = args.format == "4bit"
     cfg = config(args.shape, quant)
     gen = torch.Generator(device="cuda").manual_seed(0)
     model = Qwen35Model(cfg, random_weights(cfg, quant, gen), torch.bfloat16, "cuda")
     rows = []
-    settings = (("eager prefill", 0, False), ("prefill graphs", 64, False),
-                ("+ continuation graphs", 64, True))
+    settings = (
+        ("eager prefill", 0, False),
+        ("prefill graphs", 64, False),
+        ("+ continuation graphs", 64, True),
+    )
     for label, tokens, continuations in settings:
         t0 = time.perf_counter()
-        engine = Engine(model, _tokenizer(), (), EngineConfig(
-            16, 4096, cache=CacheConfig(bytes=8 << 30),
-            graphs=GraphConfig(prefill_tokens=tokens, continuations=continuations)))
+        engine = Engine(
+            model,
+            _tokenizer(),
+            (),
+            EngineConfig(
+                16,
+                4096,
+                cache=CacheConfig(bytes=8 << 30),
+                graphs=GraphConfig(prefill_tokens=tokens, continuations=continuations),
+            ),
+        )
         row = {"setting": label, "start_s": time.perf_counter() - t0}
         engine.start()
         try:
@@ -54,7 +65,8 @@ def main() -> None:
                 # One at a time: submitted together, the five would be one batched prefill.
                 row[f"ttft{length}_ms"] = 1e3 * statistics.median(
                     engine_ttft(engine, distinct_prompts(1, length, length * 10 + r), repeat=1)
-                    for r in range(5))
+                    for r in range(5)
+                )
             # A growing conversation: a 300-token history in the cache, then 24 new tokens.
             hits = []
             for r in range(6):
@@ -70,11 +82,14 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()} {args.shape} {args.format}")
-    print(f"{'setting':<22} {'start s':>8} {'TTFT 14 ms':>11} {'TTFT 31 ms':>11} "
-          f"{'new turn ms':>12}")
+    print(
+        f"{'setting':<22} {'start s':>8} {'TTFT 14 ms':>11} {'TTFT 31 ms':>11} {'new turn ms':>12}"
+    )
     for r in rows:
-        print(f"{r['setting']:<22} {r['start_s']:>8.1f} {r['ttft14_ms']:>11.2f} "
-              f"{r['ttft31_ms']:>11.2f} {r['ttft_turn_ms']:>12.2f}")
+        print(
+            f"{r['setting']:<22} {r['start_s']:>8.1f} {r['ttft14_ms']:>11.2f} "
+            f"{r['ttft31_ms']:>11.2f} {r['ttft_turn_ms']:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

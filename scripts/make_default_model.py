@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_default_tokenizer import build_tokenizer
 
-from headstart.config import load_config
-from headstart.weights import expected_shapes
+from headstart.models.qwen35.config import load_config
+from headstart.models.qwen35.weights import expected_shapes
 
 LEARNED_VOCAB = 4096
 SEED = 20261129
@@ -31,16 +31,33 @@ SEED = 20261129
 
 def text_config(vocab_size: int, eos: list[int]) -> dict:
     return {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-        "vocab_size": vocab_size, "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                            "partial_rotary_factor": 0.25},
-        "attention_bias": False, "eos_token_id": eos[0], "dtype": "bfloat16",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "attention_bias": False,
+        "eos_token_id": eos[0],
+        "dtype": "bfloat16",
     }
 
 
@@ -71,13 +88,26 @@ def main(out: Path) -> None:
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     vocab = -(-(max(ids.values()) + 1) // 64) * 64  # padded like Qwen's embedding table
     (out / "config.json").write_text(json.dumps(text_config(vocab, eos), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"], "temperature": 0.7,
-         "top_p": 0.9, "top_k": 20}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token_id": eos,
+                "pad_token_id": ids["<|endoftext|>"],
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 20,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     cfg = load_config(out)
     gen = torch.Generator().manual_seed(SEED)
-    save_file(random_weights(expected_shapes(cfg), gen), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        random_weights(expected_shapes(cfg), gen),
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e6:.1f} MB)")
 

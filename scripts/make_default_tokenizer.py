@@ -8,7 +8,7 @@ standard library's own source files (plus a short built-in multilingual sample, 
 which split multi-byte characters exist and streaming detokenization gets exercised), and writes
 ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` into a directory.
 
-The chat template is copied from ``src/headstart/templates/qwen35_chat_template.jinja``, which holds
+The chat template is copied from ``src/headstart/models/qwen35/chat_template.jinja``, which holds
 the Qwen3.5-9B template verbatim (its provenance is in ``headstart.tokenizer``'s docstring).
 
 Usage: ``python scripts/make_default_tokenizer.py OUT_DIR [--vocab-size N] [--max-chars N]``.
@@ -58,8 +58,9 @@ TEMPLATE_PATH = (
     Path(__file__).resolve().parent.parent
     / "src"
     / "headstart"
-    / "templates"
-    / "qwen35_chat_template.jinja"
+    / "models"
+    / "qwen35"
+    / "chat_template.jinja"
 )
 
 # A few sentences in scripts whose characters are 2, 3 and 4 UTF-8 bytes long. Repeated so BPE

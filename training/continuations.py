@@ -13,8 +13,14 @@ import torch
 
 
 @torch.no_grad()
-def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int, *, batch: int = 256,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def greedy_continuations(
+    model,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    *,
+    batch: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``[N, P + new_tokens]``: each prompt row followed by ``new_tokens`` greedy tokens of
     ``model`` (a transformers ``Qwen3_5ForCausalLM`` on its device). EOS does not stop
     generation (rows stay rectangular; what follows an EOS is still the target's argmax)."""
@@ -25,7 +31,7 @@ def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int, *, batch
     rows = []
     try:
         for i in range(0, prompts.shape[0], batch):
-            x = prompts[i:i + batch].to(device)
+            x = prompts[i : i + batch].to(device)
             with torch.autocast(**amp):
                 out = model(input_ids=x, use_cache=True)
                 past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -44,7 +50,7 @@ def continuation_batches(seqs: torch.Tensor, prompt_len: int, batch: int, seed: 
     """Endless random batches for ``train_drafter``: anchors only where the target generated
     (from the last prompt token on, so the first block after a prefill is trained too)."""
     mask = torch.zeros_like(seqs, dtype=torch.bool)
-    mask[:, prompt_len - 1:] = True
+    mask[:, prompt_len - 1 :] = True
     gen = torch.Generator().manual_seed(seed)
     while True:
         idx = torch.randint(0, seqs.shape[0], (batch,), generator=gen)

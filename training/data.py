@@ -30,9 +30,12 @@ def stdlib_files(max_bytes: int = 200_000) -> list[Path]:
     ``max_bytes`` are generated tables, not code, and are left out."""
     root = stdlib_root()
     skip = ("site-packages", "__pycache__")
-    return sorted(p for p in root.rglob("*.py")
-                  if not any(part in skip for part in p.relative_to(root).parts)
-                  and p.stat().st_size <= max_bytes)
+    return sorted(
+        p
+        for p in root.rglob("*.py")
+        if not any(part in skip for part in p.relative_to(root).parts)
+        and p.stat().st_size <= max_bytes
+    )
 
 
 def is_held_out(path: Path, fraction: float) -> bool:

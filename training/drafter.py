@@ -1,7 +1,7 @@
 """Training a DFlash block drafter against a frozen Qwen3.5 target, saving it, measuring it.
 
 Job: the trainable twin of :class:`headstart.engine.spec.drafter.DFlashDrafter` (same tensor
-names, same math), the DFlash training recipe of ``shared/docs/dflash.md`` section 4 (random
+names, same math), the DFlash training recipe (random
 anchors, blocks ``[x_a, MASK x (B-1)]`` that see the target's tapped features of positions
 before the anchor, same-position cross-entropy with decaying position weights), a checkpoint
 writer whose output ``DFlashDrafter.load`` reads, and an acceptance measurement that drives
@@ -68,31 +68,51 @@ LMHead = Callable[[torch.Tensor], torch.Tensor]
 # Configuration
 # ----------------------------------------------------------------------------------------------
 
-def make_drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
-                        target_layer_ids: Sequence[int] | None = None,
-                        num_heads: int | None = None, num_kv_heads: int | None = None,
-                        head_dim: int | None = None, intermediate_size: int | None = None,
-                        rope_theta: float = 1e7, causal: bool = False) -> DrafterConfig:
+
+def make_drafter_config(
+    target_config,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: Sequence[int] | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    rope_theta: float = 1e7,
+    causal: bool = False,
+) -> DrafterConfig:
     """A full-attention drafter config for a transformers target config (Qwen3.5 text config).
 
     Geometry defaults to the target's attention geometry; taps default to DFlash's rule."""
     L = target_config.num_hidden_layers
-    ids = tuple(target_layer_ids) if target_layer_ids is not None else \
-        default_target_layer_ids(L, num_layers)
+    ids = (
+        tuple(target_layer_ids)
+        if target_layer_ids is not None
+        else default_target_layer_ids(L, num_layers)
+    )
     return DrafterConfig(
         hidden_size=target_config.hidden_size,
         intermediate_size=intermediate_size or target_config.intermediate_size,
-        num_layers=num_layers, num_heads=num_heads or target_config.num_attention_heads,
+        num_layers=num_layers,
+        num_heads=num_heads or target_config.num_attention_heads,
         num_kv_heads=num_kv_heads or target_config.num_key_value_heads,
         head_dim=head_dim or target_config.head_dim,
-        rms_norm_eps=float(target_config.rms_norm_eps), rope_theta=float(rope_theta),
-        block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
-        causal=(causal,) * num_layers, sliding_window=(0,) * num_layers)
+        rms_norm_eps=float(target_config.rms_norm_eps),
+        rope_theta=float(rope_theta),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+        causal=(causal,) * num_layers,
+        sliding_window=(0,) * num_layers,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # The module
 # ----------------------------------------------------------------------------------------------
+
 
 class RMSNorm(nn.Module):
     """Plain RMSNorm (``x / rms * w``, no ``1 + w``), in fp32, cast back: the drafter's norm."""
@@ -141,8 +161,9 @@ class DrafterAttention(nn.Module):
         self.v_proj, self.o_proj = _linear(H, nkv * hd), _linear(nh * hd, H)
         self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
 
-    def context_kv(self, u: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, u: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of the fused context ``u`` ``[N, T, H]``: the same k_proj/v_proj/k_norm as
         the block rows (DFlash's KV injection), RoPE at the context positions."""
         N, T, _ = u.shape
@@ -150,9 +171,15 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(u).view(N, T, self.nkv, self.hd)
         return apply_rope(k, positions, self.theta), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kc: torch.Tensor,
-                vc: torch.Tensor, ctx_allowed: torch.Tensor, blk_allowed: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        ctx_allowed: torch.Tensor,
+        blk_allowed: torch.Tensor,
+    ) -> torch.Tensor:
         """x: ``[N, K, Bs, H]`` block rows at ``positions`` ``[N, K, Bs]``; kc, vc:
         ``[N, T, nkv, hd]``; ctx_allowed: ``[N, K, Bs, T]``; blk_allowed: ``[Bs, Bs]``."""
         N, K, Bs, _ = x.shape
@@ -167,12 +194,13 @@ class DrafterAttention(nn.Module):
         s_ctx = torch.einsum("nkbhgd,nthd->nhgkbt", q, kc)
         s_blk = torch.einsum("nkbhgd,nkchd->nhgkbc", q, kb)
         T = kc.shape[1]
-        scores = torch.cat([s_ctx, s_blk], dim=-1).float() * hd ** -0.5
+        scores = torch.cat([s_ctx, s_blk], dim=-1).float() * hd**-0.5
         allowed = torch.cat([ctx_allowed, blk_allowed.expand(N, K, Bs, Bs)], dim=-1)
         probs = scores.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
         probs = probs.to(vc.dtype)
-        o = (torch.einsum("nhgkbt,nthd->nkbhgd", probs[..., :T], vc)
-             + torch.einsum("nhgkbc,nkchd->nkbhgd", probs[..., T:], vb))
+        o = torch.einsum("nhgkbt,nthd->nkbhgd", probs[..., :T], vc) + torch.einsum(
+            "nhgkbc,nkchd->nkbhgd", probs[..., T:], vb
+        )
         return self.o_proj(o.reshape(N, K, Bs, nh * hd))
 
 
@@ -219,19 +247,20 @@ class TrainableDrafter(nn.Module):
         leaves the global RNG alone)."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for _name, p in self.named_parameters():
                 if p.ndim == 1:
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, target_layers: int, target_hidden: int,
-                        target_vocab: int) -> TrainableDrafter:
+    def from_checkpoint(
+        cls, path: str | Path, target_layers: int, target_hidden: int, target_vocab: int
+    ) -> TrainableDrafter:
         """Load a DFlash checkpoint (ours or a released one) to continue training it."""
         from safetensors.torch import load_file
 
-        from headstart.weights import safetensors_files
+        from headstart.checkpoint import safetensors_files
 
         cfg = load_drafter_config(Path(path), target_layers, target_hidden, target_vocab)
         model = cls(cfg)
@@ -245,8 +274,13 @@ class TrainableDrafter(nn.Module):
         """``hidden_norm(fc(features))``: ``[N, T, m*H]`` -> ``[N, T, H]``."""
         return self.hidden_norm(self.fc(features))
 
-    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        ctx_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final-normed hidden states ``[N, K, Bs-1, H]`` of rows 1..Bs-1 of every block.
 
         features: ``[N, T, m*H]`` the target's tapped hidden states of positions ``0..T-1``;
@@ -280,9 +314,14 @@ class TrainableDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x[:, :, 1:])
 
-    def block_logits(self, features: torch.Tensor, block_embeds: torch.Tensor,
-                     anchors: torch.Tensor, lm_head: LMHead,
-                     ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def block_logits(
+        self,
+        features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        lm_head: LMHead,
+        ctx_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits ``[N, K, Bs-1, V]`` through the target's head (row j predicts ``x_{a+j}``)."""
         return lm_head(self(features, block_embeds, anchors, ctx_valid))
 
@@ -290,6 +329,7 @@ class TrainableDrafter(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Blocks, targets, loss
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class TrainBatch:
@@ -317,8 +357,9 @@ def as_batch(item: torch.Tensor | Mapping | Sequence[Sequence[int]]) -> TrainBat
     return TrainBatch(ids, ones, ones)
 
 
-def sample_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, num: int, block: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, valid: torch.Tensor, num: int, block: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``num`` distinct anchors per sequence, uniform over trained positions ``a >= 1``
     with room for a whole block (``a + Bs - 1 < length``); short sequences fall back to any
     ``a`` with at least one target. Returns (anchors ``[N, num]``, usable ``[N, num]``)."""
@@ -336,13 +377,14 @@ def sample_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, num: int, block
         if where.numel() == 0:
             continue
         pick = where[torch.randperm(where.numel(), generator=generator)[:num]].sort().values
-        anchors[n, :pick.numel()] = pick
-        ok[n, :pick.numel()] = True
+        anchors[n, : pick.numel()] = pick
+        ok[n, : pick.numel()] = True
     return anchors, ok
 
 
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block: int,
-                 mask_token_id: int) -> torch.Tensor:
+def block_inputs(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_token_id: int
+) -> torch.Tensor:
     """Block token ids ``[N, K, Bs]``: ``[x_a, MASK x (Bs-1)]``."""
     N, K = anchors.shape
     ids = torch.full((N, K, block), mask_token_id, dtype=torch.int64, device=input_ids.device)
@@ -350,8 +392,9 @@ def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block: int,
     return ids
 
 
-def block_targets(batch: TrainBatch, anchors: torch.Tensor, anchor_ok: torch.Tensor, block: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_targets(
+    batch: TrainBatch, anchors: torch.Tensor, anchor_ok: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same-position labels: row k (1..Bs-1) of the block at ``a`` targets ``x_{a+k}``.
     Returns (targets ``[N, K, Bs-1]``, mask) with positions past the sequence, untrained
     tokens and unusable anchors masked out."""
@@ -376,22 +419,31 @@ def position_weights(block: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block - 1, dtype=torch.float32) / gamma)
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-            gamma: float) -> torch.Tensor:
+def loss_fn(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
     """``sum(w * CE) / sum(w)`` over unmasked rows; logits ``[..., Bs-1, V]``."""
     w = position_weights(logits.shape[-2] + 1, gamma).to(logits.device) * mask.to(logits.device)
-    ce = F.cross_entropy(logits.float().flatten(0, -2), targets.to(logits.device).flatten(),
-                         reduction="none").view_as(w)
+    ce = F.cross_entropy(
+        logits.float().flatten(0, -2), targets.to(logits.device).flatten(), reduction="none"
+    ).view_as(w)
     return (w * ce).sum() / w.sum().clamp(min=1e-12)
 
 
-def _weighted_ce_sum(z: torch.Tensor, targets: torch.Tensor, w: torch.Tensor,
-                     lm_head: LMHead) -> torch.Tensor:
+def _weighted_ce_sum(
+    z: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, lm_head: LMHead
+) -> torch.Tensor:
     return (w * F.cross_entropy(lm_head(z).float(), targets, reduction="none")).sum()
 
 
-def chunked_loss(hidden: torch.Tensor, lm_head: LMHead, targets: torch.Tensor,
-                 mask: torch.Tensor, gamma: float, chunk_rows: int = 4096) -> torch.Tensor:
+def chunked_loss(
+    hidden: torch.Tensor,
+    lm_head: LMHead,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    chunk_rows: int = 4096,
+) -> torch.Tensor:
     """:func:`loss_fn` of ``lm_head(hidden)`` without holding all logits: only weighted rows go
     through the head, in chunks whose logits are recomputed in backward (a Qwen3.5 vocabulary
     is 248k wide; K blocks x 15 rows of it would not fit)."""
@@ -403,7 +455,7 @@ def chunked_loss(hidden: torch.Tensor, lm_head: LMHead, targets: torch.Tensor,
     wk = w.flatten()[keep]
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, z.shape[0], chunk_rows):
-        part = (z[s:s + chunk_rows], t[s:s + chunk_rows], wk[s:s + chunk_rows])
+        part = (z[s : s + chunk_rows], t[s : s + chunk_rows], wk[s : s + chunk_rows])
         if torch.is_grad_enabled() and z.requires_grad:
             total = total + checkpoint(_weighted_ce_sum, *part, lm_head, use_reentrant=False)
         else:
@@ -415,9 +467,11 @@ def chunked_loss(hidden: torch.Tensor, lm_head: LMHead, targets: torch.Tensor,
 # The target side (a transformers Qwen3_5ForCausalLM, frozen)
 # ----------------------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def tapped_features(target_model, input_ids: torch.Tensor, layer_ids: Sequence[int]
-                    ) -> torch.Tensor:
+def tapped_features(
+    target_model, input_ids: torch.Tensor, layer_ids: Sequence[int]
+) -> torch.Tensor:
     """``[N, T, m*H]``: the outputs of target decoder layers ``layer_ids`` (HF
     ``hidden_states[i+1]``; index 0 is the embeddings), concatenated in that order. This is what
     headstart's ``forward_ex(taps=...)`` feeds the drafter at inference.
@@ -453,33 +507,56 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """No decay on norm weights (1-D): decay would pull their scale towards zero."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     plain = [p for p in model.parameters() if p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": plain, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-def _step_loss(drafter: TrainableDrafter, target_model, batch: TrainBatch, anchors: torch.Tensor,
-               anchor_ok: torch.Tensor, *, head: LMHead, gamma: float, device: torch.device,
-               chunk_rows: int) -> torch.Tensor:
+def _step_loss(
+    drafter: TrainableDrafter,
+    target_model,
+    batch: TrainBatch,
+    anchors: torch.Tensor,
+    anchor_ok: torch.Tensor,
+    *,
+    head: LMHead,
+    gamma: float,
+    device: torch.device,
+    chunk_rows: int,
+) -> torch.Tensor:
     cfg, Bs = drafter.cfg, drafter.cfg.block_size
     tdev = next(target_model.parameters()).device
     ids = batch.input_ids.to(tdev)
     feats = tapped_features(target_model, ids, cfg.target_layer_ids).to(device)
     with torch.no_grad():
         embeds = target_model.get_input_embeddings()(
-            block_inputs(ids, anchors.to(tdev), Bs, cfg.mask_token_id)).to(device)
+            block_inputs(ids, anchors.to(tdev), Bs, cfg.mask_token_id)
+        ).to(device)
     targets, mask = block_targets(batch, anchors, anchor_ok, Bs)
     hidden = drafter(feats.float(), embeds.float(), anchors.to(device), batch.valid.to(device))
     return chunked_loss(hidden, head, targets.to(device), mask.to(device), gamma, chunk_rows)
 
 
-def train_drafter(target_model, token_batches: Iterable, cfg: DrafterConfig, *,
-                  steps: int | None = None, time_budget_s: float = float("inf"),
-                  lr: float = 6e-4, anchors_per_seq: int = 32, gamma: float | None = None,
-                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  log_every: int = 50, seed: int = 0, weight_decay: float = 0.01,
-                  warmup: float = 0.04, grad_clip: float = 1.0, chunk_rows: int = 4096,
-                  init: TrainableDrafter | None = None, history: list[float] | None = None,
-                  log: Callable[[str], None] | None = None) -> TrainableDrafter:
+def train_drafter(
+    target_model,
+    token_batches: Iterable,
+    cfg: DrafterConfig,
+    *,
+    steps: int | None = None,
+    time_budget_s: float = float("inf"),
+    lr: float = 6e-4,
+    anchors_per_seq: int = 32,
+    gamma: float | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    log_every: int = 50,
+    seed: int = 0,
+    weight_decay: float = 0.01,
+    warmup: float = 0.04,
+    grad_clip: float = 1.0,
+    chunk_rows: int = 4096,
+    init: TrainableDrafter | None = None,
+    history: list[float] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainableDrafter:
     """Train a drafter for ``target_model`` (transformers ``Qwen3_5ForCausalLM``, already on its
     device; used frozen in eval mode, its parameters are not modified).
 
@@ -521,8 +598,17 @@ def train_drafter(target_model, token_batches: Iterable, cfg: DrafterConfig, *,
             if not ok.any():  # nothing trainable in this batch (all too short / unmasked)
                 continue
             with torch.autocast(**amp):
-                loss = _step_loss(drafter, target_model, batch, anchors, ok, head=head,
-                                  gamma=gamma, device=device, chunk_rows=chunk_rows)
+                loss = _step_loss(
+                    drafter,
+                    target_model,
+                    batch,
+                    anchors,
+                    ok,
+                    head=head,
+                    gamma=gamma,
+                    device=device,
+                    chunk_rows=chunk_rows,
+                )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
@@ -533,8 +619,10 @@ def train_drafter(target_model, token_batches: Iterable, cfg: DrafterConfig, *,
             if history is not None:
                 history.append(value)
             if log_every and (step % log_every == 0 or step == 1):
-                say(f"drafter step {step} loss {sum(recent) / len(recent):.4f} "
-                    f"lr {opt.param_groups[0]['lr']:.2e} ({time.perf_counter() - start:.0f}s)")
+                say(
+                    f"drafter step {step} loss {sum(recent) / len(recent):.4f} "
+                    f"lr {opt.param_groups[0]['lr']:.2e} ({time.perf_counter() - start:.0f}s)"
+                )
                 recent = []
     finally:
         target_model.train(was_training)
@@ -547,34 +635,48 @@ def train_drafter(target_model, token_batches: Iterable, cfg: DrafterConfig, *,
 # Checkpoint
 # ----------------------------------------------------------------------------------------------
 
+
 def _causality_fields(cfg: DrafterConfig, types: list[str]) -> dict:
     """Config fields that make headstart's resolver return ``cfg.causal`` exactly."""
     if list(cfg.causal) == [t == "sliding_attention" for t in types]:
         return {}  # the per-layer-type default already says it
     if len(set(cfg.causal)) == 1:
         return {"is_causal": cfg.causal[0]}
-    raise ValueError("per-layer causality that differs from the layer types' default cannot be "
-                     "expressed in a DFlash config")
+    raise ValueError(
+        "per-layer causality that differs from the layer types' default cannot be "
+        "expressed in a DFlash config"
+    )
 
 
-def drafter_config_json(cfg: DrafterConfig, *, num_target_layers: int | None = None,
-                        vocab_size: int | None = None) -> dict:
+def drafter_config_json(
+    cfg: DrafterConfig, *, num_target_layers: int | None = None, vocab_size: int | None = None
+) -> dict:
     types = ["sliding_attention" if w else "full_attention" for w in cfg.sliding_window]
     windows = {w for w in cfg.sliding_window if w}
     if len(windows) > 1:
         raise ValueError(f"one sliding window size per checkpoint, got {sorted(windows)}")
     raw: dict = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "layer_types": types,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "layer_types": types,
         "sliding_window": windows.pop() if windows else None,
-        "tie_word_embeddings": False, "block_size": cfg.block_size,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size},
+        "tie_word_embeddings": False,
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "block_size": cfg.block_size,
+        },
     }
     if num_target_layers is not None:
         raw["num_target_layers"] = num_target_layers
@@ -584,10 +686,15 @@ def drafter_config_json(cfg: DrafterConfig, *, num_target_layers: int | None = N
     return raw
 
 
-def save_drafter_checkpoint(drafter: TrainableDrafter, cfg: DrafterConfig, out_dir: str | Path,
-                            *, dtype: torch.dtype = torch.bfloat16,
-                            num_target_layers: int | None = None,
-                            vocab_size: int | None = None) -> Path:
+def save_drafter_checkpoint(
+    drafter: TrainableDrafter,
+    cfg: DrafterConfig,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    num_target_layers: int | None = None,
+    vocab_size: int | None = None,
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (tensors in ``dtype``) in the DFlash format
     that ``headstart.engine.spec.drafter.DFlashDrafter.load(out_dir, target)`` reads."""
     from safetensors.torch import save_file
@@ -596,8 +703,9 @@ def save_drafter_checkpoint(drafter: TrainableDrafter, cfg: DrafterConfig, out_d
     state = drafter.state_dict()
     shapes = drafter_shapes(cfg)
     if set(state) != set(shapes):
-        raise ValueError(f"drafter tensors do not match the config: "
-                         f"{sorted(set(state) ^ set(shapes))}")
+        raise ValueError(
+            f"drafter tensors do not match the config: {sorted(set(state) ^ set(shapes))}"
+        )
     tensors = {k: state[k].detach().to("cpu", dtype).contiguous() for k in shapes}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -609,6 +717,7 @@ def save_drafter_checkpoint(drafter: TrainableDrafter, cfg: DrafterConfig, out_d
 # ----------------------------------------------------------------------------------------------
 # Acceptance, measured with headstart's engine
 # ----------------------------------------------------------------------------------------------
+
 
 def _run_engine(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
     """One request at a time (batch-1 decode, where DFlash pays off): tokens and wall time."""
@@ -639,11 +748,19 @@ def _run_engine(engine, prompts: list[list[int]], params) -> tuple[list[list[int
     return outputs, time.perf_counter() - t0
 
 
-def evaluate_acceptance(target_dir: str | Path, drafter_dir: str | Path,
-                        prompts: list[list[int]], max_tokens: int, block: int | None = None, *,
-                        tokenizer=None, device: str | None = None,
-                        dtype: torch.dtype = torch.float32, spec_mode: str = "chain",
-                        strict: bool = True) -> dict:
+def evaluate_acceptance(
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    block: int | None = None,
+    *,
+    tokenizer=None,
+    device: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    spec_mode: str = "chain",
+    strict: bool = True,
+) -> dict:
     """Greedy decode of ``prompts`` with and without the drafter through headstart's Engine.
 
     Returns ``mean_accepted_length`` (tokens per verify round = accepted drafts / rounds + 1),
@@ -655,7 +772,7 @@ def evaluate_acceptance(target_dir: str | Path, drafter_dir: str | Path,
     from headstart.engine.config import EngineConfig, SpecConfig
     from headstart.engine.engine import Engine
     from headstart.engine.spec.drafter import DFlashDrafter
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
     from headstart.sampling import SamplingParams
     from headstart.tokenizer import Tokenizer
 
@@ -687,13 +804,21 @@ def evaluate_acceptance(target_dir: str | Path, drafter_dir: str | Path,
     mismatches = [i for i, (a, b) in enumerate(zip(plain, spec, strict=True)) if a != b]
     if strict and mismatches:
         i = mismatches[0]
-        raise AssertionError(f"{len(mismatches)} prompt(s) decode differently with the drafter; "
-                             f"prompt {i}: plain {plain[i]} vs speculative {spec[i]}")
+        raise AssertionError(
+            f"{len(mismatches)} prompt(s) decode differently with the drafter; "
+            f"prompt {i}: plain {plain[i]} vs speculative {spec[i]}"
+        )
     rounds = stats["spec_rounds"]
     return {
         "mean_accepted_length": stats["spec_accepted"] / rounds + 1 if rounds else 0.0,
-        "rounds": rounds, "drafted": stats["spec_drafted"], "accepted": stats["spec_accepted"],
-        "tokens": sum(len(t) for t in spec), "plain_s": plain_s, "spec_s": spec_s,
+        "rounds": rounds,
+        "drafted": stats["spec_drafted"],
+        "accepted": stats["spec_accepted"],
+        "tokens": sum(len(t) for t in spec),
+        "plain_s": plain_s,
+        "spec_s": spec_s,
         "speedup": plain_s / spec_s if spec_s > 0 else float("nan"),
-        "mismatches": len(mismatches), "block": block, "spec_mode": spec_mode,
+        "mismatches": len(mismatches),
+        "block": block,
+        "spec_mode": spec_mode,
     }

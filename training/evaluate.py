@@ -41,18 +41,32 @@ def main(argv: list[str] | None = None) -> dict:
     tok = Tokenizer.from_dir(model)
     held = token_rows(tok, "held_out", args.seq_len, 2_000_000)[:64]
     t0 = time.perf_counter()
-    report: dict = {"device": args.device, "dtype": str(dtype),
-                    "held_out_ppl": headstart_perplexity(model, held[:args.ppl_rows],
-                                                         args.device)}
-    prompts = [row[:64].tolist() for row in held[:args.prompts]]
-    report["acceptance"] = evaluate_acceptance(model, model / "drafter", prompts,
-                                               max_tokens=args.max_tokens, device=args.device,
-                                               dtype=dtype, strict=args.device == "cpu")
+    report: dict = {
+        "device": args.device,
+        "dtype": str(dtype),
+        "held_out_ppl": headstart_perplexity(model, held[: args.ppl_rows], args.device),
+    }
+    prompts = [row[:64].tolist() for row in held[: args.prompts]]
+    report["acceptance"] = evaluate_acceptance(
+        model,
+        model / "drafter",
+        prompts,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        dtype=dtype,
+        strict=args.device == "cpu",
+    )
     # As `headstart serve --drafter` runs it: the planner drafts only while rounds pay.
-    report["auto"] = evaluate_acceptance(model, model / "drafter", prompts,
-                                         max_tokens=args.max_tokens, device=args.device,
-                                         dtype=dtype, strict=args.device == "cpu",
-                                         spec_mode="auto")
+    report["auto"] = evaluate_acceptance(
+        model,
+        model / "drafter",
+        prompts,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        dtype=dtype,
+        strict=args.device == "cpu",
+        spec_mode="auto",
+    )
     report["seconds"] = time.perf_counter() - t0
     print(json.dumps(report, indent=1))
     return report

@@ -6,13 +6,20 @@ import json
 import shutil
 from pathlib import Path
 
-from headstart.convert import write_mlx
+from headstart.models.qwen35.convert import write_mlx
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def export_default(model, tokenizer_dir: Path, out: Path, eos_ids: list[int], bits: int = 4,
-                   group: int = 64, generation: dict | None = None) -> Path:
+def export_default(
+    model,
+    tokenizer_dir: Path,
+    out: Path,
+    eos_ids: list[int],
+    bits: int = 4,
+    group: int = 64,
+    generation: dict | None = None,
+) -> Path:
     """Write ``model`` (an HF ``Qwen3_5ForCausalLM``) to ``out`` in the MLX affine layout, with
     the tokenizer files from ``tokenizer_dir`` and a generation_config."""
     out = Path(out)

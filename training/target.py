@@ -18,14 +18,27 @@ def target_config(vocab_size: int, eos_ids: list[int], layers: int = 8, hidden: 
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=32768,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                     for i in range(layers)],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=32768,
+        layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+        ],
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=True, eos_token_id=eos_ids[0], rms_norm_eps=1e-6)
+        tie_word_embeddings=True,
+        eos_token_id=eos_ids[0],
+        rms_norm_eps=1e-6,
+    )
 
 
 @torch.no_grad()
@@ -33,23 +46,37 @@ def perplexity(model, rows: torch.Tensor, batch: int, device: str, dtype: torch.
     model.eval()
     total, count = 0.0, 0
     for i in range(0, rows.shape[0], batch):
-        x = rows[i:i + batch].to(device)
-        with torch.autocast(device_type=device.split(":")[0], dtype=dtype,
-                            enabled=dtype != torch.float32):
+        x = rows[i : i + batch].to(device)
+        with torch.autocast(
+            device_type=device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32
+        ):
             logits = model(x[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 x[:, 1:].reshape(-1), reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+        )
         total += float(loss)
         count += x[:, 1:].numel()
     model.train()
     return math.exp(total / max(count, 1))
 
 
-def train_target(model, train: torch.Tensor, held_out: torch.Tensor, *, time_budget_s: float,
-                 steps: int | None = None, batch: int = 32, lr: float = 2e-3,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 val: torch.Tensor | None = None, eval_every: int = 100, patience: int = 4,
-                 log=print) -> dict:
+def train_target(
+    model,
+    train: torch.Tensor,
+    held_out: torch.Tensor,
+    *,
+    time_budget_s: float,
+    steps: int | None = None,
+    batch: int = 32,
+    lr: float = 2e-3,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    val: torch.Tensor | None = None,
+    eval_every: int = 100,
+    patience: int = 4,
+    log=print,
+) -> dict:
     """AdamW with 4% warmup and cosine decay over ``steps`` (or until the time budget ends;
     the schedule then assumes the step count reached at 10% of the budget extrapolated).
 
@@ -60,8 +87,22 @@ def train_target(model, train: torch.Tensor, held_out: torch.Tensor, *, time_bud
     torch.manual_seed(seed)
     model.to(device).train()
     with _torch_gated_delta():
-        return _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtype,
-                      seed, log, val, eval_every, patience)
+        return _train(
+            model,
+            train,
+            held_out,
+            time_budget_s,
+            steps,
+            batch,
+            lr,
+            device,
+            dtype,
+            seed,
+            log,
+            val,
+            eval_every,
+            patience,
+        )
 
 
 @contextmanager
@@ -81,8 +122,22 @@ def _torch_gated_delta():
         m.torch_chunk_gated_delta_rule = fast
 
 
-def _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtype, seed, log,
-           val, eval_every, patience):
+def _train(
+    model,
+    train,
+    held_out,
+    time_budget_s,
+    steps,
+    batch,
+    lr,
+    device,
+    dtype,
+    seed,
+    log,
+    val,
+    eval_every,
+    patience,
+):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
@@ -103,11 +158,13 @@ def _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtyp
             group["lr"] = lr * max(scale, 0.02)
         idx = torch.randint(0, train.shape[0], (batch,), generator=gen)
         x = train[idx].to(device)
-        with torch.autocast(device_type=device.split(":")[0], dtype=dtype,
-                            enabled=dtype != torch.float32):
+        with torch.autocast(
+            device_type=device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32
+        ):
             logits = model(x[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 x[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -129,6 +186,11 @@ def _train(model, train, held_out, time_budget_s, steps, batch, lr, device, dtyp
         model.load_state_dict(best[2])
     ppl = perplexity(model, held_out, batch, device, dtype)
     log(f"target: {step} steps, held-out perplexity {ppl:.2f}")
-    return {"steps": step, "seconds": time.perf_counter() - start, "held_out_ppl": ppl,
-            "best_step": best[1] if best else step, "val_history": val_history,
-            "loss_history": history}
+    return {
+        "steps": step,
+        "seconds": time.perf_counter() - start,
+        "held_out_ppl": ppl,
+        "best_step": best[1] if best else step,
+        "val_history": val_history,
+        "loss_history": history,
+    }

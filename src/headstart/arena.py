@@ -77,8 +77,9 @@ def rebuild(value: V, tensors: Mapping[str, torch.Tensor]) -> V:
 
 def to_meta(value: V) -> V:
     """A stand-in for ``value`` with the same shapes and dtypes on the meta device (no data)."""
-    return rebuild(value, {f: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                           for f, t in leaves(value)})
+    return rebuild(
+        value, {f: torch.empty(t.shape, dtype=t.dtype, device="meta") for f, t in leaves(value)}
+    )
 
 
 def slot_key(name: str, field: str) -> str:
@@ -144,7 +145,7 @@ class WeightArena:
         # bytes (CUDA's 512), so take one alignment more and start at the first boundary.
         raw = torch.empty(total + ALIGN, dtype=torch.uint8, device=device)
         start = -raw.data_ptr() % ALIGN
-        self.buffer = raw[start:start + total]
+        self.buffer = raw[start : start + total]
         self._filled: set[str] = set()
         self._shared = _Shared()
 
@@ -166,7 +167,7 @@ class WeightArena:
     def view(self, key: str) -> torch.Tensor:
         """The slot's tensor: its bytes viewed as its dtype and shape (contiguous)."""
         s, off = self.slots[key]
-        return self.buffer[off:off + s.nbytes].view(s.dtype).view(s.shape)
+        return self.buffer[off : off + s.nbytes].view(s.dtype).view(s.shape)
 
     def fill(self, name: str, value: V) -> V:
         """Copy ``value``'s tensors into their slots and return it rebuilt over the views (the
@@ -186,7 +187,8 @@ class WeightArena:
             if (tuple(t.shape), t.dtype) != (s.shape, s.dtype):
                 raise ArenaMismatch(
                     f"weight {key!r} is {Slot(key, tuple(t.shape), t.dtype).describe()}, "
-                    f"the arena planned {s.describe()}")
+                    f"the arena planned {s.describe()}"
+                )
             if key in self._filled:
                 raise ArenaMismatch(f"weight {key!r} was placed in the arena twice")
             v = self.view(key)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from headstart.state import WindowRecords
+    # A family's buffers for graphed verify windows (Qwen3.5: GDN inputs per layer).
+    WindowRecords = Any
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,15 @@ class ForwardBatch:
         return self.decode
 
     @classmethod
-    def windows_of(cls, input_ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                   width: int, records: WindowRecords | None = None, span: bool = False
-                   ) -> ForwardBatch:
+    def windows_of(
+        cls,
+        input_ids: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        width: int,
+        records: WindowRecords | None = None,
+        span: bool = False,
+    ) -> ForwardBatch:
         """``n`` verify windows of ``width`` rows: ``input_ids`` [n * width] stream after
         stream, window j at positions ``starts[j] ..`` of ``slots[j]``. Built from tensors
         only (no host values), so the static buffers of a graph can be passed in. ``span``: one
@@ -141,16 +148,30 @@ class ForwardBatch:
         dev = input_ids.device
         rows = torch.arange(n * width, device=dev).view(n, width)
         positions = (starts[:, None] + torch.arange(width, device=dev)).reshape(-1)
-        decode = DecodeRows(rows=rows.reshape(-1), slots=slots.repeat_interleave(width),
-                            positions=positions,
-                            fresh=torch.zeros(n * width, dtype=torch.bool, device=dev))
+        decode = DecodeRows(
+            rows=rows.reshape(-1),
+            slots=slots.repeat_interleave(width),
+            positions=positions,
+            fresh=torch.zeros(n * width, dtype=torch.bool, device=dev),
+        )
         assert not span or n == 1, "a span batch holds one stream"
-        return cls(input_ids=input_ids, positions=positions, spans=(),
-                   logit_index=rows[:, -1] if span else rows.reshape(-1), decode=None,
-                   multi_row=(), multi=None,
-                   windows=WindowRows(rows=rows, slots=slots, as_decode=decode,
-                                      columns=rows.t().contiguous(), records=records,
-                                      span=span))
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            spans=(),
+            logit_index=rows[:, -1] if span else rows.reshape(-1),
+            decode=None,
+            multi_row=(),
+            multi=None,
+            windows=WindowRows(
+                rows=rows,
+                slots=slots,
+                as_decode=decode,
+                columns=rows.t().contiguous(),
+                records=records,
+                span=span,
+            ),
+        )
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], device: torch.device | str = "cpu") -> ForwardBatch:
@@ -170,13 +191,16 @@ class ForwardBatch:
         singles = [s for s in spans if s.length == 1 and not s.record and s.parents is None]
         decode = None
         if singles:
+
             def t(values: list[int]) -> torch.Tensor:
                 return torch.tensor(values, dtype=torch.int64, device=device)
 
             decode = DecodeRows(
-                rows=t([s.begin for s in singles]), slots=t([s.slot for s in singles]),
+                rows=t([s.begin for s in singles]),
+                slots=t([s.slot for s in singles]),
                 positions=t([s.start for s in singles]),
-                fresh=torch.tensor([s.start == 0 for s in singles], device=device))
+                fresh=torch.tensor([s.start == 0 for s in singles], device=device),
+            )
         multi_spans = tuple(s for s in spans if (s.length > 1 or s.record) and s.parents is None)
         multi = None
         if multi_spans:
@@ -186,10 +210,11 @@ class ForwardBatch:
             cu_cpu = torch.tensor(cu, dtype=torch.int32)
             multi = MultiRows(
                 rows=torch.cat([torch.arange(s.begin, s.end) for s in multi_spans]).to(device),
-                cu_seqlens=cu_cpu.to(device), cu_seqlens_cpu=cu_cpu,
-                slots=torch.tensor([s.slot for s in multi_spans], dtype=torch.int64,
-                                   device=device),
-                fresh=torch.tensor([s.start == 0 for s in multi_spans], device=device))
+                cu_seqlens=cu_cpu.to(device),
+                cu_seqlens_cpu=cu_cpu,
+                slots=torch.tensor([s.slot for s in multi_spans], dtype=torch.int64, device=device),
+                fresh=torch.tensor([s.start == 0 for s in multi_spans], device=device),
+            )
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

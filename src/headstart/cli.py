@@ -10,11 +10,18 @@ from headstart.errors import HeadstartError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint folder or hub name (default: the embedded small model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder or hub name (default: the embedded small model)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="activation dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="activation dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -27,17 +34,21 @@ def _run(args: argparse.Namespace) -> int:
     if args.raw:
         text = args.prompt
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
         kwargs = {} if args.think is None else {"enable_thinking": args.think}
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     defaults = dict(loaded.model.cfg.generation_defaults)
     params = SamplingParams(
-        temperature=args.temperature if args.temperature is not None
+        temperature=args.temperature
+        if args.temperature is not None
         else defaults.get("temperature", 1.0),
         top_p=args.top_p if args.top_p is not None else defaults.get("top_p", 1.0),
         top_k=args.top_k if args.top_k is not None else int(defaults.get("top_k", 0)),
-        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
     )
     for event in generate(loaded.model, tok, tok.encode(text), params, loaded.eos_token_ids):
         sys.stdout.write(event.text)
@@ -57,13 +68,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     run.add_argument("--system", default=None, help="system prompt")
     think = run.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="think", action="store_true", default=None,
-                       help="enable_thinking=true in the chat template")
-    think.add_argument("--no-think", dest="think", action="store_false",
-                       help="enable_thinking=false in the chat template")
+    think.add_argument(
+        "--think",
+        dest="think",
+        action="store_true",
+        default=None,
+        help="enable_thinking=true in the chat template",
+    )
+    think.add_argument(
+        "--no-think",
+        dest="think",
+        action="store_false",
+        help="enable_thinking=false in the chat template",
+    )
     run.add_argument("--max-tokens", type=int, default=256)
-    run.add_argument("--temperature", type=float, default=None,
-                     help="0 = greedy (default: the checkpoint's generation_config)")
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the checkpoint's generation_config)",
+    )
     run.add_argument("--top-p", type=float, default=None)
     run.add_argument("--top-k", type=int, default=None)
     run.add_argument("--min-p", type=float, default=0.0)
@@ -74,8 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from headstart.server.serve import add_serve_args
 
     add_serve_args(srv)
-    bench = sub.add_parser("bench", help="benchmark servers (TTFT, decode, bursts) into a "
-                                         "checkable receipt; 'bench check RECEIPT' verifies one")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark servers (TTFT, decode, bursts) into a "
+        "checkable receipt; 'bench check RECEIPT' verifies one",
+    )
     from headstart.bench.command import add_bench_args
 
     add_bench_args(bench)

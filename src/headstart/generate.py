@@ -13,7 +13,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
-from headstart.model import Qwen35Model
+from headstart.models.contract import CausalLM
 from headstart.sampling import Sampler, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
 
@@ -22,9 +22,14 @@ __all__ = ["Finish", "Piece", "generate", "greedy_tokens"]
 PREFILL_CHUNK = 512
 
 
-def generate(model: Qwen35Model, tokenizer: Tokenizer, prompt_ids: Sequence[int],
-             params: SamplingParams, eos_token_ids: Sequence[int] = (),
-             max_context: int | None = None) -> Iterator[Piece | Finish]:
+def generate(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_token_ids: Sequence[int] = (),
+    max_context: int | None = None,
+) -> Iterator[Piece | Finish]:
     """Yield a :class:`Piece` per generated token, then one :class:`Finish`.
 
     ``max_tokens`` defaults to the room left in ``max_context`` (default: the model's maximum).
@@ -41,38 +46,45 @@ def generate(model: Qwen35Model, tokenizer: Tokenizer, prompt_ids: Sequence[int]
     out = OutputStream(tokenizer, params, eos_token_ids, max_tokens)
 
     for begin in range(0, len(prompt_ids), PREFILL_CHUNK):
-        piece = tuple(prompt_ids[begin:begin + PREFILL_CHUNK])
+        piece = tuple(prompt_ids[begin : begin + PREFILL_CHUNK])
         last = begin + len(piece) == len(prompt_ids)
-        logits = model.forward(ForwardBatch.build([SeqChunk(0, begin, piece, int(last))],
-                                                  model.device), pool)
+        logits = model.forward(
+            ForwardBatch.build([SeqChunk(0, begin, piece, int(last))], model.device), pool
+        )
     position = len(prompt_ids)
     while True:
         # Rows past the tokenizer's vocabulary are padding of the embedding table.
-        logits[:, tokenizer.vocab_size:] = float("-inf")
+        logits[:, tokenizer.vocab_size :] = float("-inf")
         result = sampler.sample(logits, [params], [rng])
         token = result.token_ids[0]
-        piece, finish = out.add(token, result.logprobs[0] if result.logprobs else None,
-                                result.top_logprobs[0] if result.top_logprobs else None)
+        piece, finish = out.add(
+            token,
+            result.logprobs[0] if result.logprobs else None,
+            result.top_logprobs[0] if result.top_logprobs else None,
+        )
         if piece is not None:
             yield piece
         if finish is not None:
             yield finish
             return
-        logits = model.forward(ForwardBatch.build([SeqChunk(0, position, (token,))], model.device),
-                               pool)
+        logits = model.forward(
+            ForwardBatch.build([SeqChunk(0, position, (token,))], model.device), pool
+        )
         position += 1
 
 
-def greedy_tokens(model: Qwen35Model, prompt_ids: Sequence[int], n: int) -> list[int]:
+def greedy_tokens(model: CausalLM, prompt_ids: Sequence[int], n: int) -> list[int]:
     """n greedy tokens after the prompt (no stops): a small helper for tests and tools."""
     pool = model.new_state_pool(1, len(prompt_ids) + n)
-    logits = model.forward(ForwardBatch.build([SeqChunk(0, 0, tuple(prompt_ids))], model.device),
-                           pool)
+    logits = model.forward(
+        ForwardBatch.build([SeqChunk(0, 0, tuple(prompt_ids))], model.device), pool
+    )
     out = []
     for i in range(n):
         out.append(int(torch.argmax(logits[0])))
         if i + 1 < n:
             logits = model.forward(
                 ForwardBatch.build([SeqChunk(0, len(prompt_ids) + i, (out[-1],))], model.device),
-                pool)
+                pool,
+            )
     return out

@@ -32,8 +32,7 @@ from headstart.ops.pointwise import reference as pointwise
 log = logging.getLogger("headstart.kernels")
 
 
-def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states,
-                          norm=None):
+def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states, norm=None):
     g, beta = pointwise.gdn_gates(a[rows], b[rows], A_log, dt_bias)
     state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
     o, states[slots] = gated_delta_step(q, k, v, g, beta, state)
@@ -50,8 +49,9 @@ def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlen
     for n, slot in enumerate(slots.tolist()):
         a, b = bounds[n], bounds[n + 1]
         state = torch.zeros_like(states[slot]) if bool(fresh[n]) else states[slot]
-        out[a:b], states[slot] = chunked_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
-                                                     state)
+        out[a:b], states[slot] = chunked_gated_delta(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state
+        )
     return out
 
 
@@ -106,38 +106,53 @@ def gpu_kernels() -> Kernels:
     from headstart.quant import QuantizedTensor
 
     def spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):
-        return gdn_prefill_varlen(q, k, v, g, beta, cu_seqlens, slots, fresh, states,
-                                  cu_seqlens_cpu=cu_seqlens_cpu)
+        return gdn_prefill_varlen(
+            q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu=cu_seqlens_cpu
+        )
 
     def prepare(w: Any) -> Any:
         return prepare_quant(w) if isinstance(w, QuantizedTensor) else w
 
     def attn_span(q, keys, values, start):
         # SDPA's fused kernels; a causal mask shifted by ``start`` for a continued stream.
-        T, nh, hd = q.shape
+        T, nh, _hd = q.shape
         nkv, n = keys.shape[0], keys.shape[1]
         qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]
         if start == 0:
-            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                                                 enable_gqa=nh != nkv)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, enable_gqa=nh != nkv
+            )
         else:
             pos = torch.arange(start, start + T, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                                                 enable_gqa=nh != nkv)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, enable_gqa=nh != nkv
+            )
         return o[0].transpose(0, 1)
 
     def attn_masked(q, k, v, mask):
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         o = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            qh, kh, vh, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return o[0].transpose(0, 1)
 
-    return Kernels("gpu", gdn_decode_gates, spans, decode_attention, attn_span, attn_masked,
-                   prepare, graphs=True, add_rms_norm=gpu_fused.add_rms_norm,
-                   gated_rms_norm=gpu_fused.gated_rms_norm, silu_mul=gpu_fused.silu_mul,
-                   sigmoid_mul=gpu_fused.sigmoid_mul, conv_step_rows=gpu_fused.conv_step_rows,
-                   attn_decode_inputs=gpu_fused.attn_decode_inputs)
+    return Kernels(
+        "gpu",
+        gdn_decode_gates,
+        spans,
+        decode_attention,
+        attn_span,
+        attn_masked,
+        prepare,
+        graphs=True,
+        add_rms_norm=gpu_fused.add_rms_norm,
+        gated_rms_norm=gpu_fused.gated_rms_norm,
+        silu_mul=gpu_fused.silu_mul,
+        sigmoid_mul=gpu_fused.sigmoid_mul,
+        conv_step_rows=gpu_fused.conv_step_rows,
+        attn_decode_inputs=gpu_fused.attn_decode_inputs,
+    )
 
 
 def select_kernels(device: torch.device | str, want: str = "auto") -> Kernels:

@@ -56,8 +56,11 @@ def resolve_model_dir(name: str | None) -> Path:
                 f"{name}: no such folder, and huggingface_hub is not installed to fetch it"
             ) from None
         try:
-            return Path(snapshot_download(name, allow_patterns=[
-                "*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+            return Path(
+                snapshot_download(
+                    name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+                )
+            )
         except Exception as e:  # network, auth, missing repo: all reported the same way
             raise CheckpointError(f"{name}: cannot fetch from the hub: {e}") from None
     raise CheckpointError(f"{name}: no such folder")
@@ -77,8 +80,9 @@ class LoadedModel:
         return ids if extra is None or extra in ids else (*ids, extra)
 
 
-def load(name: str | None = None, device: str = "cpu", dtype: str | None = None,
-         kernels: str = "auto") -> LoadedModel:
+def load(
+    name: str | None = None, device: str = "cpu", dtype: str | None = None, kernels: str = "auto"
+) -> LoadedModel:
     """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
     to float32 on CPU and bfloat16 elsewhere; kernels: "auto" (GPU kernels on CUDA when
     available), "reference" or "gpu"."""

@@ -35,12 +35,16 @@ class QuantizedTensor:
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
         return QuantizedTensor(
-            self.packed.to(device), self.scales.to(device), self.biases.to(device),
-            self.bits, self.group_size,
+            self.packed.to(device),
+            self.scales.to(device),
+            self.biases.to(device),
+            self.bits,
+            self.group_size,
         )
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The full-precision weight (or only ``rows`` of it, for embedding lookups)."""
         packed, scales, biases = self.packed, self.scales, self.biases
         if rows is not None:
@@ -59,8 +63,14 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], -1)
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
-               group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     codes = unpack(packed, bits).to(dtype)
     lead = codes.shape[:-1]
     codes = codes.reshape(*lead, -1, group_size)
@@ -80,8 +90,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return words.to(torch.int32)
 
 
-def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64,
-             scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedTensor:
+def quantize(
+    w: torch.Tensor, bits: int = 4, group_size: int = 64, scale_dtype: torch.dtype = torch.bfloat16
+) -> QuantizedTensor:
     """Quantize ``w [out, in]`` to the MLX affine layout (min/max per group, as mlx does).
 
     Used to make test fixtures and the embedded default model; the loader never calls it.

@@ -197,16 +197,18 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 # token probability exactly 0.
 
 
-def _per_row(values: torch.Tensor | Sequence[float] | Sequence[int], like: torch.Tensor,
-             dtype: torch.dtype) -> torch.Tensor:
+def _per_row(
+    values: torch.Tensor | Sequence[float] | Sequence[int], like: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     out = torch.as_tensor(values, dtype=dtype, device=like.device).reshape(-1)
     if out.numel() != like.shape[0]:
         raise ValueError(f"expected {like.shape[0]} per-row values, got {out.numel()}")
     return out
 
 
-def apply_temperature(logits: torch.Tensor,
-                      temperature: torch.Tensor | Sequence[float]) -> torch.Tensor:
+def apply_temperature(
+    logits: torch.Tensor, temperature: torch.Tensor | Sequence[float]
+) -> torch.Tensor:
     """Divide each row by its temperature (all must be > 0) after subtracting the row max.
 
     Subtracting the max first leaves the distribution unchanged but keeps a tiny
@@ -415,8 +417,7 @@ class Sampler:
                 rows = torch.tensor(sampled, device=logits.device)
                 sub = logits.index_select(0, rows)
                 probs = _processed_logits(sub, [params[i] for i in sampled]).softmax(dim=-1)
-                noise = _exponential_noise([generators[i] for i in sampled], vocab,
-                                           logits.device)
+                noise = _exponential_noise([generators[i] for i in sampled], vocab, logits.device)
                 token_ids[rows] = (probs / noise).argmax(dim=-1)
 
         result = SampleResult(token_ids=token_ids.tolist(), token_ids_tensor=token_ids)
@@ -427,8 +428,9 @@ class Sampler:
         return result
 
 
-def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int,
-                       device: torch.device) -> torch.Tensor:
+def _exponential_noise(
+    generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+) -> torch.Tensor:
     """One row of Exp(1) noise per generator, each row drawn only from its generator."""
     noise = torch.empty((len(generators), vocab), dtype=torch.float32, device=device)
     unseeded = []
@@ -446,15 +448,17 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int,
             noise[j].copy_(row.exponential_(generator=gen))
     if unseeded:
         rows = torch.tensor(unseeded, device=device)
-        noise[rows] = torch.empty((len(unseeded), vocab), dtype=torch.float32,
-                                  device=device).exponential_()
+        noise[rows] = torch.empty(
+            (len(unseeded), vocab), dtype=torch.float32, device=device
+        ).exponential_()
     # Exp(1) samplers can return exactly 0 on some backends; 0/0 would be NaN and
     # argmax picks NaN, i.e. possibly a masked token. Clamping keeps masked tokens at 0.
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _top_logprobs(raw: torch.Tensor,
-                  params: Sequence[SamplingParams]) -> list[list[tuple[int, float]]]:
+def _top_logprobs(
+    raw: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[list[tuple[int, float]]]:
     """Top ``params[i].logprobs`` (id, logprob) pairs per row; [] for rows asking none."""
     out: list[list[tuple[int, float]]] = [[] for _ in params]
     wanted = [i for i, p in enumerate(params) if p.logprobs]

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headstart.config import ModelConfig
-
-__all__ = ["StateGroup", "StatePool", "WindowRecords"]
+__all__ = ["StateGroup", "StatePool"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class StateGroup:
         """One layer and slot, the token axis (if any) sized ``max_tokens``."""
         if self.token_axis is None:
             return self.shape
-        return self.shape[:self.token_axis] + (max_tokens,) + self.shape[self.token_axis:]
+        return self.shape[: self.token_axis] + (max_tokens,) + self.shape[self.token_axis :]
 
     def dtype_for(self, activation: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None else activation
@@ -65,8 +63,9 @@ class StatePool:
     """Every state group of a model, ``[layers, slots, *slot_shape]`` each (see the module
     docstring). The group tensors are fixed for the pool's life: graphs capture them."""
 
-    def __init__(self, groups: Sequence[StateGroup], tensors: Mapping[str, torch.Tensor],
-                 max_tokens: int) -> None:
+    def __init__(
+        self, groups: Sequence[StateGroup], tensors: Mapping[str, torch.Tensor], max_tokens: int
+    ) -> None:
         if [g.name for g in groups] != list(tensors):
             raise ValueError("one tensor per state group, in the groups' order")
         self.groups = tuple(groups)
@@ -74,16 +73,31 @@ class StatePool:
         self._max_tokens = max_tokens
 
     @classmethod
-    def allocate(cls, groups: Sequence[StateGroup], num_slots: int, max_tokens: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-                 ) -> StatePool:
-        tensors = {g.name: torch.zeros((g.layers, num_slots, *g.slot_shape(max_tokens)),
-                                       dtype=g.dtype_for(dtype), device=device) for g in groups}
+    def allocate(
+        cls,
+        groups: Sequence[StateGroup],
+        num_slots: int,
+        max_tokens: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> StatePool:
+        tensors = {
+            g.name: torch.zeros(
+                (g.layers, num_slots, *g.slot_shape(max_tokens)),
+                dtype=g.dtype_for(dtype),
+                device=device,
+            )
+            for g in groups
+        }
         return cls(groups, tensors, max_tokens)
 
     @staticmethod
-    def bytes_for(groups: Iterable[StateGroup], num_slots: int, max_tokens: int,
-                  dtype: torch.dtype = torch.float32) -> int:
+    def bytes_for(
+        groups: Iterable[StateGroup],
+        num_slots: int,
+        max_tokens: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
         """What :meth:`allocate` would take, computed without allocating."""
         return sum(g.nbytes(num_slots, max_tokens, dtype) for g in groups)
 
@@ -114,13 +128,15 @@ class StatePool:
 
     def fixed_bytes(self) -> int:
         """Bytes of one slot's fixed-size groups (a snapshot's part that has no length)."""
-        return sum(t[:, 0].numel() * t.element_size() for g, t in self._pairs()
-                   if not g.per_token)
+        return sum(t[:, 0].numel() * t.element_size() for g, t in self._pairs() if not g.per_token)
 
     def token_bytes(self) -> int:
         """Bytes of one token's rows in one slot, over every per-token group."""
-        return sum(t[:, 0].numel() // self._max_tokens * t.element_size()
-                   for g, t in self._pairs() if g.per_token)
+        return sum(
+            t[:, 0].numel() // self._max_tokens * t.element_size()
+            for g, t in self._pairs()
+            if g.per_token
+        )
 
     def _pairs(self) -> Iterable[tuple[StateGroup, torch.Tensor]]:
         return ((g, self.tensors[g.name]) for g in self.groups)
@@ -150,31 +166,3 @@ class StatePool:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Make ``dst`` hold what ``src`` holds for positions < ``length``."""
         self.load_slot(dst, self.slot_state(src, length), length)
-
-
-@dataclass
-class WindowRecords:
-    """Where graphed verify windows leave what a rollback replays (see ``Qwen35Model.rollback``):
-    per GDN layer and window (stream index), the conv tail and recurrent state before the window
-    and the window's pre-conv rows, log decays and betas. Allocated once and shared by every
-    window graph: per-graph outputs of this size would multiply the state pool's memory by the
-    number of graphs."""
-
-    tail: torch.Tensor  # [linear layers, n, conv_dim, K-1]
-    state: torch.Tensor  # [linear layers, n, Hv, Dk, Dv] fp32
-    mixed: torch.Tensor  # [linear layers, n, W, conv_dim]
-    g: torch.Tensor  # [linear layers, n, W, Hv] fp32
-    beta: torch.Tensor  # [linear layers, n, W, Hv]
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, streams: int, width: int, dtype: torch.dtype,
-                 device: torch.device | str) -> WindowRecords:
-        L, Hv = len(cfg.linear_layers), cfg.linear_num_value_heads
-        return cls(
-            tail=torch.zeros(L, streams, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1,
-                             dtype=dtype, device=device),
-            state=torch.zeros(L, streams, Hv, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim, dtype=torch.float32, device=device),
-            mixed=torch.zeros(L, streams, width, cfg.conv_dim, dtype=dtype, device=device),
-            g=torch.zeros(L, streams, width, Hv, dtype=torch.float32, device=device),
-            beta=torch.zeros(L, streams, width, Hv, dtype=dtype, device=device))

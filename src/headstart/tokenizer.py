@@ -14,7 +14,7 @@ files raise ``headstart.errors.CheckpointError`` naming the file.
 control tokens: added-token text written there (``<|im_start|>``, ``<think>``) is encoded as
 ordinary text, while the template's own tokens and the assistant's history keep their ids.
 
-The Qwen3.5 chat template shipped in ``templates/qwen35_chat_template.jinja`` is the Qwen3.5-9B
+The Qwen3.5 chat template shipped in ``models/qwen35/chat_template.jinja`` is the Qwen3.5-9B
 template verbatim (taken from the rendered-golden fixture ``testdata/chat_think_goldens/
 qwen35_tools.json`` of townsendmerino/goinfer, checkpoint "qwen3.5-9b", and checked against the
 prompts recorded there).
@@ -42,15 +42,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from headstart.errors import CheckpointError
 
 __all__ = [
-    "QWEN35_CHAT_TEMPLATE_PATH",
     "ChatEncoding",
     "IncrementalDetokenizer",
     "Tokenizer",
 ]
 
-QWEN35_CHAT_TEMPLATE_PATH = (
-    Path(__file__).resolve().parent / "templates" / "qwen35_chat_template.jinja"
-)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -435,9 +431,7 @@ class Tokenizer:
         )
         self._protected = tuple(protected)
         self._protected_index = {text: i for i, text in enumerate(protected)}
-        self._protected_re = (
-            re.compile("|".join(map(re.escape, protected))) if protected else None
-        )
+        self._protected_re = re.compile("|".join(map(re.escape, protected))) if protected else None
         self._protected_first = tuple(sorted({text[0] for text in protected}))
         self._literal = _literal_backend(backend)
 
@@ -561,9 +555,7 @@ class Tokenizer:
         if tools is not None:
             for tool in tools:
                 if not isinstance(tool, Mapping):
-                    raise ValueError(
-                        f"tools must be JSON-schema dicts, got {type(tool).__name__}"
-                    )
+                    raise ValueError(f"tools must be JSON-schema dicts, got {type(tool).__name__}")
         template = self._select_template(tools)
         variables: dict[str, Any] = {"documents": None, **self._special_tokens, **template_kwargs}
         variables["messages"] = messages
@@ -637,8 +629,9 @@ class Tokenizer:
                 return text
             return pattern.sub(lambda m: placeholders[m.group()], text)
 
-        marked_messages = [_map_strings(m, mark, skip_role=True) if self._is_client(m) else m
-                           for m in messages]
+        marked_messages = [
+            _map_strings(m, mark, skip_role=True) if self._is_client(m) else m for m in messages
+        ]
         marked_tools = None if tools is None else _map_strings(tools, mark)
         marked = self.apply_chat_template(
             marked_messages, add_generation_prompt, marked_tools, **template_kwargs
@@ -725,8 +718,7 @@ class Tokenizer:
             else:
                 delta = restored(lo_char) - lo_char
                 chunks.append(
-                    (marked_ids[lo_tok:hi_tok],
-                     [end + delta for _, end in offsets[lo_tok:hi_tok]])
+                    (marked_ids[lo_tok:hi_tok], [end + delta for _, end in offsets[lo_tok:hi_tok]])
                 )
 
         lo_char = lo_tok = 0
@@ -820,8 +812,11 @@ def byte_level_alphabet() -> dict[int, str]:
     """Byte -> the character that stands for it in byte-level BPE vocabularies (GPT-2's map):
     printable Latin-1 bytes stand for themselves, the rest are shifted to code points from 256
     up, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in keep}
     extra = 0
     for b in range(256):

@@ -37,26 +37,47 @@ def agreement(rows: list[Row], arms: list[str], mode: str) -> dict[str, Any]:
     counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     bad: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     for sha, members in by_request.items():
-        ref = min(members, key=lambda r: (arms.index(r["arm"]), r["order"],
-                                          _PHASE_RANK[r["phase"]], r["streams"], r["rep"],
-                                          r["stream"]))
+        ref = min(
+            members,
+            key=lambda r: (
+                arms.index(r["arm"]),
+                r["order"],
+                _PHASE_RANK[r["phase"]],
+                r["streams"],
+                r["rep"],
+                r["stream"],
+            ),
+        )
         for r in members:
             cell = (r["arm"], r["phase"], r["streams"])
             same = r["fingerprint"] == ref["fingerprint"] and not r["error"]
             counts[cell][0] += same
             counts[cell][1] += 1
             if _must_agree(r, mode):
-                k = (r["prompt_id"], sha, r["arm"], r["phase"], r["streams"], ref["arm"],
-                     ref["phase"], ref["order"])
+                k = (
+                    r["prompt_id"],
+                    sha,
+                    r["arm"],
+                    r["phase"],
+                    r["streams"],
+                    ref["arm"],
+                    ref["phase"],
+                    ref["order"],
+                )
                 bad[k][0] += not same
                 bad[k][1] += 1
     mismatches = [
         f"prompt {p!r} (request {sha}): arm {arm!r} {phase}@{streams}: {n} of {total} outputs "
         f"differ from arm {ref_arm!r}'s {ref_phase} output in order {ref_order}"
-        for (p, sha, arm, phase, streams, ref_arm, ref_phase, ref_order), (n, total)
-        in sorted(bad.items()) if n]
-    match = [{"arm": a, "phase": ph, "streams": s, "matched": m, "total": t}
-             for (a, ph, s), (m, t) in sorted(
-                 counts.items(), key=lambda kv: (arms.index(kv[0][0]), _PHASE_RANK[kv[0][1]],
-                                                 kv[0][2]))]
+        for (p, sha, arm, phase, streams, ref_arm, ref_phase, ref_order), (n, total) in sorted(
+            bad.items()
+        )
+        if n
+    ]
+    match = [
+        {"arm": a, "phase": ph, "streams": s, "matched": m, "total": t}
+        for (a, ph, s), (m, t) in sorted(
+            counts.items(), key=lambda kv: (arms.index(kv[0][0]), _PHASE_RANK[kv[0][1]], kv[0][2])
+        )
+    ]
     return {"mode": mode, "requests": len(by_request), "match": match, "mismatches": mismatches}

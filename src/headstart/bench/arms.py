@@ -44,8 +44,10 @@ class ArmSpec:
     def argv(self, port: int) -> list[str]:
         """The command with ``{port}`` and ``{python}`` filled in."""
         assert self.command is not None
-        return [a.replace("{port}", str(port)).replace("{python}", sys.executable)
-                for a in shlex.split(self.command)]
+        return [
+            a.replace("{port}", str(port)).replace("{python}", sys.executable)
+            for a in shlex.split(self.command)
+        ]
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "command": self.command}
@@ -59,14 +61,17 @@ def parse_arm(text: str, index: int) -> ArmSpec:
     if value.startswith("cmd:"):
         command = value[4:].strip()
         if "{port}" not in command:
-            raise HeadstartError(f"arm {name!r}: the command must contain {{port}} so each "
-                                 "fresh process gets a free port")
+            raise HeadstartError(
+                f"arm {name!r}: the command must contain {{port}} so each "
+                "fresh process gets a free port"
+            )
         shlex.split(command)  # fail now on unbalanced quotes
         return ArmSpec(name, command=command)
     if value.startswith(("http://", "https://")):
         return ArmSpec(name, url=value.rstrip("/"))
-    raise HeadstartError(f"--arm {text!r}: expected NAME=http://HOST:PORT or "
-                         "'NAME=cmd:COMMAND ... --port {port}'")
+    raise HeadstartError(
+        f"--arm {text!r}: expected NAME=http://HOST:PORT or 'NAME=cmd:COMMAND ... --port {{port}}'"
+    )
 
 
 def parse_arms(texts: list[str]) -> list[ArmSpec]:
@@ -83,15 +88,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None,
-               log_path: Path | None = None) -> None:
+def wait_ready(
+    url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: Path | None = None
+) -> None:
     """Poll ``/health`` then ``/v1/models`` until one answers 200. Raises HeadstartError with
     the log's tail if the process exits first or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise HeadstartError(f"{url}: the server exited with status {proc.returncode} "
-                                 f"before it was ready{_tail(log_path)}")
+            raise HeadstartError(
+                f"{url}: the server exited with status {proc.returncode} "
+                f"before it was ready{_tail(log_path)}"
+            )
         for path in ("/health", "/v1/models"):
             try:
                 if httpx.get(url + path, timeout=2).status_code == 200:
@@ -141,12 +149,18 @@ class ArmProcess:
         try:
             # Own session: stop() signals the whole group, so servers that fork workers
             # (vLLM, SGLang) do not leave them behind.
-            self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError as e:
             self._log.close()
-            raise HeadstartError(f"arm {spec.name!r}: cannot start {self.argv[0]!r}: "
-                                 f"{e.strerror or e}") from None
+            raise HeadstartError(
+                f"arm {spec.name!r}: cannot start {self.argv[0]!r}: {e.strerror or e}"
+            ) from None
 
     def wait_ready(self, timeout: float) -> None:
         wait_ready(self.url, timeout, self.proc, self.log_path)

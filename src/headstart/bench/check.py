@@ -50,10 +50,12 @@ class CheckReport:
         return not self.problems
 
     def text(self) -> str:
-        head = (f"bench check {self.folder}: OK ({self.rows} rows)" if self.ok else
-                f"bench check {self.folder}: FAILED, {len(self.problems)} problem(s):")
-        lines = [head, *(f"  - {p}" for p in self.problems), *(f"  note: {n}"
-                                                                for n in self.notes)]
+        head = (
+            f"bench check {self.folder}: OK ({self.rows} rows)"
+            if self.ok
+            else f"bench check {self.folder}: FAILED, {len(self.problems)} problem(s):"
+        )
+        lines = [head, *(f"  - {p}" for p in self.problems), *(f"  note: {n}" for n in self.notes)]
         return "\n".join(lines)
 
 
@@ -63,13 +65,19 @@ def _capped(kind: str, items: list[str]) -> list[str]:
 
 
 def _describe(row: R.Row) -> str:
-    return (f"arm {row['arm']!r} order {row['order']} prompt {row['prompt_id']!r} "
-            f"{row['phase']}@{row['streams']} rep {row['rep']} stream {row['stream']}")
+    return (
+        f"arm {row['arm']!r} order {row['order']} prompt {row['prompt_id']!r} "
+        f"{row['phase']}@{row['streams']} rep {row['rep']} stream {row['stream']}"
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) \
-            and not isinstance(a, bool) and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
     return a == b
 
@@ -106,16 +114,16 @@ def _files(folder: Path, report: CheckReport) -> dict[str, Any] | None:
         if not p.is_file():
             report.problems.append(f"{name}: listed in {MANIFEST} but missing")
         elif sha256_file(p) != meta["sha256"]:
-            report.problems.append(f"{name}: sha256 differs from {MANIFEST} (the file was "
-                                   "changed after the run)")
+            report.problems.append(
+                f"{name}: sha256 differs from {MANIFEST} (the file was changed after the run)"
+            )
     present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
     for name in sorted(present - set(listed) - {MANIFEST}):
         report.notes.append(f"{name} is not in the manifest (added after the run?)")
     return manifest
 
 
-def _load_rows(folder: Path, manifest: dict[str, Any], report: CheckReport
-               ) -> list[R.Row] | None:
+def _load_rows(folder: Path, manifest: dict[str, Any], report: CheckReport) -> list[R.Row] | None:
     loaded: dict[str, list[R.Row]] = {}
     for name, parse in (("requests.json", R.from_json), ("requests.csv", R.from_csv)):
         try:
@@ -131,9 +139,12 @@ def _load_rows(folder: Path, manifest: dict[str, Any], report: CheckReport
     js, cs = loaded["requests.json"], loaded["requests.csv"]
     if len(js) != len(cs):
         report.problems.append(f"requests.csv has {len(cs)} rows, requests.json {len(js)}")
-    diffs = [f"row {i} ({_describe(a)}): field {f!r}: JSON {a[f]!r}, CSV {b[f]!r}"
-             for i, (a, b) in enumerate(zip(js, cs, strict=False))
-             for f in R.FIELDS if a[f] != b[f]]
+    diffs = [
+        f"row {i} ({_describe(a)}): field {f!r}: JSON {a[f]!r}, CSV {b[f]!r}"
+        for i, (a, b) in enumerate(zip(js, cs, strict=False))
+        for f in R.FIELDS
+        if a[f] != b[f]
+    ]
     report.problems += _capped("CSV and JSON rows differ", diffs)
     return js
 
@@ -143,8 +154,15 @@ def _design(rows: list[R.Row], config: dict[str, Any], report: CheckReport) -> N
     names = [a["name"] for a in config["arms"]]
     orders = arm_orders(names, int(config["orders"]))
     sampling = Sampling(**config["sampling"])
-    prompts = [Prompt(p["id"], messages=tuple(p["messages"]) if "messages" in p else None,
-                      prompt=p.get("prompt"), source=p["source"]) for p in config["prompts"]]
+    prompts = [
+        Prompt(
+            p["id"],
+            messages=tuple(p["messages"]) if "messages" in p else None,
+            prompt=p.get("prompt"),
+            source=p["source"],
+        )
+        for p in config["prompts"]
+    ]
     plan = schedule(config["streams"], int(config["bursts"]))
     expected: dict[tuple, tuple[int, str]] = {}
     for k, order in enumerate(orders):
@@ -156,19 +174,26 @@ def _design(rows: list[R.Row], config: dict[str, Any], report: CheckReport) -> N
                     for s in range(streams):
                         expected[(arm, k, p.id, phase, streams, rep, s)] = (slot, sha)
     seen = Counter(R.key_of(r) for r in rows)
-    missing = [f"arm {k[0]!r} order {k[1]} prompt {k[2]!r} {k[3]}@{k[4]} rep {k[5]} "
-               f"stream {k[6]}" for k in expected if k not in seen]
+    missing = [
+        f"arm {k[0]!r} order {k[1]} prompt {k[2]!r} {k[3]}@{k[4]} rep {k[5]} stream {k[6]}"
+        for k in expected
+        if k not in seen
+    ]
     report.problems += _capped("missing row", missing)
-    report.problems += _capped("unexpected row", [_describe(r) for r in rows
-                                                  if R.key_of(r) not in expected])
-    report.problems += _capped("duplicate row", [f"{k} appears {n} times"
-                                                 for k, n in seen.items() if n > 1])
+    report.problems += _capped(
+        "unexpected row", [_describe(r) for r in rows if R.key_of(r) not in expected]
+    )
+    report.problems += _capped(
+        "duplicate row", [f"{k} appears {n} times" for k, n in seen.items() if n > 1]
+    )
     wrong = []
     for r in rows:
         slot, sha = expected.get(R.key_of(r), (r["slot"], r["request_sha"]))
         if (r["slot"], r["request_sha"]) != (slot, sha):
-            wrong.append(f"{_describe(r)}: slot {r['slot']} request {r['request_sha']}, "
-                         f"the config implies slot {slot} request {sha}")
+            wrong.append(
+                f"{_describe(r)}: slot {r['slot']} request {r['request_sha']}, "
+                f"the config implies slot {slot} request {sha}"
+            )
     report.problems += _capped("row does not match the design", wrong)
 
 
@@ -176,8 +201,9 @@ def _row_values(rows: list[R.Row], report: CheckReport) -> None:
     derived, order, failed = [], [], []
     for r in rows:
         for f, v in R.derive(r).items():
-            if not (v is None and r[f] is None) and (v is None or r[f] is None
-                                                     or not _same(r[f], v)):
+            if not (v is None and r[f] is None) and (
+                v is None or r[f] is None or not _same(r[f], v)
+            ):
                 derived.append(f"{_describe(r)}: {f} is {r[f]!r}, its timestamps give {v!r}")
         times = [r[k] for k in ("t_send", "t_first", "t_last", "t_done") if r[k] is not None]
         if times != sorted(times):
@@ -216,8 +242,9 @@ def check_receipt(folder: str | Path) -> CheckReport:
         fresh = summarize(rows, config)
     except (KeyError, TypeError, ValueError) as e:
         # A hand-edited config or a row naming an unknown arm/phase: say so, don't crash.
-        report.problems.append(f"config.json and the rows do not fit together "
-                               f"({type(e).__name__}: {e})")
+        report.problems.append(
+            f"config.json and the rows do not fit together ({type(e).__name__}: {e})"
+        )
         return report
     diffs: list[str] = []
     _diff(stored, fresh, "summary", diffs)
@@ -227,13 +254,17 @@ def check_receipt(folder: str | Path) -> CheckReport:
     mismatches = fresh["agreement"]["mismatches"]
     report.problems += _capped(f"outputs disagree (--agree {config['agree']})", mismatches)
     if mismatches and config["agree"] == "all" and not any("@1:" in m for m in mismatches):
-        report.notes.append("only concurrent requests disagree: if the server's batched "
-                            "kernels are not batch-invariant, run with --agree single")
+        report.notes.append(
+            "only concurrent requests disagree: if the server's batched "
+            "kernels are not batch-invariant, run with --agree single"
+        )
     try:
         recorded = load_json(folder / "env.json")["client"]["sha256"]
         if recorded != client_hash()["sha256"]:
-            report.notes.append("the bench client changed since this receipt was written "
-                                "(summaries were recomputed with the current code)")
+            report.notes.append(
+                "the bench client changed since this receipt was written "
+                "(summaries were recomputed with the current code)"
+            )
     except (OSError, KeyError, json.JSONDecodeError):
         report.notes.append("env.json has no client hash")
     return report

@@ -35,8 +35,10 @@ class Output:
     tokens: list[str] | None = None
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"content": "".join(self.content),
-                               "reasoning": "".join(self.reasoning)}
+        out: dict[str, Any] = {
+            "content": "".join(self.content),
+            "reasoning": "".join(self.reasoning),
+        }
         if self.tokens is not None:
             out["tokens"] = self.tokens
         return out
@@ -51,9 +53,9 @@ def _take_tokens(choice: dict[str, Any], out: Output) -> None:
     if not lp:
         return
     out.tokens = out.tokens if out.tokens is not None else []
-    if isinstance(lp.get("content"), list):          # chat: [{"token": ...}, ...]
+    if isinstance(lp.get("content"), list):  # chat: [{"token": ...}, ...]
         out.tokens.extend(str(e.get("token")) for e in lp["content"])
-    elif isinstance(lp.get("tokens"), list):         # completions: ["...", ...]
+    elif isinstance(lp.get("tokens"), list):  # completions: ["...", ...]
         out.tokens.extend(str(t) for t in lp["tokens"])
 
 
@@ -66,17 +68,27 @@ def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
     return delta.get("content") or "", reasoning
 
 
-async def measure(client: httpx.AsyncClient, url: str, payload: bytes, t0: float,
-                  headers: dict[str, str]) -> tuple[Row, Output]:
+async def measure(
+    client: httpx.AsyncClient, url: str, payload: bytes, t0: float, headers: dict[str, str]
+) -> tuple[Row, Output]:
     """Send one streamed request; return its raw row fields (no identity fields) and output.
 
     Never raises for HTTP or stream problems: they land in the row's ``status``/``error`` so a
     failed request is recorded (and then fails ``bench check``) instead of vanishing.
     """
     out = Output()
-    row: Row = {"t_first": None, "t_last": None, "t_done": None, "prompt_tokens": None,
-                "completion_tokens": None, "cached_tokens": None, "n_deltas": 0,
-                "finish_reason": "", "status": 0, "error": ""}
+    row: Row = {
+        "t_first": None,
+        "t_last": None,
+        "t_done": None,
+        "prompt_tokens": None,
+        "completion_tokens": None,
+        "cached_tokens": None,
+        "n_deltas": 0,
+        "finish_reason": "",
+        "status": 0,
+        "error": "",
+    }
     send = time.perf_counter()
     try:
         async with client.stream("POST", url, content=payload, headers=headers) as r:
@@ -133,9 +145,15 @@ async def _read_stream(r: httpx.Response, row: Row, out: Output) -> None:
                 row["t_last"] = now
 
 
-async def burst(client: httpx.AsyncClient, url: str, body: dict[str, Any], streams: int,
-                t0: float, headers: dict[str, str],
-                on_done: Callable[[], None] | None = None) -> list[tuple[Row, Output]]:
+async def burst(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    streams: int,
+    t0: float,
+    headers: dict[str, str],
+    on_done: Callable[[], None] | None = None,
+) -> list[tuple[Row, Output]]:
     """``streams`` identical requests started together; results in stream order."""
     payload = json.dumps(body).encode()  # encode once so no stream waits on another's JSON
 

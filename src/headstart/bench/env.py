@@ -25,9 +25,24 @@ from pathlib import Path
 from typing import Any
 
 #: Packages whose versions are worth knowing when comparing numbers (absent ones are skipped).
-PACKAGES = ("headstart", "torch", "triton", "flash-linear-attention", "numpy", "tokenizers",
-            "safetensors", "fastapi", "uvicorn", "httpx", "openai", "vllm", "sglang",
-            "transformers", "matplotlib", "tqdm")
+PACKAGES = (
+    "headstart",
+    "torch",
+    "triton",
+    "flash-linear-attention",
+    "numpy",
+    "tokenizers",
+    "safetensors",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "openai",
+    "vllm",
+    "sglang",
+    "transformers",
+    "matplotlib",
+    "tqdm",
+)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -40,14 +55,18 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def tree_hashes(root: Path, pattern: str = "*") -> dict[str, str]:
     """sha256 of every file under ``root`` matching ``pattern``, by relative path."""
-    return {str(p.relative_to(root)): sha256_file(p)
-            for p in sorted(root.rglob(pattern)) if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(root)): sha256_file(p)
+        for p in sorted(root.rglob(pattern))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def combined(hashes: dict[str, str]) -> str:
     """One hash for a set of files: sha256 over sorted "path sha" lines."""
-    return hashlib.sha256("".join(f"{k} {v}\n" for k, v in sorted(hashes.items()))
-                          .encode()).hexdigest()
+    return hashlib.sha256(
+        "".join(f"{k} {v}\n" for k, v in sorted(hashes.items())).encode()
+    ).hexdigest()
 
 
 def client_hash() -> dict[str, Any]:
@@ -64,8 +83,11 @@ def model_dir_of(command: str | None) -> Path | None:
         return None
     argv = shlex.split(command)
     for i, a in enumerate(argv):
-        value = argv[i + 1] if a == "--model" and i + 1 < len(argv) else (
-            a.split("=", 1)[1] if a.startswith("--model=") else None)
+        value = (
+            argv[i + 1]
+            if a == "--model" and i + 1 < len(argv)
+            else (a.split("=", 1)[1] if a.startswith("--model=") else None)
+        )
         if value is not None:
             path = Path(value).expanduser()
             return path if path.is_dir() else None
@@ -114,15 +136,28 @@ def _run(argv: list[str]) -> str | None:
 
 def gpu_info() -> dict[str, Any] | None:
     """GPUs, driver and CUDA version from ``nvidia-smi``; None without it."""
-    query = _run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total,pci.bus_id",
-                  "--format=csv,noheader"])
+    query = _run(
+        [
+            "nvidia-smi",
+            "--query-gpu=index,name,driver_version,memory.total,pci.bus_id",
+            "--format=csv,noheader",
+        ]
+    )
     if query is None:
         return None
     header = _run(["nvidia-smi"]) or ""
-    cuda = next((line.split("CUDA Version:")[1].split()[0] for line in header.splitlines()
-                 if "CUDA Version:" in line), None)
-    return {"gpus": [line.strip() for line in query.splitlines() if line.strip()],
-            "driver_cuda": cuda}
+    cuda = next(
+        (
+            line.split("CUDA Version:")[1].split()[0]
+            for line in header.splitlines()
+            if "CUDA Version:" in line
+        ),
+        None,
+    )
+    return {
+        "gpus": [line.strip() for line in query.splitlines() if line.strip()],
+        "driver_cuda": cuda,
+    }
 
 
 def torch_info() -> dict[str, Any] | None:
@@ -130,10 +165,12 @@ def torch_info() -> dict[str, Any] | None:
         import torch
     except ImportError:
         return None
-    return {"version": torch.__version__, "cuda": torch.version.cuda,
-            "cuda_available": torch.cuda.is_available(),
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available()
-            else None}
+    return {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
 
 
 def packages() -> dict[str, str]:
@@ -159,16 +196,26 @@ def collect(commands: dict[str, str | None], hash_models: bool = True) -> dict[s
         folder = folder.resolve()
         if folder not in cache:
             files = tree_hashes(folder) if hash_models else {}
-            cache[folder] = {"dir": str(folder), "files": files,
-                             "sha256": combined(files) if files else None}
+            cache[folder] = {
+                "dir": str(folder),
+                "files": files,
+                "sha256": combined(files) if files else None,
+            }
         models[arm] = cache[folder]
     return {
-        "python": sys.version, "executable": sys.executable,
-        "platform": platform.platform(), "machine": platform.machine(),
-        "processor": platform.processor(), "cpu_count": os.cpu_count(),
-        "gpu": gpu_info(), "torch": torch_info(), "packages": packages(),
+        "python": sys.version,
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu_info(),
+        "torch": torch_info(),
+        "packages": packages(),
         "git": git_commit(pkg_root) or git_commit(Path.cwd()),
         "headstart_source_sha256": combined(tree_hashes(pkg_root, "*.py")),
-        "client": client_hash(), "models": models,
-        "argv": sys.argv, "cwd": os.getcwd(),
+        "client": client_hash(),
+        "models": models,
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
     }

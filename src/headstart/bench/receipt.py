@@ -29,26 +29,41 @@ from headstart.bench.summary import format_table, summarize
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-REQUIRED = ("config.json", "env.json", "requests.csv", "requests.json", "outputs.json",
-            "summary.json", "table.txt")
+REQUIRED = (
+    "config.json",
+    "env.json",
+    "requests.csv",
+    "requests.json",
+    "outputs.json",
+    "summary.json",
+    "table.txt",
+)
 
 
 def run_title(config: dict[str, Any]) -> str:
     """The line above the table, from the config alone (so check can rebuild the table)."""
     s = config["sampling"]
     arms = ", ".join(a["name"] for a in config["arms"])
-    return (f"headstart bench {config['run_id']}: arms {arms}; {config['orders']} orders; "
-            f"{len(config['prompts'])} prompts; streams {'/'.join(map(str, config['streams']))}"
-            f" x {config['bursts']} bursts; {s['max_tokens']} tokens; "
-            f"temperature {s['temperature']}; seed {s['seed']}; thinking {s['thinking']}")
+    return (
+        f"headstart bench {config['run_id']}: arms {arms}; {config['orders']} orders; "
+        f"{len(config['prompts'])} prompts; streams {'/'.join(map(str, config['streams']))}"
+        f" x {config['bursts']} bursts; {s['max_tokens']} tokens; "
+        f"temperature {s['temperature']}; seed {s['seed']}; thinking {s['thinking']}"
+    )
 
 
 def _dump(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, ensure_ascii=False, sort_keys=False) + "\n")
 
 
-def write_receipt(folder: Path, config: dict[str, Any], env: dict[str, Any],
-                  rows: list[R.Row], outputs: dict[str, Any], plot: bool = True) -> dict:
+def write_receipt(
+    folder: Path,
+    config: dict[str, Any],
+    env: dict[str, Any],
+    rows: list[R.Row],
+    outputs: dict[str, Any],
+    plot: bool = True,
+) -> dict:
     """Write the receipt (see the module docstring); returns the summary."""
     folder.mkdir(parents=True, exist_ok=True)
     _dump(folder / "config.json", config)
@@ -68,11 +83,20 @@ def write_receipt(folder: Path, config: dict[str, Any], env: dict[str, Any],
 
 
 def write_manifest(folder: Path, n_rows: int) -> None:
-    files = {str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    _dump(folder / MANIFEST, {"schema": SCHEMA_VERSION, "tool": "headstart bench",
-                              "rows": {"requests.csv": n_rows, "requests.json": n_rows},
-                              "files": files})
+    files = {
+        str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    _dump(
+        folder / MANIFEST,
+        {
+            "schema": SCHEMA_VERSION,
+            "tool": "headstart bench",
+            "rows": {"requests.csv": n_rows, "requests.json": n_rows},
+            "files": files,
+        },
+    )
 
 
 def load_json(path: Path) -> Any:

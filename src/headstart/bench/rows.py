@@ -21,30 +21,30 @@ Row = dict[str, Any]
 #: Field name -> type, in column order. Times are seconds since the run's start on the
 #: client's ``time.perf_counter()`` clock; ``None`` (empty in CSV) means "did not happen".
 SCHEMA: dict[str, type] = {
-    "arm": str,            # arm name
-    "order": int,          # which order (0 = arms as given, 1 = reversed, ...)
-    "slot": int,           # the arm's position within that order
+    "arm": str,  # arm name
+    "order": int,  # which order (0 = arms as given, 1 = reversed, ...)
+    "slot": int,  # the arm's position within that order
     "prompt_id": str,
-    "phase": str,          # cold | primed | steady
-    "streams": int,        # concurrent streams in this burst (1 for cold)
-    "rep": int,            # burst index within (prompt, streams); 0 is the primed burst
-    "stream": int,         # index of this request within its burst
-    "request_sha": str,    # sha256 of the request body without "model": same body, same output
-    "t_send": float,       # just before the request was sent
-    "t_first": float,      # first non-empty content/reasoning/text delta
-    "t_last": float,       # last non-empty delta
-    "t_done": float,       # data: [DONE]
-    "ttft_s": float,       # derived: t_first - t_send
+    "phase": str,  # cold | primed | steady
+    "streams": int,  # concurrent streams in this burst (1 for cold)
+    "rep": int,  # burst index within (prompt, streams); 0 is the primed burst
+    "stream": int,  # index of this request within its burst
+    "request_sha": str,  # sha256 of the request body without "model": same body, same output
+    "t_send": float,  # just before the request was sent
+    "t_first": float,  # first non-empty content/reasoning/text delta
+    "t_last": float,  # last non-empty delta
+    "t_done": float,  # data: [DONE]
+    "ttft_s": float,  # derived: t_first - t_send
     "decode_tok_s": float,  # derived: (tokens - 1) / (t_last - t_first)
-    "e2e_s": float,        # derived: t_done - t_send
+    "e2e_s": float,  # derived: t_done - t_send
     "prompt_tokens": int,  # from the server's usage chunk
     "completion_tokens": int,
     "cached_tokens": int,  # usage.prompt_tokens_details.cached_tokens
-    "n_deltas": int,       # non-empty deltas received
+    "n_deltas": int,  # non-empty deltas received
     "finish_reason": str,
-    "fingerprint": str,    # sha256 (16 hex) of the output text (and token ids with --token-ids)
-    "status": int,         # HTTP status
-    "error": str,          # empty when the request succeeded
+    "fingerprint": str,  # sha256 (16 hex) of the output text (and token ids with --token-ids)
+    "status": int,  # HTTP status
+    "error": str,  # empty when the request succeeded
 }
 FIELDS: tuple[str, ...] = tuple(SCHEMA)
 #: Fields computed from others; ``bench check`` recomputes and compares them.
@@ -122,8 +122,13 @@ def from_csv(text: str) -> list[Row]:
 
 
 def to_json(rows: Iterable[Row]) -> str:
-    return json.dumps({"fields": list(FIELDS), "rows": [{f: r.get(f) for f in FIELDS}
-                                                       for r in rows]}, indent=1) + "\n"
+    return (
+        json.dumps(
+            {"fields": list(FIELDS), "rows": [{f: r.get(f) for f in FIELDS} for r in rows]},
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def from_json(text: str) -> list[Row]:
@@ -138,8 +143,11 @@ def from_json(text: str) -> list[Row]:
         for f, kind in SCHEMA.items():
             v = raw[f]
             number = (int,) if kind is int else (int, float)
-            ok = (isinstance(v, str) if kind is str else
-                  v is None or (isinstance(v, number) and not isinstance(v, bool)))
+            ok = (
+                isinstance(v, str)
+                if kind is str
+                else v is None or (isinstance(v, number) and not isinstance(v, bool))
+            )
             if not ok:
                 raise ValueError(f"JSON row {i}: field {f!r} has {v!r}")
             if kind is float and isinstance(v, int):

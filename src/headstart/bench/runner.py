@@ -43,12 +43,12 @@ class Plan:
     bursts: int
     orders: int
     agree: str
-    salt: str                      # auto | always | never
+    salt: str  # auto | always | never
     out: Path
     ready_timeout: float = 600.0
     request_timeout: float = 600.0
     model_name: str | None = None  # sent as "model"; default: the server's /v1/models id
-    api_key: str | None = None     # never written to the receipt
+    api_key: str | None = None  # never written to the receipt
     hash_models: bool = True
     plot: bool = True
     progress: bool = True
@@ -58,8 +58,9 @@ class Plan:
         # A URL arm's server lives across orders, so without a salt its "cold" request in
         # order 1 would hit what order 0 cached. Salting every arm keeps bodies identical
         # across arms within an order, so their outputs stay comparable.
-        return self.salt == "always" or (self.salt == "auto" and
-                                         any(a.url is not None for a in self.arms))
+        return self.salt == "always" or (
+            self.salt == "auto" and any(a.url is not None for a in self.arms)
+        )
 
     def requests_per_arm(self) -> int:
         return len(self.prompts) * sum(s for _, s, _ in schedule(self.streams, self.bursts))
@@ -73,8 +74,18 @@ class _Sink:
         self.outputs: dict[str, Any] = {}
 
 
-async def _workload(plan: Plan, run_id: str, arm: str, order: int, slot: int, url: str,
-                    model: str | None, t0: float, bar: tqdm, sink: _Sink) -> None:
+async def _workload(
+    plan: Plan,
+    run_id: str,
+    arm: str,
+    order: int,
+    slot: int,
+    url: str,
+    model: str | None,
+    t0: float,
+    bar: tqdm,
+    sink: _Sink,
+) -> None:
     headers = {"Content-Type": "application/json", **_headers(plan)}
     width = max(plan.streams) + 4
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
@@ -86,13 +97,30 @@ async def _workload(plan: Plan, run_id: str, arm: str, order: int, slot: int, ur
             if model is not None:
                 body = {"model": model, **body}
             for phase, streams, rep in schedule(plan.streams, plan.bursts):
-                results = await burst(client, url + prompt.endpoint, body, streams, t0,
-                                      headers, on_done=lambda: bar.update(1))
+                results = await burst(
+                    client,
+                    url + prompt.endpoint,
+                    body,
+                    streams,
+                    t0,
+                    headers,
+                    on_done=lambda: bar.update(1),
+                )
                 for i, (row, output) in enumerate(results):
-                    sink.rows.append({"arm": arm, "order": order, "slot": slot,
-                                      "prompt_id": prompt.id, "phase": phase,
-                                      "streams": streams, "rep": rep, "stream": i,
-                                      "request_sha": sha, **row})
+                    sink.rows.append(
+                        {
+                            "arm": arm,
+                            "order": order,
+                            "slot": slot,
+                            "prompt_id": prompt.id,
+                            "phase": phase,
+                            "streams": streams,
+                            "rep": rep,
+                            "stream": i,
+                            "request_sha": sha,
+                            **row,
+                        }
+                    )
                     sink.outputs.setdefault(row["fingerprint"], output.as_json())
 
 
@@ -100,8 +128,9 @@ def _headers(plan: Plan) -> dict[str, str]:
     return {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
 
 
-def _run_arm(plan: Plan, run_id: str, spec: ArmSpec, order: int, slot: int, t0: float,
-             bar: tqdm, sink: _Sink) -> dict[str, Any]:
+def _run_arm(
+    plan: Plan, run_id: str, spec: ArmSpec, order: int, slot: int, t0: float, bar: tqdm, sink: _Sink
+) -> dict[str, Any]:
     """One arm in one order; returns its launch record."""
     bar.set_description(f"{spec.name} (order {order})")
     bar.set_postfix_str("starting" if spec.command else "connecting")
@@ -113,9 +142,14 @@ def _run_arm(plan: Plan, run_id: str, spec: ArmSpec, order: int, slot: int, t0: 
     else:
         assert spec.url is not None
         url = spec.url
-    launch: dict[str, Any] = {"arm": spec.name, "order": order, "slot": slot, "url": url,
-                              "argv": proc.argv if proc else None,
-                              "log": str(proc.log_path.relative_to(plan.out)) if proc else None}
+    launch: dict[str, Any] = {
+        "arm": spec.name,
+        "order": order,
+        "slot": slot,
+        "url": url,
+        "argv": proc.argv if proc else None,
+        "log": str(proc.log_path.relative_to(plan.out)) if proc else None,
+    }
     try:
         if proc is not None:
             proc.wait_ready(plan.ready_timeout)
@@ -144,23 +178,33 @@ def run(plan: Plan, argv: list[str]) -> int:
     # Before any server starts: hashing large model files must not overlap a measurement.
     env = envmod.collect({a.name: a.command for a in plan.arms}, plan.hash_models)
     config: dict[str, Any] = {
-        "schema": 1, "run_id": run_id, "argv": argv,
+        "schema": 1,
+        "run_id": run_id,
+        "argv": argv,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "arms": [a.as_json() for a in plan.arms], "orders": plan.orders,
-        "order_list": orders, "streams": plan.streams, "bursts": plan.bursts,
-        "sampling": asdict(plan.sampling), "agree": plan.agree, "salt": plan.salt,
-        "salted": plan.salted, "prompts": [p.as_json() for p in plan.prompts],
+        "arms": [a.as_json() for a in plan.arms],
+        "orders": plan.orders,
+        "order_list": orders,
+        "streams": plan.streams,
+        "bursts": plan.bursts,
+        "sampling": asdict(plan.sampling),
+        "agree": plan.agree,
+        "salt": plan.salt,
+        "salted": plan.salted,
+        "prompts": [p.as_json() for p in plan.prompts],
         "launches": [],
     }
     sink = _Sink()
     total = plan.requests_per_arm() * len(names) * plan.orders
     t0 = time.perf_counter()
-    with tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True,
-              disable=not plan.progress) as bar:
+    with tqdm(
+        total=total, unit="req", file=sys.stderr, dynamic_ncols=True, disable=not plan.progress
+    ) as bar:
         for k, order in enumerate(orders):
             for slot, name in enumerate(order):
                 config["launches"].append(
-                    _run_arm(plan, run_id, by_name[name], k, slot, t0, bar, sink))
+                    _run_arm(plan, run_id, by_name[name], k, slot, t0, bar, sink)
+                )
     summary = write_receipt(plan.out, config, env, sink.rows, sink.outputs, plot=plan.plot)
     report = check_receipt(plan.out)
     print(report.text(), file=sys.stderr)

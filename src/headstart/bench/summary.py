@@ -43,8 +43,7 @@ def bursts(rows: Iterable[Row]) -> list[Row]:
         if all(d is not None for d in done):
             wall = max(done) - min(m["t_send"] for m in members)
         tokens = sum(output_tokens(m) for m in members)
-        rec.update(burst_wall_s=wall, tokens=tokens,
-                   burst_tok_s=tokens / wall if wall else None)
+        rec.update(burst_wall_s=wall, tokens=tokens, burst_tok_s=tokens / wall if wall else None)
         out.append(rec)
     return out
 
@@ -55,8 +54,10 @@ def _stats(values_by_order: dict[int, list[float]], n_orders: int) -> dict[str, 
         "n": len(values),
         "median": statistics.median(values) if values else None,
         "max": max(values) if values else None,
-        "order_means": [statistics.fmean(values_by_order[k]) if values_by_order.get(k) else None
-                        for k in range(n_orders)],
+        "order_means": [
+            statistics.fmean(values_by_order[k]) if values_by_order.get(k) else None
+            for k in range(n_orders)
+        ],
     }
 
 
@@ -73,8 +74,7 @@ def _collect(records: Iterable[Row], metrics: tuple[str, ...]) -> dict[tuple, di
 def _ratio(arm: list[float | None], base: list[float | None]) -> dict[str, Any]:
     per_order = [a / b if a is not None and b else None for a, b in zip(arm, base, strict=False)]
     logs = [math.log(r) for r in per_order if r is not None and r > 0]
-    return {"per_order": per_order,
-            "balanced": math.exp(statistics.fmean(logs)) if logs else None}
+    return {"per_order": per_order, "balanced": math.exp(statistics.fmean(logs)) if logs else None}
 
 
 def summarize(rows: list[Row], config: dict[str, Any]) -> dict[str, Any]:
@@ -83,8 +83,7 @@ def summarize(rows: list[Row], config: dict[str, Any]) -> dict[str, Any]:
     n_orders = int(config["orders"])
     req = _collect(rows, REQUEST_METRICS)
     bur = _collect(bursts(rows), BURST_METRICS)
-    cells = sorted(set(req) | set(bur),
-                   key=lambda c: (PHASES.index(c[1]), c[2], arms.index(c[0])))
+    cells = sorted(set(req) | set(bur), key=lambda c: (PHASES.index(c[1]), c[2], arms.index(c[0])))
     groups = []
     for cell in cells:
         metrics = {m: _stats(req[cell][m], n_orders) for m in REQUEST_METRICS}
@@ -97,11 +96,24 @@ def summarize(rows: list[Row], config: dict[str, Any]) -> dict[str, Any]:
         if arm == arms[0] or base is None:
             continue
         for m in RATIO_METRICS:
-            ratios.append({"arm": arm, "baseline": arms[0], "phase": phase, "streams": streams,
-                           "metric": m, **_ratio(metrics[m]["order_means"],
-                                                 base[m]["order_means"])})
-    return {"arms": arms, "baseline": arms[0], "orders": n_orders, "groups": groups,
-            "ratios": ratios, "agreement": agreement(rows, arms, config["agree"])}
+            ratios.append(
+                {
+                    "arm": arm,
+                    "baseline": arms[0],
+                    "phase": phase,
+                    "streams": streams,
+                    "metric": m,
+                    **_ratio(metrics[m]["order_means"], base[m]["order_means"]),
+                }
+            )
+    return {
+        "arms": arms,
+        "baseline": arms[0],
+        "orders": n_orders,
+        "groups": groups,
+        "ratios": ratios,
+        "agreement": agreement(rows, arms, config["agree"]),
+    }
 
 
 def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -109,25 +121,39 @@ def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 #: Table columns: (header, unit line, width).
-_COLUMNS = (("phase", "", 7), ("streams", "", 8), ("arm", "", 14), ("reqs", "", 5),
-            ("ttft med", "ms", 10), ("ttft max", "ms", 10), ("decode", "tok/s", 8),
-            ("e2e med", "ms", 9), ("burst", "wall s", 8), ("burst", "tok/s", 8),
-            ("cached", "tokens", 8), ("agree", "", 7), ("ttft", "vs base", 9),
-            ("tok/s", "vs base", 9))
+_COLUMNS = (
+    ("phase", "", 7),
+    ("streams", "", 8),
+    ("arm", "", 14),
+    ("reqs", "", 5),
+    ("ttft med", "ms", 10),
+    ("ttft max", "ms", 10),
+    ("decode", "tok/s", 8),
+    ("e2e med", "ms", 9),
+    ("burst", "wall s", 8),
+    ("burst", "tok/s", 8),
+    ("cached", "tokens", 8),
+    ("agree", "", 7),
+    ("ttft", "vs base", 9),
+    ("tok/s", "vs base", 9),
+)
 
 
 def _line(cells: list[str], widths: list[int]) -> str:
     # phase and arm left-aligned, numbers right-aligned; a gap after "streams" before the arm
-    return "".join(c.ljust(w) if i in (0, 2) else c.rjust(w) + ("  " if i == 1 else "")
-                   for i, (c, w) in enumerate(zip(cells, widths, strict=False))).rstrip()
+    return "".join(
+        c.ljust(w) if i in (0, 2) else c.rjust(w) + ("  " if i == 1 else "")
+        for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+    ).rstrip()
 
 
 def format_table(summary: dict[str, Any], title: str = "") -> str:
     """The human table: one line per (phase, streams, arm). Times and rates are medians over
     every request (or burst) of the cell; "vs base" columns are the arm's per-order mean over
     the baseline's, balanced geometrically over orders ("burst tok/s" for the last one)."""
-    ratio = {(r["arm"], r["phase"], r["streams"], r["metric"]): r["balanced"]
-             for r in summary["ratios"]}
+    ratio = {
+        (r["arm"], r["phase"], r["streams"], r["metric"]): r["balanced"] for r in summary["ratios"]
+    }
     match = {(m["arm"], m["phase"], m["streams"]): m for m in summary["agreement"]["match"]}
     widths = [w for _, _, w in _COLUMNS]
     widths[2] = max(5, *(len(a) + 2 for a in summary["arms"]))
@@ -139,13 +165,25 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         cell = (arm, phase, streams)
         agree = match.get(cell)
         is_base = arm == summary["baseline"]
-        lines.append(_line([
-            phase, str(streams), arm, str(m["ttft_s"]["n"]),
-            _fmt(m["ttft_s"]["median"], 1e3), _fmt(m["ttft_s"]["max"], 1e3),
-            _fmt(m["decode_tok_s"]["median"]), _fmt(m["e2e_s"]["median"], 1e3),
-            _fmt(m["burst_wall_s"]["median"], 1, 3), _fmt(m["burst_tok_s"]["median"]),
-            _fmt(m["cached_tokens"]["median"], 1, 0),
-            f"{100 * agree['matched'] / agree['total']:.0f}%" if agree else "-",
-            "base" if is_base else _fmt(ratio.get((*cell, "ttft_s")), 1, 3),
-            "base" if is_base else _fmt(ratio.get((*cell, "burst_tok_s")), 1, 3)], widths))
+        lines.append(
+            _line(
+                [
+                    phase,
+                    str(streams),
+                    arm,
+                    str(m["ttft_s"]["n"]),
+                    _fmt(m["ttft_s"]["median"], 1e3),
+                    _fmt(m["ttft_s"]["max"], 1e3),
+                    _fmt(m["decode_tok_s"]["median"]),
+                    _fmt(m["e2e_s"]["median"], 1e3),
+                    _fmt(m["burst_wall_s"]["median"], 1, 3),
+                    _fmt(m["burst_tok_s"]["median"]),
+                    _fmt(m["cached_tokens"]["median"], 1, 0),
+                    f"{100 * agree['matched'] / agree['total']:.0f}%" if agree else "-",
+                    "base" if is_base else _fmt(ratio.get((*cell, "ttft_s")), 1, 3),
+                    "base" if is_base else _fmt(ratio.get((*cell, "burst_tok_s")), 1, 3),
+                ],
+                widths,
+            )
+        )
     return "\n".join(lines) + "\n"

@@ -56,8 +56,8 @@ class Sampling:
     max_tokens: int = 128
     temperature: float = 0.0
     seed: int | None = 0
-    thinking: str = "off"          # on | off | omit (send no chat_template_kwargs)
-    token_ids: bool = False        # ask for token ids (logprobs) so fingerprints cover tokens
+    thinking: str = "off"  # on | off | omit (send no chat_template_kwargs)
+    token_ids: bool = False  # ask for token ids (logprobs) so fingerprints cover tokens
     extra: dict[str, Any] = field(default_factory=dict)  # merged into every body last
 
 
@@ -74,15 +74,21 @@ def _prompt_from_item(item: Any, default_id: str, source: str) -> Prompt:
         pid = str(item.get("id", default_id))
         messages, text = item.get("messages"), item.get("prompt")
         if (messages is None) == (text is None):
-            raise HeadstartError(f"{source}: prompt {pid!r} needs exactly one of "
-                                 "'messages' (chat) or 'prompt' (completions)")
+            raise HeadstartError(
+                f"{source}: prompt {pid!r} needs exactly one of "
+                "'messages' (chat) or 'prompt' (completions)"
+            )
     else:
-        raise HeadstartError(f"{source}: item {default_id!r} is {type(item).__name__}; expected "
-                             "a string, a list of messages, or an object")
+        raise HeadstartError(
+            f"{source}: item {default_id!r} is {type(item).__name__}; expected "
+            "a string, a list of messages, or an object"
+        )
     if messages is not None:
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise HeadstartError(f"{source}: prompt {pid!r}: messages must be a non-empty list "
-                                 "of objects with a 'role'")
+            raise HeadstartError(
+                f"{source}: prompt {pid!r}: messages must be a non-empty list "
+                "of objects with a 'role'"
+            )
         return Prompt(pid, messages=tuple(messages), source=source)
     if not isinstance(text, str) or not text:
         raise HeadstartError(f"{source}: prompt {pid!r}: 'prompt' must be a non-empty string")
@@ -104,8 +110,9 @@ def load_prompt_file(path: str | Path) -> list[Prompt]:
             doc = json.loads(text)
             items = doc["prompts"] if isinstance(doc, dict) else doc
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise HeadstartError(f"prompt file {p}: not a JSON list or JSONL of prompts ({e})") \
-            from None
+        raise HeadstartError(
+            f"prompt file {p}: not a JSON list or JSONL of prompts ({e})"
+        ) from None
     if not isinstance(items, list) or not items:
         raise HeadstartError(f"prompt file {p}: no prompts")
     return [_prompt_from_item(item, f"{p.stem}-{i}", str(p)) for i, item in enumerate(items)]
@@ -116,8 +123,11 @@ def builtin_prompts(kind: str = "all") -> list[Prompt]:
     if kind == "none":
         return []
     doc = json.loads((resources.files("headstart.bench") / "prompts.json").read_text())
-    return [_prompt_from_item(item, item["id"], "builtin") for item in doc["prompts"]
-            if kind == "all" or item["kind"] == kind]
+    return [
+        _prompt_from_item(item, item["id"], "builtin")
+        for item in doc["prompts"]
+        if kind == "all" or item["kind"] == kind
+    ]
 
 
 def select_prompts(prompts: list[Prompt], ids: list[str], limit: int | None) -> list[Prompt]:
@@ -154,8 +164,11 @@ def request_body(prompt: Prompt, sampling: Sampling, salt: str | None = None) ->
     """The streamed request for ``prompt``, without ``model`` (each arm adds its own name)."""
     messages, text = _salted(prompt, salt)
     body: dict[str, Any] = {
-        "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     if sampling.seed is not None:
         body["seed"] = sampling.seed

@@ -25,16 +25,18 @@ Tree windows and longer chunks stay eager. Every class takes ``capture=False`` t
 forward eagerly on the same static buffers, with the same slot bookkeeping: that is how the CPU
 tests check everything here but the capture itself.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from headstart.batch import DecodeRows, ForwardBatch, SeqChunk
-from headstart.model import ForwardOutput, Qwen35Model
-from headstart.state import StatePool, WindowRecords
+from headstart.models.contract import CausalLM, ForwardOutput
+from headstart.state import StatePool
 
 
 def buckets_for(max_streams: int) -> list[int]:
@@ -49,8 +51,13 @@ class _Replayable:
     """A forward over static buffers: captured in a CUDA graph, or (``capture=False``) run
     eagerly on each replay."""
 
-    def __init__(self, fn: Callable[[], ForwardOutput], capture: bool,
-                 mempool: object | None, warmups: int = 2) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], ForwardOutput],
+        capture: bool,
+        mempool: object | None,
+        warmups: int = 2,
+    ) -> None:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: ForwardOutput | None = None
@@ -73,8 +80,9 @@ class _Replayable:
             if out is None:  # a graph with no outputs (a rollback)
                 return None
             if self.out is None:
-                self.out = ForwardOutput(out.logits.clone(), None if out.taps is None
-                                         else out.taps.clone(), {})
+                self.out = ForwardOutput(
+                    out.logits.clone(), None if out.taps is None else out.taps.clone(), {}
+                )
             else:
                 self.out.logits.copy_(out.logits)
                 if out.taps is not None:
@@ -85,8 +93,15 @@ class _Replayable:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen35Model, pool: StatePool, max_streams: int, scratch_slot: int,
-                 taps: Sequence[int] = (), capture: bool = True) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: StatePool,
+        max_streams: int,
+        scratch_slot: int,
+        taps: Sequence[int] = (),
+        capture: bool = True,
+    ) -> None:
         self.model, self.pool, self.taps = model, pool, tuple(taps)
         self.scratch = scratch_slot
         dev = model.device
@@ -100,21 +115,29 @@ class DecodeGraphs:
         for n in sorted(buckets_for(max_streams), reverse=True):  # largest first: shared pool
             batch = self._batch(n)
             self.graphs[n] = _Replayable(
-                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, self.mempool)
+                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, self.mempool
+            )
 
     def _batch(self, n: int) -> ForwardBatch:
         rows = self.rows[:n]
         return ForwardBatch(
-            input_ids=self.ids[:n], positions=self.positions[:n], spans=(), logit_index=rows,
-            decode=DecodeRows(rows=rows, slots=self.slots[:n], positions=self.positions[:n],
-                              fresh=self.fresh[:n]),
-            multi_row=(), multi=None)
+            input_ids=self.ids[:n],
+            positions=self.positions[:n],
+            spans=(),
+            logit_index=rows,
+            decode=DecodeRows(
+                rows=rows, slots=self.slots[:n], positions=self.positions[:n], fresh=self.fresh[:n]
+            ),
+            multi_row=(),
+            multi=None,
+        )
 
     def bucket(self, n: int) -> int | None:
         return min((b for b in self.graphs if b >= n), default=None)
 
-    def run(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]
-            ) -> ForwardOutput:
+    def run(
+        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]
+    ) -> ForwardOutput:
         """Replay the decode forward for ``n`` streams (``tokens[i]`` at ``positions[i]`` of
         ``slots[i]``); returns views of the static outputs, valid until the next replay."""
         n = len(tokens)
@@ -138,9 +161,16 @@ class PrefillGraphs:
 
     Shares the decode graphs' memory pool when given it: the two never replay at once."""
 
-    def __init__(self, model: Qwen35Model, pool: StatePool, max_tokens: int, scratch_slot: int,
-                 taps: Sequence[int] = (), capture: bool = True, mempool: object | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: StatePool,
+        max_tokens: int,
+        scratch_slot: int,
+        taps: Sequence[int] = (),
+        capture: bool = True,
+        mempool: object | None = None,
+    ) -> None:
         self.model, self.pool, self.taps = model, pool, tuple(taps)
         self.scratch = scratch_slot
         self.max_tokens = min(max_tokens, pool.max_tokens)
@@ -149,14 +179,16 @@ class PrefillGraphs:
             mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Replayable] = {}
         for n in range(self.max_tokens, 1, -1):  # longest first: the shared pool fits them all
-            batch = replace(ForwardBatch.build([SeqChunk(scratch_slot, 0, (0,) * n, 1)],
-                                               model.device), input_ids=self.ids[:n])
+            batch = replace(
+                ForwardBatch.build([SeqChunk(scratch_slot, 0, (0,) * n, 1)], model.device),
+                input_ids=self.ids[:n],
+            )
             # One warm-up run: the decode graphs and the engine's warm-up already initialised
             # everything lazy; the run compiles and tunes kernels for this length. 63 lengths
             # of a 27B prefill make a second run cost seconds at start-up.
             self.graphs[n] = _Replayable(
-                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, mempool,
-                warmups=1)
+                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, mempool, warmups=1
+            )
 
     def covers(self, n: int) -> bool:
         return n in self.graphs
@@ -177,20 +209,27 @@ class WindowGraphs:
     as ``W`` batched one-row GDN steps and decode-style attention (``ForwardBatch.windows_of``),
     so slots and positions live in static tensors. Rows of padding streams point at the scratch
     slot (at position 1) and are dropped. The GDN records for rollback come back keyed by
-    slot, as views of one :class:`WindowRecords` that every window graph writes; like every
-    output they are valid until the next replay."""
+    slot, as views of one set of window records (``model.new_window_records``) that every
+    window graph writes; like every output they are valid until the next replay."""
 
-    def __init__(self, model: Qwen35Model, pool: StatePool, max_streams: int,
-                 widths: Sequence[int], scratch_slot: int, taps: Sequence[int] = (),
-                 capture: bool = True, mempool: object | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: StatePool,
+        max_streams: int,
+        widths: Sequence[int],
+        scratch_slot: int,
+        taps: Sequence[int] = (),
+        capture: bool = True,
+        mempool: object | None = None,
+    ) -> None:
         self.scratch = scratch_slot
         self.widths = sorted(set(widths))
         dev = model.device
         self.ids = torch.zeros(max_streams * max(self.widths), dtype=torch.int64, device=dev)
         self.slots = torch.full((max_streams,), scratch_slot, dtype=torch.int64, device=dev)
         self.starts = torch.ones(max_streams, dtype=torch.int64, device=dev)
-        self.records = WindowRecords.allocate(model.cfg, max(buckets_for(max_streams)),
-                                              max(self.widths), model.dtype, dev)
+        self.records = model.new_window_records(max(buckets_for(max_streams)), max(self.widths))
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Replayable] = {}
@@ -200,30 +239,37 @@ class WindowGraphs:
                 # computed from the static buffers on every replay.
                 self.graphs[n, w] = _Replayable(
                     lambda n=n, w=w: model.forward_ex(
-                        ForwardBatch.windows_of(self.ids[:n * w], self.slots[:n],
-                                                self.starts[:n], w, self.records),
-                        pool, tuple(taps)),
-                    capture, mempool)
+                        ForwardBatch.windows_of(
+                            self.ids[: n * w], self.slots[:n], self.starts[:n], w, self.records
+                        ),
+                        pool,
+                        tuple(taps),
+                    ),
+                    capture,
+                    mempool,
+                )
         self.buckets = sorted({n for n, _ in self.graphs})
 
     def covers(self, n: int, width: int) -> bool:
         return width in self.widths and n <= self.buckets[-1]
 
-    def run(self, windows: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int]
-            ) -> ForwardOutput:
+    def run(
+        self, windows: Sequence[Sequence[int]], starts: Sequence[int], slots: Sequence[int]
+    ) -> ForwardOutput:
         """Windows of one width for ``len(windows)`` streams; logits and taps of every row,
         stream after stream, and the GDN records by slot."""
         n, w = len(windows), len(windows[0])
         b = min(x for x in self.buckets if x >= n)
         pad = b - n
         ids = [t for win in windows for t in win] + [0] * (pad * w)
-        self.ids[:b * w].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.ids[: b * w].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(list(slots) + [self.scratch] * pad), non_blocking=True)
         self.starts[:b].copy_(torch.tensor(list(starts) + [1] * pad), non_blocking=True)
         out = self.graphs[b, w].replay()
-        taps = out.taps[:n * w] if out.taps is not None else None
-        return ForwardOutput(out.logits[:n * w], taps,
-                             {slot: out.records[j] for j, slot in enumerate(slots)})
+        taps = out.taps[: n * w] if out.taps is not None else None
+        return ForwardOutput(
+            out.logits[: n * w], taps, {slot: out.records[j] for j, slot in enumerate(slots)}
+        )
 
 
 class DraftGraphs:
@@ -231,8 +277,16 @@ class DraftGraphs:
     graph per stream-count bucket. Padding streams read the ring's spare slot (empty: every row
     masked) and are dropped."""
 
-    def __init__(self, drafter, pool, max_streams: int, spare_slot: int, block: int,
-                 capture: bool = True, mempool: object | None = None) -> None:
+    def __init__(
+        self,
+        drafter,
+        pool,
+        max_streams: int,
+        spare_slot: int,
+        block: int,
+        capture: bool = True,
+        mempool: object | None = None,
+    ) -> None:
         self.drafter, self.block, self.spare = drafter, block, spare_slot
         dev = drafter.device
         self.slots = torch.full((max_streams,), spare_slot, dtype=torch.int64, device=dev)
@@ -243,15 +297,23 @@ class DraftGraphs:
         self.graphs: dict[int, _Replayable] = {}
         for n in sorted(buckets_for(max_streams), reverse=True):
             self.graphs[n] = _Replayable(
-                lambda n=n: ForwardOutput(drafter.propose_from(
-                    pool, self.slots[:n], self.anchors[:n], self.positions[:n], block), None, {}),
-                capture, mempool)
+                lambda n=n: ForwardOutput(
+                    drafter.propose_from(
+                        pool, self.slots[:n], self.anchors[:n], self.positions[:n], block
+                    ),
+                    None,
+                    {},
+                ),
+                capture,
+                mempool,
+            )
 
     def covers(self, n: int, block: int) -> bool:
         return block == self.block and n <= max(self.graphs)
 
-    def run(self, slots: Sequence[int], anchors: Sequence[int], positions: Sequence[int]
-            ) -> torch.Tensor:
+    def run(
+        self, slots: Sequence[int], anchors: Sequence[int], positions: Sequence[int]
+    ) -> torch.Tensor:
         """Logits ``[n, block-1, vocab]``, a view of the static output (until the next replay)."""
         n = len(slots)
         b = min(x for x in self.graphs if x >= n)
@@ -265,21 +327,35 @@ class DraftGraphs:
 
 class RollbackGraphs:
     """Rolling a stream back to the first ``keep`` rows of its last graphed window
-    (``Qwen35Model.rollback_window`` over the window graphs' shared records), one graph per
+    (``CausalLM.rollback_window`` over the window graphs' shared records), one graph per
     ``keep``. Eagerly, a rollback is tens of small kernels per GDN layer."""
 
-    def __init__(self, model: Qwen35Model, pool: StatePool, records: WindowRecords,
-                 max_width: int, scratch_slot: int, capture: bool = True,
-                 mempool: object | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: StatePool,
+        records: Any,
+        max_width: int,
+        scratch_slot: int,
+        capture: bool = True,
+        mempool: object | None = None,
+    ) -> None:
         dev = model.device
         # Start on the scratch slot: capturing runs the rollback.
         self.slot = torch.full((1,), scratch_slot, dtype=torch.int64, device=dev)
         self.window = torch.zeros(1, dtype=torch.int64, device=dev)
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
-        self.graphs = {keep: _Replayable(
-            lambda keep=keep: model.rollback_window(pool, self.slot, records, self.window, keep),
-            capture, mempool) for keep in range(1, max_width)}
+        self.graphs = {
+            keep: _Replayable(
+                lambda keep=keep: model.rollback_window(
+                    pool, self.slot, records, self.window, keep
+                ),
+                capture,
+                mempool,
+            )
+            for keep in range(1, max_width)
+        }
 
     def run(self, slot: int, window: int, keep: int) -> None:
         self.slot.fill_(slot)
@@ -293,9 +369,16 @@ class ContinuationGraphs:
     with slot and start position in static tensors (``ForwardBatch.windows_of(span=True)``).
     Attention runs as decode rows over the pool; the GDN through the kernels' span recurrence."""
 
-    def __init__(self, model: Qwen35Model, pool: StatePool, max_tokens: int, scratch_slot: int,
-                 taps: Sequence[int] = (), capture: bool = True, mempool: object | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: StatePool,
+        max_tokens: int,
+        scratch_slot: int,
+        taps: Sequence[int] = (),
+        capture: bool = True,
+        mempool: object | None = None,
+    ) -> None:
         dev = model.device
         self.max_tokens = min(max_tokens, pool.max_tokens - 1)
         self.ids = torch.zeros(max(self.max_tokens, 1), dtype=torch.int64, device=dev)
@@ -308,8 +391,13 @@ class ContinuationGraphs:
             self.graphs[n] = _Replayable(
                 lambda n=n: model.forward_ex(
                     ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
-                    pool, tuple(taps)),
-                capture, mempool, warmups=1)
+                    pool,
+                    tuple(taps),
+                ),
+                capture,
+                mempool,
+                warmups=1,
+            )
 
     def covers(self, n: int) -> bool:
         return n in self.graphs

@@ -15,8 +15,12 @@ log = logging.getLogger("headstart.engine")
 Drawn = tuple[SampleResult, int] | Exception
 
 
-def draw_rows(sampler: Sampler, logits: torch.Tensor, params: Sequence[SamplingParams],
-              generators: Sequence[torch.Generator | None]) -> list[Drawn]:
+def draw_rows(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[Drawn]:
     """One token per row of ``logits`` (``params[i]``, ``generators[i]``: row i's), in one
     batched draw. When the batched draw raises (one row's parameters broke it), every
     generator is rewound and the rows are drawn one by one: a row's draw depends only on its
@@ -34,7 +38,7 @@ def draw_rows(sampler: Sampler, logits: torch.Tensor, params: Sequence[SamplingP
     drawn: list[Drawn] = []
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         try:
-            drawn.append((sampler.sample(logits[i:i + 1], [p], [g]), 0))
+            drawn.append((sampler.sample(logits[i : i + 1], [p], [g]), 0))
         except Exception as e:
             drawn.append(e)
     return drawn

@@ -32,7 +32,7 @@ from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.spec.features import FeatureQueue
 from headstart.engine.spec.proposal import STATS, DraftJob, Speculator
 from headstart.engine.spec.verification import Draft
-from headstart.model import Qwen35Model
+from headstart.models.contract import CausalLM
 from headstart.sampling import Sampler, SampleResult, make_generator
 from headstart.tokenizer import Tokenizer
 
@@ -42,19 +42,37 @@ __all__ = ["Engine", "EngineConfig", "EngineRequest", "Failed", "Finish", "Piece
 
 
 class Engine:
-    def __init__(self, model: Qwen35Model, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 config: EngineConfig, drafter: DFlashDrafter | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        eos_token_ids: Sequence[int],
+        config: EngineConfig,
+        drafter: DFlashDrafter | None = None,
+    ) -> None:
         """Allocates the state pool and the prompt cache's storage, warms up and captures
         graphs (see :class:`EngineConfig`); :meth:`start` starts the thread."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.num_slots, self.context, self.max_queue = (config.num_slots, config.context,
-                                                        config.max_queue)
-        self.scheduler = Scheduler(self.num_slots, self.max_queue,
-                                   config.scheduling.prefill_chunk, config.scheduling.step_tokens)
+        self.num_slots, self.context, self.max_queue = (
+            config.num_slots,
+            config.context,
+            config.max_queue,
+        )
+        self.scheduler = Scheduler(
+            self.num_slots,
+            self.max_queue,
+            config.scheduling.prefill_chunk,
+            config.scheduling.step_tokens,
+        )
         self.sampler = Sampler()
-        self.spec = None if drafter is None else Speculator(
-            drafter, model, self.num_slots, self.context, tokenizer.vocab_size, config.spec)
+        self.spec = (
+            None
+            if drafter is None
+            else Speculator(
+                drafter, model, self.num_slots, self.context, tokenizer.vocab_size, config.spec
+            )
+        )
         self.runner = ModelRunner(model, config, self.spec)
         self.cache = PromptCache(self.runner.pool, config.cache, model.cfg.vocab_size)
         self.runner.warm_up()
@@ -82,12 +100,15 @@ class Engine:
         if not req.prompt_ids or req.max_new_tokens < 1:
             raise ValueError("a request needs a prompt and at least one token to generate")
         if len(req.prompt_ids) + req.max_new_tokens > self.context:
-            raise ValueError(f"{len(req.prompt_ids)} prompt tokens + {req.max_new_tokens} new "
-                             f"tokens exceed the context of {self.context}")
+            raise ValueError(
+                f"{len(req.prompt_ids)} prompt tokens + {req.max_new_tokens} new "
+                f"tokens exceed the context of {self.context}"
+            )
         with self._lock:
             if self._active >= self.num_slots + self.max_queue:
-                raise QueueFull(f"all {self.num_slots} slots are busy and {self.max_queue} "
-                                "requests are waiting")
+                raise QueueFull(
+                    f"all {self.num_slots} slots are busy and {self.max_queue} requests are waiting"
+                )
             self._active += 1
             self._commands.append(("add", req))
         self._wake.set()
@@ -112,9 +133,16 @@ class Engine:
     def stats(self) -> dict[str, int]:
         s = self.scheduler
         spec = self.spec.stats if self.spec is not None else dict.fromkeys(STATS, 0)
-        return {"running": s.num_running, "waiting": s.num_waiting, "slots": self.num_slots,
-                "free_slots": len(s.free_slots), "active": self._active, "steps": self.steps,
-                **self.cache.stats(), **{f"spec_{k}": v for k, v in spec.items()}}
+        return {
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "slots": self.num_slots,
+            "free_slots": len(s.free_slots),
+            "active": self._active,
+            "steps": self.steps,
+            **self.cache.stats(),
+            **{f"spec_{k}": v for k, v in spec.items()},
+        }
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -155,12 +183,16 @@ class Engine:
 
     def _add(self, req: EngineRequest) -> None:
         try:
-            seq = Seq(req.id, list(req.prompt_ids), req.max_new_tokens,
-                      boundaries=self.cache.boundaries(len(req.prompt_ids), req.snapshot_at))
-            out = OutputStream(self.tokenizer, req.params, self.eos_token_ids,
-                               req.max_new_tokens)
-            features = (FeatureQueue(self.spec.window) if self.spec is not None and req.draft
-                        else None)
+            seq = Seq(
+                req.id,
+                list(req.prompt_ids),
+                req.max_new_tokens,
+                boundaries=self.cache.boundaries(len(req.prompt_ids), req.snapshot_at),
+            )
+            out = OutputStream(self.tokenizer, req.params, self.eos_token_ids, req.max_new_tokens)
+            features = (
+                FeatureQueue(self.spec.window) if self.spec is not None and req.draft else None
+            )
             live = Live(req, seq, out, make_generator(req.params.seed), features)
             # Admission is bounded in submit(); here the queue always has room.
             self.scheduler.add(seq)
@@ -213,8 +245,9 @@ class Engine:
     def _step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
         drafts = self.spec.drafts(self._draft_jobs(work)) if self.spec is not None else {}
-        step = Step.of(work, drafts, taps=any(self._live[w.seq.id].features is not None
-                                                  for w in work))
+        step = Step.of(
+            work, drafts, taps=any(self._live[w.seq.id].features is not None for w in work)
+        )
         out = self.runner.run(step)
         plain = [j for j in range(len(work)) if j not in drafts]
         self.scheduler.step_done([work[j] for j in plain])
@@ -222,18 +255,31 @@ class Engine:
             queue = self._live[work[j].seq.id].features
             if queue is not None and out.taps is not None:
                 queue.add(out.taps[step.rows(j)], work[j].start)
-        self.cache.take_snapshots([work[j] for j in plain], out.logits,
-                                  [step.last_row(j) for j in plain], self._features_at)
+        self.cache.take_snapshots(
+            [work[j] for j in plain],
+            out.logits,
+            [step.last_row(j) for j in plain],
+            self._features_at,
+        )
         sampling = [j for j in plain if work[j].samples]
         if sampling:
-            self._sample_and_deliver([self._live[work[j].seq.id] for j in sampling],
-                                     out.logits[[step.last_row(j) for j in sampling]])
+            self._sample_and_deliver(
+                [self._live[work[j].seq.id] for j in sampling],
+                out.logits[[step.last_row(j) for j in sampling]],
+            )
         for j, draft in drafts.items():
             live = self._live.get(work[j].seq.id)
             if live is not None:
                 taps = out.taps[step.rows(j)] if out.taps is not None else None
-                self._per_request(live, self._settle_round, live, work[j].start, draft,
-                                  out.logits[step.logit_rows(j)], taps)
+                self._per_request(
+                    live,
+                    self._settle_round,
+                    live,
+                    work[j].start,
+                    draft,
+                    out.logits[step.logit_rows(j)],
+                    taps,
+                )
 
     def _features_at(self, seq: Seq, end: int) -> torch.Tensor | None:
         queue = self._live[seq.id].features
@@ -244,22 +290,29 @@ class Engine:
         jobs = {}
         for j, w in enumerate(work):
             live = self._live[w.seq.id]
-            if live.features is not None and w.samples and len(w.tokens) == 1 and not (
-                    w.seq.prefilling):
-                room = min(live.out.max_new_tokens - live.out.produced,
-                           self.context - w.start)  # tokens this stream may still emit / hold
+            if (
+                live.features is not None
+                and w.samples
+                and len(w.tokens) == 1
+                and not (w.seq.prefilling)
+            ):
+                room = min(
+                    live.out.max_new_tokens - live.out.produced, self.context - w.start
+                )  # tokens this stream may still emit / hold
                 jobs[j] = DraftJob(w.seq.slot, w.tokens[0], w.start, room, live.features)
         return jobs
 
-    def _settle_round(self, live: Live, start: int, draft: Draft, logits: torch.Tensor,
-                      taps: torch.Tensor | None) -> None:
+    def _settle_round(
+        self, live: Live, start: int, draft: Draft, logits: torch.Tensor, taps: torch.Tensor | None
+    ) -> None:
         """Accept a verified window (``logits``: its rows): deliver its tokens, commit the
         accepted rows to the slot's state and queue their features for the drafter."""
         assert self.spec is not None
-        logits[:, self.tokenizer.vocab_size:] = float("-inf")
+        logits[:, self.tokenizer.vocab_size :] = float("-inf")
         verdict, path = self.spec.judge(logits, draft, live.req.params, live.rng, self.sampler)
-        for token, lp, top in zip(verdict.tokens, verdict.logprobs, verdict.top_logprobs,
-                                  strict=True):
+        for token, lp, top in zip(
+            verdict.tokens, verdict.logprobs, verdict.top_logprobs, strict=True
+        ):
             if not self._emit(live, token, lp, top):
                 return
         # The path's rows (anchor + accepted drafts) are committed, the others undone.
@@ -270,9 +323,10 @@ class Engine:
 
     # -- delivery ----------------------------------------------------------------------------
     def _sample_and_deliver(self, lives: list[Live], logits: torch.Tensor) -> None:
-        logits[:, self.tokenizer.vocab_size:] = float("-inf")  # embedding-table padding rows
-        drawn = draw_rows(self.sampler, logits, [lv.req.params for lv in lives],
-                          [lv.rng for lv in lives])
+        logits[:, self.tokenizer.vocab_size :] = float("-inf")  # embedding-table padding rows
+        drawn = draw_rows(
+            self.sampler, logits, [lv.req.params for lv in lives], [lv.rng for lv in lives]
+        )
         for live, d in zip(lives, drawn, strict=True):  # failed rows first, as they were drawn
             if isinstance(d, Exception):
                 self._fail(live, d)
@@ -282,13 +336,17 @@ class Engine:
 
     def _emit_sampled(self, live: Live, result: SampleResult, i: int) -> None:
         token = result.token_ids[i]
-        if self._emit(live, token, result.logprobs[i] if result.logprobs else None,
-                      result.top_logprobs[i] if result.top_logprobs and live.req.params.logprobs
-                      else None):
+        if self._emit(
+            live,
+            token,
+            result.logprobs[i] if result.logprobs else None,
+            result.top_logprobs[i] if result.top_logprobs and live.req.params.logprobs else None,
+        ):
             self.scheduler.append_token(live.seq, token)
 
-    def _emit(self, live: Live, token: int, logprob: float | None,
-              top: list[tuple[int, float]] | None) -> bool:
+    def _emit(
+        self, live: Live, token: int, logprob: float | None, top: list[tuple[int, float]] | None
+    ) -> bool:
         """Deliver one generated token; False when that ended the request (a stop, the length
         limit, or a broken sink)."""
         piece, finish = live.out.add(token, logprob, top)
@@ -307,8 +365,11 @@ class Engine:
             self._fail(live, e)
 
     def _fail(self, live: Live, e: Exception) -> None:
-        log.error("request %s failed in its part of a step", live.req.id,
-                  exc_info=(type(e), e, e.__traceback__))
+        log.error(
+            "request %s failed in its part of a step",
+            live.req.id,
+            exc_info=(type(e), e, e.__traceback__),
+        )
         self._end(live, _failed(e))
 
     def _fail_all(self, lives: list[Live], e: Exception) -> None:

@@ -45,8 +45,13 @@ Event = Piece | Finish | Failed
 
 
 class OutputStream:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: Sequence[int],
-                 max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        eos_token_ids: Sequence[int],
+        max_new_tokens: int,
+    ) -> None:
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.stop_ids = set(params.stop_token_ids)
@@ -56,9 +61,12 @@ class OutputStream:
         self.matcher = StopStringMatcher(params.stop)
         self.produced = 0  # sampled tokens, including a final stop token
 
-    def add(self, token: int, logprob: float | None = None,
-            top_logprobs: list[tuple[int, float]] | None = None
-            ) -> tuple[Piece | None, Finish | None]:
+    def add(
+        self,
+        token: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> tuple[Piece | None, Finish | None]:
         """Take the next sampled token; returns what to deliver and whether the request ends."""
         self.produced += 1
         if token in self.stop_ids:  # the stop token itself is not shown

@@ -61,8 +61,12 @@ class PromptCacheIndex:
     def enabled(self) -> bool:
         return self.budget_bytes > 0
 
-    def lookup(self, tokens: Sequence[int], max_length: int | None = None,
-               usable: Callable[[CacheEntry], bool] | None = None) -> CacheEntry | None:
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        max_length: int | None = None,
+        usable: Callable[[CacheEntry], bool] | None = None,
+    ) -> CacheEntry | None:
         """The entry with the longest prefix of ``tokens`` (at most ``max_length`` long) that
         ``usable`` accepts (default: any), marked as recently used; None on a miss. Counts
         exactly one hit or one miss; entries ``usable`` refuses are neither marked nor
@@ -81,8 +85,11 @@ class PromptCacheIndex:
         return tuple(tokens) in self.entries
 
     def admits(self, length: int, nbytes: int) -> bool:
-        return (self.enabled and nbytes <= self.budget_bytes
-                and (self.max_tokens <= 0 or length <= self.max_tokens))
+        return (
+            self.enabled
+            and nbytes <= self.budget_bytes
+            and (self.max_tokens <= 0 or length <= self.max_tokens)
+        )
 
     def insert(self, tokens: Sequence[int], nbytes: int, payload: Any) -> list[CacheEntry]:
         """Add (or refresh) an entry, evicting least recently used ones to stay within budget.
@@ -154,12 +161,18 @@ class Snapshot:
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             return out.copy_(t)
 
-        return Snapshot(self.length, {k: host(t) for k, t in self.state.items()},
-                        host(self.logits), host(self.draft_features))
+        return Snapshot(
+            self.length,
+            {k: host(t) for k, t in self.state.items()},
+            host(self.logits),
+            host(self.draft_features),
+        )
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [*self.state.values(), *(t for t in (self.logits, self.draft_features)
-                                        if t is not None)]
+        return [
+            *self.state.values(),
+            *(t for t in (self.logits, self.draft_features) if t is not None),
+        ]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
@@ -180,9 +193,11 @@ class SnapshotStore:
     stay per-snapshot tensors."""
 
     def __init__(self, pool: StatePool, capacity: int) -> None:
-        self.fixed = {name: torch.empty((capacity, *t.shape), dtype=t.dtype, device=t.device)
-                      for name, t in pool.slot_state(0, 0).items()
-                      if not _group(pool, name).per_token}
+        self.fixed = {
+            name: torch.empty((capacity, *t.shape), dtype=t.dtype, device=t.device)
+            for name, t in pool.slot_state(0, 0).items()
+            if not _group(pool, name).per_token
+        }
         self._capacity = capacity
         self.free = list(range(capacity - 1, -1, -1))
 
@@ -190,8 +205,14 @@ class SnapshotStore:
     def capacity(self) -> int:
         return self._capacity
 
-    def take(self, pool: StatePool, slot: int, length: int, logits: torch.Tensor | None = None,
-             draft_features: torch.Tensor | None = None) -> Snapshot:
+    def take(
+        self,
+        pool: StatePool,
+        slot: int,
+        length: int,
+        logits: torch.Tensor | None = None,
+        draft_features: torch.Tensor | None = None,
+    ) -> Snapshot:
         """Snapshot the slot after ``length`` tokens: the fixed part is copied into a free row,
         per-token rows, logits and drafter features into tensors of their own."""
         row = self.free.pop()
@@ -202,9 +223,13 @@ class SnapshotStore:
                 state[name].copy_(view)
             else:
                 state[name] = view.clone()
-        return Snapshot(length, state, None if logits is None else logits.detach().clone(),
-                        None if draft_features is None else draft_features.detach().clone(),
-                        row)
+        return Snapshot(
+            length,
+            state,
+            None if logits is None else logits.detach().clone(),
+            None if draft_features is None else draft_features.detach().clone(),
+            row,
+        )
 
     def release(self, snapshot: Snapshot) -> None:
         """Return the snapshot's row; the snapshot must not be used afterwards."""

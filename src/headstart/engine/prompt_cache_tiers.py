@@ -96,13 +96,19 @@ class PromptCache:
     # -- lookup and restore ----------------------------------------------------------------
     def match_prefix(self, prompt: Sequence[int]) -> Match | None:
         """The longest usable cached prefix of ``prompt`` over both tiers (see the class)."""
+
         def usable(entry: CacheEntry) -> bool:
             return entry.length < len(prompt) or entry.payload.logits is not None
 
         if not self.enabled:
             return None
-        found = [Match(entry, index) for index in (self.device, self.host) if index.enabled
-                 for entry in [index.lookup(prompt, usable=usable)] if entry is not None]
+        found = [
+            Match(entry, index)
+            for index in (self.device, self.host)
+            if index.enabled
+            for entry in [index.lookup(prompt, usable=usable)]
+            if entry is not None
+        ]
         return max(found, key=lambda m: m.entry.length, default=None)
 
     def restore(self, match: Match, slot: int, owner: str = "") -> Snapshot | None:
@@ -125,9 +131,13 @@ class PromptCache:
         return match.snapshot
 
     # -- snapshots -------------------------------------------------------------------------
-    def take_snapshots(self, work: Sequence[Work], logits: torch.Tensor,
-                       last_rows: Sequence[int],
-                       features: Callable[[Seq, int], torch.Tensor | None]) -> None:
+    def take_snapshots(
+        self,
+        work: Sequence[Work],
+        logits: torch.Tensor,
+        last_rows: Sequence[int],
+        features: Callable[[Seq, int], torch.Tensor | None],
+    ) -> None:
         """After a forward over ``work`` (``last_rows[j]``: the logits row of item j's last
         row): take the snapshots the class docstring describes. ``features(seq, end)``: the
         drafter features of ``seq``'s rows before ``end``, or None."""
@@ -139,31 +149,47 @@ class PromptCache:
             except Exception:  # a snapshot not taken is a later cache miss, nobody's failure
                 log.exception("snapshot of %s failed; not cached", w.seq.id)
 
-    def _snapshot(self, w: Work, logits: torch.Tensor, row: int,
-                  features: Callable[[Seq, int], torch.Tensor | None]) -> None:
+    def _snapshot(
+        self,
+        w: Work,
+        logits: torch.Tensor,
+        row: int,
+        features: Callable[[Seq, int], torch.Tensor | None],
+    ) -> None:
         seq = w.seq
         end = w.start + len(w.tokens)
         if end > len(seq.prompt) or w.start >= len(seq.prompt):
             return
         at_end = end == len(seq.prompt) and w.samples and not seq.output
         if at_end or end in seq.boundaries:
-            self.insert(seq.prompt[:end], seq.slot, logits[row] if at_end else None,
-                        lambda: features(seq, end))
+            self.insert(
+                seq.prompt[:end],
+                seq.slot,
+                logits[row] if at_end else None,
+                lambda: features(seq, end),
+            )
 
-    def insert(self, tokens: Sequence[int], slot: int, logits: torch.Tensor | None,
-               features: Callable[[], torch.Tensor | None]) -> bool:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        slot: int,
+        logits: torch.Tensor | None,
+        features: Callable[[], torch.Tensor | None],
+    ) -> bool:
         """Snapshot ``slot``, which holds exactly ``tokens``, into the device tier (with
         ``logits``, the next token's, when given; ``features()``: the drafter's). False when
         the prefix is cached already or the tier refuses it."""
         key = tuple(tokens)
         if self.device.contains(key) or not self.device.admits(
-                len(key), self.snapshot_bytes(len(key), logits is not None)):
+            len(key), self.snapshot_bytes(len(key), logits is not None)
+        ):
             return False
         assert self.store is not None
         while not self.store.free:  # fixed storage full: the least recently used goes
             self._demote(self.device.evict_oldest())
-        snap = self.store.take(self.pool, slot, len(key),
-                               logits.float() if logits is not None else None, features())
+        snap = self.store.take(
+            self.pool, slot, len(key), logits.float() if logits is not None else None, features()
+        )
         for gone in self.device.insert(key, snap.nbytes(), snap):
             self._demote(gone)
         if not self.device.contains(key):  # refused (over budget): give the row back
@@ -187,12 +213,18 @@ class PromptCache:
     def stats(self) -> dict[str, int]:
         """The ``cache_*`` statistics (see the class docstring)."""
         d, h, store = self.device, self.host, self.store
-        return {"cache_entries": len(d.entries), "cache_bytes": d.bytes_held,
-                "cache_budget_bytes": d.budget_bytes,
-                "cache_store_rows": store.capacity if store else 0,
-                "cache_free_rows": len(store.free) if store else 0,
-                "cache_host_entries": len(h.entries), "cache_host_bytes": h.bytes_held,
-                "cache_host_hits": h.stats.hits, "cache_hits": d.stats.hits,
-                "cache_misses": d.stats.misses, "cache_restored_tokens": d.stats.restored_tokens,
-                "cache_evictions": d.stats.evictions,
-                "cache_failed_restores": d.stats.failed_restores}
+        return {
+            "cache_entries": len(d.entries),
+            "cache_bytes": d.bytes_held,
+            "cache_budget_bytes": d.budget_bytes,
+            "cache_store_rows": store.capacity if store else 0,
+            "cache_free_rows": len(store.free) if store else 0,
+            "cache_host_entries": len(h.entries),
+            "cache_host_bytes": h.bytes_held,
+            "cache_host_hits": h.stats.hits,
+            "cache_hits": d.stats.hits,
+            "cache_misses": d.stats.misses,
+            "cache_restored_tokens": d.stats.restored_tokens,
+            "cache_evictions": d.stats.evictions,
+            "cache_failed_restores": d.stats.failed_restores,
+        }

@@ -21,7 +21,7 @@ from headstart.engine.config import EngineConfig
 from headstart.engine.scheduler import Work
 from headstart.engine.spec.proposal import Speculator
 from headstart.engine.spec.verification import Draft
-from headstart.model import ForwardOutput, Qwen35Model
+from headstart.models.contract import CausalLM, ForwardOutput
 
 
 def chunk_of(w: Work, draft: Draft | None = None) -> SeqChunk:
@@ -31,8 +31,14 @@ def chunk_of(w: Work, draft: Draft | None = None) -> SeqChunk:
     if draft is None:
         return SeqChunk(w.seq.slot, w.start, w.tokens, int(w.samples))
     tokens = w.tokens + draft.tokens
-    return SeqChunk(w.seq.slot, w.start, tokens, len(tokens), record=draft.parents is None,
-                    parents=draft.window_parents)
+    return SeqChunk(
+        w.seq.slot,
+        w.start,
+        tokens,
+        len(tokens),
+        record=draft.parents is None,
+        parents=draft.window_parents,
+    )
 
 
 @dataclass(frozen=True)
@@ -85,14 +91,18 @@ class ModelRunner:
     # they share one batched forward.
     MAX_GRAPH_PREFILLS = 4
 
-    def __init__(self, model: Qwen35Model, config: EngineConfig,
-                 spec: Speculator | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, spec: Speculator | None = None
+    ) -> None:
         self.model, self.spec = model, spec
         self.num_slots, self.context = config.num_slots, config.context
         self.prefill_chunk = config.scheduling.prefill_chunk
         self.graph_config = g = config.graphs
-        self.graphed = (g.enabled if g.enabled is not None else
-                        model.kernels.graphs and model.device.type == "cuda")
+        self.graphed = (
+            g.enabled
+            if g.enabled is not None
+            else model.kernels.graphs and model.device.type == "cuda"
+        )
         self.pool = model.new_state_pool(self.num_slots + int(self.graphed), self.context)
         self.scratch = self.num_slots
         self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
@@ -121,8 +131,9 @@ class ModelRunner:
         request pays no kernel compilation or autotuning: prefill chunks of a few sizes, a
         continued chunk, a decode row beside a chunk, two chunks in one step and, with a
         drafter, a recorded verify window, its rollback and a draft."""
-        sizes = sorted({min(n, self.context - 1)
-                        for n in (7, 14, 16, 31, 32, 64, 128, self.prefill_chunk)})
+        sizes = sorted(
+            {min(n, self.context - 1) for n in (7, 14, 16, 31, 32, 64, 128, self.prefill_chunk)}
+        )
         for n in sizes:
             self._forward([SeqChunk(scratch, 0, (0,) * n, 1)])
         short = min(16, self.context // 4)
@@ -131,10 +142,12 @@ class ModelRunner:
             # snapshot boundary or a cache hit); the varlen kernels (two chunks in one step).
             self._forward([SeqChunk(scratch, short, (0,) * short, 1)])
             if self.num_slots >= 2:
-                self._forward([SeqChunk(scratch, 2 * short, (0,), 1),
-                               SeqChunk(0, 0, (0,) * short, 1)])
-                self._forward([SeqChunk(scratch, 0, (0,) * short, 1),
-                               SeqChunk(0, 0, (0,) * short, 1)])
+                self._forward(
+                    [SeqChunk(scratch, 2 * short, (0,), 1), SeqChunk(0, 0, (0,) * short, 1)]
+                )
+                self._forward(
+                    [SeqChunk(scratch, 0, (0,) * short, 1), SeqChunk(0, 0, (0,) * short, 1)]
+                )
         if self.spec is not None and self.spec.block >= 2:
             b = self.spec.block
             out = self._forward([SeqChunk(scratch, 1, (0,) * b, b, record=True)])
@@ -156,20 +169,40 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(model, pool, self.num_slots, s, taps, capture=g.capture)
         mempool = self.decode_graphs.mempool  # shared: no two graphs replay at once
         if g.prefill_tokens >= 2:
-            self.prefill_graphs = PrefillGraphs(model, pool, min(g.prefill_tokens,
-                                                                 self.context - 1),
-                                                s, taps, capture=g.capture, mempool=mempool)
+            self.prefill_graphs = PrefillGraphs(
+                model,
+                pool,
+                min(g.prefill_tokens, self.context - 1),
+                s,
+                taps,
+                capture=g.capture,
+                mempool=mempool,
+            )
             if g.continuations:
                 self.continuation_graphs = ContinuationGraphs(
-                    model, pool, g.prefill_tokens, s, taps, capture=g.capture, mempool=mempool)
+                    model, pool, g.prefill_tokens, s, taps, capture=g.capture, mempool=mempool
+                )
         spec = self.spec
         if g.windows and spec is not None and spec.block >= 2:
-            self.window_graphs = WindowGraphs(model, pool, self.num_slots,
-                                              range(2, spec.block + 1), s, taps,
-                                              capture=g.capture, mempool=mempool)
-            self.rollback_graphs = RollbackGraphs(model, pool, self.window_graphs.records,
-                                                  spec.block, s, capture=g.capture,
-                                                  mempool=mempool)
+            self.window_graphs = WindowGraphs(
+                model,
+                pool,
+                self.num_slots,
+                range(2, spec.block + 1),
+                s,
+                taps,
+                capture=g.capture,
+                mempool=mempool,
+            )
+            self.rollback_graphs = RollbackGraphs(
+                model,
+                pool,
+                self.window_graphs.records,
+                spec.block,
+                s,
+                capture=g.capture,
+                mempool=mempool,
+            )
             spec.capture_graphs(self.num_slots, g.capture, mempool)
 
     def _runnable(self, chunk: SeqChunk) -> Callable[[], object]:
@@ -230,47 +263,67 @@ class ModelRunner:
         self.model.commit_tree(self.pool, slot, chunk.start, self._records.pop(slot), path)
 
     def _forward(self, chunks: Sequence[SeqChunk], taps: bool = True) -> ForwardOutput:
-        return self.model.forward_ex(ForwardBatch.build(chunks, self.model.device), self.pool,
-                                     self.taps if taps else ())
+        return self.model.forward_ex(
+            ForwardBatch.build(chunks, self.model.device), self.pool, self.taps if taps else ()
+        )
 
     def _graph_plan(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int]] | None:
         """(decode rows, prefill chunks) by index when the whole step can replay graphs."""
         g, pg, cg = self.decode_graphs, self.prefill_graphs, self.continuation_graphs
         if g is None or any(_is_window(c) for c in chunks):
             return None
-        decode = [j for j, c in enumerate(chunks)
-                  if len(c.tokens) == 1 and c.start > 0 and c.logit_rows]
-        prefill = [j for j, c in enumerate(chunks) if len(c.tokens) > 1 and (
-            pg.covers(len(c.tokens)) if c.start == 0 and pg is not None else
-            cg is not None and c.start > 0 and cg.covers(len(c.tokens)))]
-        if (len(decode) + len(prefill) != len(chunks) or len(prefill) > self.MAX_GRAPH_PREFILLS
-                or len(decode) > self.num_slots):
+        decode = [
+            j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.start > 0 and c.logit_rows
+        ]
+        prefill = [
+            j
+            for j, c in enumerate(chunks)
+            if len(c.tokens) > 1
+            and (
+                pg.covers(len(c.tokens))
+                if c.start == 0 and pg is not None
+                else cg is not None and c.start > 0 and cg.covers(len(c.tokens))
+            )
+        ]
+        if (
+            len(decode) + len(prefill) != len(chunks)
+            or len(prefill) > self.MAX_GRAPH_PREFILLS
+            or len(decode) > self.num_slots
+        ):
             return None
         return decode, prefill
 
-    def _graph_forward(self, chunks: Sequence[SeqChunk], decode: list[int], prefill: list[int]
-                       ) -> ForwardOutput:
+    def _graph_forward(
+        self, chunks: Sequence[SeqChunk], decode: list[int], prefill: list[int]
+    ) -> ForwardOutput:
         logits: dict[int, torch.Tensor] = {}
         taps: dict[int, torch.Tensor | None] = {}
         for j in prefill:
             c = chunks[j]
-            out = (self.prefill_graphs.run(c.tokens, c.slot) if c.start == 0 else
-                   self.continuation_graphs.run(c.tokens, c.start, c.slot))
+            out = (
+                self.prefill_graphs.run(c.tokens, c.slot)
+                if c.start == 0
+                else self.continuation_graphs.run(c.tokens, c.start, c.slot)
+            )
             # Cloned: another prefill of the same length in this step replays the same graph.
             logits[j] = out.logits.clone() if c.logit_rows else out.logits[:0]
             taps[j] = out.taps.clone() if out.taps is not None else None
         if decode:
-            out = self.decode_graphs.run([chunks[j].tokens[0] for j in decode],
-                                         [chunks[j].start for j in decode],
-                                         [chunks[j].slot for j in decode])
+            out = self.decode_graphs.run(
+                [chunks[j].tokens[0] for j in decode],
+                [chunks[j].start for j in decode],
+                [chunks[j].slot for j in decode],
+            )
             for r, j in enumerate(decode):
-                logits[j] = out.logits[r:r + 1]
-                taps[j] = out.taps[r:r + 1] if out.taps is not None else None
+                logits[j] = out.logits[r : r + 1]
+                taps[j] = out.taps[r : r + 1] if out.taps is not None else None
         order = range(len(chunks))
         tapped = [taps[j] for j in order]
-        return ForwardOutput(torch.cat([logits[j] for j in order]),
-                             torch.cat(tapped) if all(t is not None for t in tapped) else None,
-                             {})
+        return ForwardOutput(
+            torch.cat([logits[j] for j in order]),
+            torch.cat(tapped) if all(t is not None for t in tapped) else None,
+            {},
+        )
 
     def _windows_fit(self, chunks: Sequence[SeqChunk]) -> bool:
         wg = self.window_graphs
@@ -278,17 +331,23 @@ class ModelRunner:
             return False
         width = max(len(c.tokens) for c in chunks)
         # Padded windows write rows up to start + width: they must stay inside the pool.
-        return wg.covers(len(chunks), width) and all(c.start + width <= self.pool.max_tokens
-                                                     for c in chunks)
+        return wg.covers(len(chunks), width) and all(
+            c.start + width <= self.pool.max_tokens for c in chunks
+        )
 
     def _window_forward(self, chunks: Sequence[SeqChunk]) -> ForwardOutput:
         """Every chunk a chain window: one replay at the widest window's width (shorter ones
         padded; the padding rows are rolled back like rejected drafts)."""
         width = max(len(c.tokens) for c in chunks)
-        out = self.window_graphs.run([c.tokens + (0,) * (width - len(c.tokens)) for c in chunks],
-                                     [c.start for c in chunks], [c.slot for c in chunks])
-        rows = torch.cat([torch.arange(j * width, j * width + len(c.tokens))
-                          for j, c in enumerate(chunks)]).to(out.logits.device)
+        out = self.window_graphs.run(
+            [c.tokens + (0,) * (width - len(c.tokens)) for c in chunks],
+            [c.start for c in chunks],
+            [c.slot for c in chunks],
+        )
+        rows = torch.cat(
+            [torch.arange(j * width, j * width + len(c.tokens)) for j, c in enumerate(chunks)]
+        ).to(out.logits.device)
         self._ran_rows = {c.slot: (width, j) for j, c in enumerate(chunks)}
-        return ForwardOutput(out.logits[rows], out.taps[rows] if out.taps is not None else None,
-                             out.records)
+        return ForwardOutput(
+            out.logits[rows], out.taps[rows] if out.taps is not None else None, out.records
+        )

@@ -55,8 +55,9 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_queue: int, prefill_chunk: int = 512,
-                 step_tokens: int = 2048) -> None:
+    def __init__(
+        self, num_slots: int, max_queue: int, prefill_chunk: int = 512, step_tokens: int = 2048
+    ) -> None:
         assert num_slots >= 1 and max_queue >= 0 and 1 <= prefill_chunk <= step_tokens
         self.num_slots = num_slots
         self.max_queue = max_queue
@@ -111,8 +112,14 @@ class Scheduler:
                 n = min(len(seq.prompt) - seq.computed, self.prefill_chunk, budget)
                 end = seq.computed + n
                 end = min([end] + [b for b in seq.boundaries if seq.computed < b < end])
-                work.append(Work(seq, seq.computed, tuple(seq.prompt[seq.computed:end]),
-                                 samples=end == len(seq.prompt)))
+                work.append(
+                    Work(
+                        seq,
+                        seq.computed,
+                        tuple(seq.prompt[seq.computed : end]),
+                        samples=end == len(seq.prompt),
+                    )
+                )
                 budget -= end - seq.computed
         return work
 

@@ -20,8 +20,15 @@ from typing import Any
 from headstart.errors import CheckpointError
 from headstart.models.contract import CausalLM, ChatFormat, ForwardOutput, ModelFamily
 
-__all__ = ["CausalLM", "ChatFormat", "ForwardOutput", "ModelFamily", "families", "family_for",
-           "register"]
+__all__ = [
+    "CausalLM",
+    "ChatFormat",
+    "ForwardOutput",
+    "ModelFamily",
+    "families",
+    "family_for",
+    "register",
+]
 
 _FAMILIES: list[ModelFamily] = []
 _plugins_loaded = False
@@ -59,8 +66,9 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found (a checkpoint folder has a config.json)") \
-            from None
+        raise CheckpointError(
+            f"{path}: not found (a checkpoint folder has a config.json)"
+        ) from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable: {e}") from None
     if not isinstance(data, dict):

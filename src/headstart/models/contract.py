@@ -30,8 +30,7 @@ import torch
 from headstart.batch import ForwardBatch
 from headstart.state import StateGroup, StatePool
 
-__all__ = ["CausalLM", "ChatFormat", "ForwardOutput", "LMConfig", "ModelFamily",
-           "ToolCallParsing"]
+__all__ = ["CausalLM", "ChatFormat", "ForwardOutput", "LMConfig", "ModelFamily", "ToolCallParsing"]
 
 
 @dataclass
@@ -71,8 +70,9 @@ class CausalLM(Protocol):
         """``StatePool.allocate(self.state_groups(), ...)`` in the model's dtype and device."""
         ...
 
-    def forward_ex(self, batch: ForwardBatch, pool: StatePool, taps: Sequence[int] = ()
-                   ) -> ForwardOutput:
+    def forward_ex(
+        self, batch: ForwardBatch, pool: StatePool, taps: Sequence[int] = ()
+    ) -> ForwardOutput:
         """Run the batch: each span's rows continue its slot's stream from position ``start``
         (a span at position 0 ignores whatever the slot held) and leave the slot holding the
         state after its last row; return the logits of ``batch.logit_index`` rows, the
@@ -131,4 +131,5 @@ class ModelFamily:
         archs = config.get("architectures") or ()
         kinds = {config.get("model_type"), (config.get("text_config") or {}).get("model_type")}
         return any(a in self.architectures for a in archs if isinstance(a, str)) or bool(
-            kinds & set(self.model_types))
+            kinds & set(self.model_types)
+        )

@@ -61,8 +61,11 @@ class ServerState:
     metrics_open: bool = False  # /metrics without an API key even when keys are set
     draining: bool = False
     # Parsing, template rendering and tokenization run here, off the event loop.
-    workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        max_workers=4, thread_name_prefix="headstart-prep"))
+    workers: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="headstart-prep"
+        )
+    )
     created: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count)
 
@@ -94,9 +97,16 @@ class _Choice:
 class _Generation:
     """One HTTP completion request's engine requests and their events."""
 
-    def __init__(self, state: ServerState, kind: str, req: P.ChatCompletionRequest |
-                 P.CompletionRequest, prompts: list[list[int]], prompt_text: str | None,
-                 snapshot_at: tuple[int, ...] = (), info: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        kind: str,
+        req: P.ChatCompletionRequest | P.CompletionRequest,
+        prompts: list[list[int]],
+        prompt_text: str | None,
+        snapshot_at: tuple[int, ...] = (),
+        info: dict[str, Any] | None = None,
+    ) -> None:
         self.state = state
         self.info = info if info is not None else {}  # the guard's per-request scope state
         self.recorded = False
@@ -119,27 +129,37 @@ class _Generation:
                 limit = min(limit, state.max_tokens_cap)
             if limit < 1:
                 field_name = "messages" if kind == "chat" else "prompt"
-                raise P.APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room "
-                                 f"in the context of {state.context} tokens", param=field_name,
-                                 code="context_length_exceeded")
-            base = P.sampling_params(req, defaults=state.generation_defaults,
-                                     max_new_tokens=limit)
+                raise P.APIError(
+                    400,
+                    f"the prompt has {len(ids)} tokens, which leaves no room "
+                    f"in the context of {state.context} tokens",
+                    param=field_name,
+                    code="context_length_exceeded",
+                )
+            base = P.sampling_params(req, defaults=state.generation_defaults, max_new_tokens=limit)
             for j in range(req.n):
                 params = base
                 if req.seed is not None and req.n > 1:  # distinct but reproducible choices
                     params = replace(base, seed=derived_seed(req.seed, j))
                 index = p * req.n + j
                 chat = state.chat
-                splitter = ReasoningSplitter.for_prompt(prompt_text) \
-                    if prompt_text is not None and chat.thinks else None
-                parser = chat.tool_calls(req.tools) if kind == "chat" and \
-                    req.parses_tool_calls and chat.tool_calls is not None else None
+                splitter = (
+                    ReasoningSplitter.for_prompt(prompt_text)
+                    if prompt_text is not None and chat.thinks
+                    else None
+                )
+                parser = (
+                    chat.tool_calls(req.tools)
+                    if kind == "chat" and req.parses_tool_calls and chat.tool_calls is not None
+                    else None
+                )
                 self.choices.append(_Choice(index, state.next_engine_id(), splitter, parser))
                 self.params.append((ids, params))
 
         def sink_for(index: int):
             def sink(event: Any) -> None:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
             return sink
 
         self._sinks = [sink_for(c.index) for c in self.choices]
@@ -156,23 +176,41 @@ class _Generation:
     def cached_tokens(self) -> int:
         """Per prompt, the most any of its choices restored from the prompt cache."""
         n = self.req.n
-        return sum(max((c.finish.cached_tokens if c.finish else 0)
-                       for c in self.choices[p * n:(p + 1) * n]) for p in range(len(self.prompts)))
+        return sum(
+            max(
+                (c.finish.cached_tokens if c.finish else 0)
+                for c in self.choices[p * n : (p + 1) * n]
+            )
+            for p in range(len(self.prompts))
+        )
 
     def submit(self) -> None:
         submitted = []
         try:
-            for choice, (ids, params), sink in zip(self.choices, self.params, self._sinks,
-                                                   strict=True):
-                self.state.engine.submit(EngineRequest(choice.engine_id, ids, params,
-                                                       params.max_tokens, sink,
-                                                       self.snapshot_at, self.req.draft))
+            for choice, (ids, params), sink in zip(
+                self.choices, self.params, self._sinks, strict=True
+            ):
+                self.state.engine.submit(
+                    EngineRequest(
+                        choice.engine_id,
+                        ids,
+                        params,
+                        params.max_tokens,
+                        sink,
+                        self.snapshot_at,
+                        self.req.draft,
+                    )
+                )
                 submitted.append(choice.engine_id)
         except QueueFull as e:
             for engine_id in submitted:
                 self.state.engine.abort(engine_id)
-            raise P.APIError(429, f"server busy: {e}; retry shortly", code="queue_full",
-                             headers={"Retry-After": "1"}) from None
+            raise P.APIError(
+                429,
+                f"server busy: {e}; retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
         except ValueError as e:
             for engine_id in submitted:
                 self.state.engine.abort(engine_id)
@@ -212,8 +250,9 @@ class _Generation:
             chunks += self._text_chunks(c, event.text, None, event.reason)
         return chunks
 
-    def _text_chunks(self, c: _Choice, text: str, entry: P.LogprobEntry | None,
-                     finish_reason: str | None) -> list[dict[str, Any]]:
+    def _text_chunks(
+        self, c: _Choice, text: str, entry: P.LogprobEntry | None, finish_reason: str | None
+    ) -> list[dict[str, Any]]:
         as_ids = self.req.return_tokens_as_token_ids
         tok = self.state.tokenizer
         if self.kind == "chat":
@@ -236,20 +275,40 @@ class _Generation:
             if not (reasoning or content or calls or logprobs or finish_reason or not c.started):
                 return []
             role, c.started = not c.started, True
-            return [P.chat_chunk(request_id=self.id, model=self.state.model_name,
-                                 index=c.index, created=self.created, role=role,
-                                 content=content or None, reasoning=reasoning or None,
-                                 finish_reason=finish_reason, logprobs=logprobs,
-                                 tool_calls=calls or None)]
+            return [
+                P.chat_chunk(
+                    request_id=self.id,
+                    model=self.state.model_name,
+                    index=c.index,
+                    created=self.created,
+                    role=role,
+                    content=content or None,
+                    reasoning=reasoning or None,
+                    finish_reason=finish_reason,
+                    logprobs=logprobs,
+                    tool_calls=calls or None,
+                )
+            ]
         offset = sum(len(t) for t in c.text)
         c.text.append(text)
-        logprobs = (P.completion_logprobs(tok, [entry], as_token_ids=as_ids, text_offset=offset)
-                    if entry else None)
+        logprobs = (
+            P.completion_logprobs(tok, [entry], as_token_ids=as_ids, text_offset=offset)
+            if entry
+            else None
+        )
         if not (text or logprobs or finish_reason):
             return []
-        return [P.completion_chunk(request_id=self.id, model=self.state.model_name,
-                                   index=c.index, text=text, created=self.created,
-                                   finish_reason=finish_reason, logprobs=logprobs)]
+        return [
+            P.completion_chunk(
+                request_id=self.id,
+                model=self.state.model_name,
+                index=c.index,
+                text=text,
+                created=self.created,
+                finish_reason=finish_reason,
+                logprobs=logprobs,
+            )
+        ]
 
     def usage(self) -> dict[str, Any]:
         return P.usage_info(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -264,20 +323,37 @@ class _Generation:
                 calls = c.tools.calls if c.tools is not None else []
                 reason = "tool_calls" if calls and c.finish.reason == "stop" else c.finish.reason
                 text = "".join(c.text)
-                choices.append(P.chat_choice(
-                    c.index, content=text if text or not calls else None,
-                    reasoning=reasoning or None, finish_reason=reason,
-                    tool_calls=[call.openai() for call in calls] or None,
-                    logprobs=P.chat_logprobs(tok, c.logprobs, as_token_ids=as_ids)
-                    if self.req.num_logprobs is not None else None))
+                choices.append(
+                    P.chat_choice(
+                        c.index,
+                        content=text if text or not calls else None,
+                        reasoning=reasoning or None,
+                        finish_reason=reason,
+                        tool_calls=[call.openai() for call in calls] or None,
+                        logprobs=P.chat_logprobs(tok, c.logprobs, as_token_ids=as_ids)
+                        if self.req.num_logprobs is not None
+                        else None,
+                    )
+                )
             else:
-                choices.append(P.completion_choice(
-                    c.index, text="".join(c.text), finish_reason=c.finish.reason,
-                    logprobs=P.completion_logprobs(tok, c.logprobs, as_token_ids=as_ids)
-                    if self.req.num_logprobs is not None else None))
+                choices.append(
+                    P.completion_choice(
+                        c.index,
+                        text="".join(c.text),
+                        finish_reason=c.finish.reason,
+                        logprobs=P.completion_logprobs(tok, c.logprobs, as_token_ids=as_ids)
+                        if self.req.num_logprobs is not None
+                        else None,
+                    )
+                )
         build = P.chat_completion_response if self.kind == "chat" else P.completion_response
-        return build(request_id=self.id, model=self.state.model_name, choices=choices,
-                     usage=self.usage(), created=self.created)
+        return build(
+            request_id=self.id,
+            model=self.state.model_name,
+            choices=choices,
+            usage=self.usage(),
+            created=self.created,
+        )
 
     def record(self, status: int, error: str | None = None) -> None:
         """Count and log this request's end, once (later calls do nothing)."""
@@ -289,17 +365,31 @@ class _Generation:
         reasons = [c.finish.reason if c.finish else "abort" for c in self.choices]
         duration = time.monotonic() - self.started_at
         state.metrics.request_finished(
-            status=status, finish_reason=reasons[0] if len(reasons) == 1 else "multi",
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens, duration_s=duration, was_running=False)
+            status=status,
+            finish_reason=reasons[0] if len(reasons) == 1 else "multi",
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            duration_s=duration,
+            was_running=False,
+        )
         if state.request_log is not None:
-            state.request_log.write(request_record(
-                id=self.id, endpoint=f"/v1/{'chat/' if self.kind == 'chat' else ''}completions",
-                status=status, prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
-                ttft_s=self.ttft,
-                duration_s=duration, finish_reason=reasons[0] if len(reasons) == 1 else reasons,
-                error=error, n=len(self.choices), stream=bool(self.req.stream)))
+            state.request_log.write(
+                request_record(
+                    id=self.id,
+                    endpoint=f"/v1/{'chat/' if self.kind == 'chat' else ''}completions",
+                    status=status,
+                    prompt_tokens=self.prompt_tokens,
+                    completion_tokens=self.completion_tokens,
+                    cached_tokens=self.cached_tokens,
+                    ttft_s=self.ttft,
+                    duration_s=duration,
+                    finish_reason=reasons[0] if len(reasons) == 1 else reasons,
+                    error=error,
+                    n=len(self.choices),
+                    stream=bool(self.req.stream),
+                )
+            )
 
 
 def _error_response(e: P.APIError) -> JSONResponse:
@@ -346,15 +436,20 @@ def _check_size(state: ServerState, prompts: int, n: int) -> None:
     """A request that could never be held at once is refused before any work (400, not the
     429 of a full queue, which says to retry)."""
     if prompts * n > state.max_generations:
-        raise P.APIError(400, f"{prompts} prompt(s) x n={n} asks for {prompts * n} "
-                         f"generations; this server holds at most {state.max_generations} at "
-                         "once (slots + queue)", param="n" if prompts == 1 else "prompt",
-                         code="too_many_generations")
+        raise P.APIError(
+            400,
+            f"{prompts} prompt(s) x n={n} asks for {prompts * n} "
+            f"generations; this server holds at most {state.max_generations} at "
+            "once (slots + queue)",
+            param="n" if prompts == 1 else "prompt",
+            code="too_many_generations",
+        )
 
 
 def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
-    app = FastAPI(title="headstart", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="headstart", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.headstart = state
     # Inside Starlette's outermost error middleware, which would re-raise to the server (and
     # so drop the connection) after any 500: the guard answers and returns instead.
@@ -381,9 +476,13 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         stats = state.engine.stats()
-        body = {"status": "draining" if state.draining else "ok", "slots": stats["slots"],
-                "free_slots": stats["free_slots"], "running": stats["running"],
-                "waiting": stats["waiting"]}
+        body = {
+            "status": "draining" if state.draining else "ok",
+            "slots": stats["slots"],
+            "free_slots": stats["free_slots"],
+            "running": stats["running"],
+            "waiting": stats["waiting"],
+        }
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
@@ -395,9 +494,18 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "headstart", "max_model_len": state.context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "headstart",
+                    "max_model_len": state.context,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -418,15 +526,17 @@ def _check_model(state: ServerState, name: str | None) -> None:
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="service_unavailable")
     if name is not None and name != state.model_name:
-        raise P.APIError(404, f"model '{name[:200]}' does not exist; this server serves "
-                         f"'{state.model_name}'", param="model", code="model_not_found")
+        raise P.APIError(
+            404,
+            f"model '{name[:200]}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
-async def _complete(state: ServerState, request: Request, kind: str, prep: _Prepared
-                    ) -> Response:
+async def _complete(state: ServerState, request: Request, kind: str, prep: _Prepared) -> Response:
     info = request.scope.setdefault("state", {})
-    gen = _Generation(state, kind, prep.req, prep.prompts, prep.prompt_text, prep.snapshot_at,
-                      info)
+    gen = _Generation(state, kind, prep.req, prep.prompts, prep.prompt_text, prep.snapshot_at, info)
     gen.submit()
     if prep.req.stream:
         return _GenerationStream(gen)
@@ -467,8 +577,11 @@ class _GenerationStream(StreamingResponse):
     chunk, cancelled), its engine requests are aborted and it is recorded once."""
 
     def __init__(self, gen: _Generation) -> None:
-        super().__init__(_stream(gen), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            _stream(gen),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.gen = gen
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -491,9 +604,15 @@ async def _stream(gen: _Generation) -> AsyncIterator[bytes]:
             yield P.sse(P.APIError(500, gen.error).body())
         elif gen.req.include_usage:
             object_type = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
-            yield P.sse(P.usage_chunk(request_id=gen.id, model=gen.state.model_name,
-                                      object_type=object_type, usage=gen.usage(),
-                                      created=gen.created))
+            yield P.sse(
+                P.usage_chunk(
+                    request_id=gen.id,
+                    model=gen.state.model_name,
+                    object_type=object_type,
+                    usage=gen.usage(),
+                    created=gen.created,
+                )
+            )
         yield P.SSE_DONE
     except BaseException:  # client gone (cancelled) or anything else: free the slots now
         status, error = 499, "client_disconnected"

@@ -53,7 +53,8 @@ def _load_keys(path: Path) -> tuple[bytes, ...]:
         if mode & 0o077:
             raise KeyFileError(
                 f"{path}: API key file has mode {mode:04o}, readable or writable by group or "
-                f"others; restrict it to its owner (chmod 600 {path})")
+                f"others; restrict it to its owner (chmod 600 {path})"
+            )
         chunks = []
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)

@@ -42,9 +42,10 @@ MAX_HEADER_BYTES = 64 * 1024
 long bearer tokens and cookies can exceed."""
 
 _TIMEOUT_BODY = b"request headers took too long\n"
-_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-                     % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TIMEOUT_BODY), _TIMEOUT_BODY)
+)
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -86,8 +87,11 @@ class HeaderTimeoutProtocol(H11Protocol):
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a response is still being written (an early one, before its body was read)
         # debug, not info: a flood of such connections must not become a flood of log lines
-        log.debug("closing the connection from %s: no complete request headers within %gs",
-                  self.client, self.header_timeout)
+        log.debug(
+            "closing the connection from %s: no complete request headers within %gs",
+            self.client,
+            self.header_timeout,
+        )
         if self._head_bytes:
             self.transport.write(_TIMEOUT_RESPONSE)
         self.transport.close()
@@ -132,11 +136,17 @@ class HeaderTimeoutProtocol(H11Protocol):
 
 def protocol_class(header_timeout: float) -> type[HeaderTimeoutProtocol]:
     """A :class:`HeaderTimeoutProtocol` subclass whose connections use ``header_timeout``."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
-                {"header_timeout": float(header_timeout), "__module__": __name__})
+    return type(
+        "HeaderTimeoutProtocol",
+        (HeaderTimeoutProtocol,),
+        {"header_timeout": float(header_timeout), "__module__": __name__},
+    )
 
 
 def uvicorn_connection_options(header_timeout: float, keep_alive_timeout: float) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config`` that apply this module's connection policy."""
-    return {"http": protocol_class(header_timeout), "timeout_keep_alive": keep_alive_timeout,
-            "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+    return {
+        "http": protocol_class(header_timeout),
+        "timeout_keep_alive": keep_alive_timeout,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+    }

@@ -54,8 +54,7 @@ class GuardSettings(Protocol):
 def error_body(e: P.APIError) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """The JSON body and headers of an error response."""
     body = json.dumps(e.body()).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()]
     return body, headers
 
@@ -98,8 +97,9 @@ class Guard:
             info[ERROR] = "server_error"
             if response["status"] is None:
                 try:
-                    await _send_error(tracked, P.APIError(500, f"internal error: "
-                                                          f"{type(e).__name__}"))
+                    await _send_error(
+                        tracked, P.APIError(500, f"internal error: {type(e).__name__}")
+                    )
                 except Exception:
                     response["status"] = 500
         finally:
@@ -112,36 +112,51 @@ class Guard:
         if guarded and state.keys is not None:
             auth = headers.get(b"authorization")
             if not state.keys.check(auth.decode("latin-1") if auth is not None else None):
-                return P.APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                  code="invalid_api_key")
+                return P.APIError(
+                    401,
+                    "a valid API key is required (Authorization: Bearer KEY)",
+                    code="invalid_api_key",
+                )
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
             return _too_large(state.max_body_bytes)
         return None
 
-    def _log_unlogged(self, scope: Scope, info: dict[str, Any], status: int | None,
-                      started_at: float) -> None:
+    def _log_unlogged(
+        self, scope: Scope, info: dict[str, Any], status: int | None, started_at: float
+    ) -> None:
         request_log = self.state.request_log
         path = scope["path"]
         if request_log is None or info.get(LOGGED) or not path.startswith("/v1/"):
             return
         if status is not None and status < 400:
             return  # /v1/models and the like: not a generation request
-        kind = "chat" if path == "/v1/chat/completions" else (
-            "completion" if path == "/v1/completions" else None)
+        kind = (
+            "chat"
+            if path == "/v1/chat/completions"
+            else ("completion" if path == "/v1/completions" else None)
+        )
         request_id = P.new_request_id(kind) if kind else f"req-{uuid.uuid4().hex}"
         try:
-            request_log.write(request_record(
-                id=request_id, endpoint=path[:200], status=status or 499,
-                duration_s=time.monotonic() - started_at,
-                error=info.get(ERROR) or ("client_disconnected" if status is None else None)))
+            request_log.write(
+                request_record(
+                    id=request_id,
+                    endpoint=path[:200],
+                    status=status or 499,
+                    duration_s=time.monotonic() - started_at,
+                    error=info.get(ERROR) or ("client_disconnected" if status is None else None),
+                )
+            )
         except Exception:
             log.exception("request log write failed")
 
 
 def _too_large(limit: int) -> P.APIError:
-    return P.APIError(413, f"the request body is larger than this server's limit of "
-                      f"{limit} bytes (--max-body-mib)", code="request_too_large")
+    return P.APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes (--max-body-mib)",
+        code="request_too_large",
+    )
 
 
 async def _send_error(send: Send, e: P.APIError) -> None:
@@ -165,8 +180,11 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
         except StopAsyncIteration:
             break
         except TimeoutError:
-            raise P.APIError(408, f"the request body did not arrive within {timeout_s:g} s",
-                             code="request_timeout") from None
+            raise P.APIError(
+                408,
+                f"the request body did not arrive within {timeout_s:g} s",
+                code="request_timeout",
+            ) from None
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)

@@ -30,14 +30,78 @@ from prometheus_client.registry import Collector
 __all__ = ["ITL_BUCKETS", "LATENCY_BUCKETS", "TTFT_BUCKETS", "Metrics"]
 
 #: Time to first token: 1 ms (a cached prefix) up to 60 s (a long cold prompt on a busy server).
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+)
 #: Gap between tokens of one stream: sub-millisecond (speculative bursts) up to stalls.
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 #: Whole-request latency.
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
-                   120.0, 300.0, 600.0, 1800.0)
+LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 
 
 class Metrics:
@@ -54,36 +118,55 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_running = Gauge(
-            "headstart_requests_running", "Requests currently generating.", registry=r)
+            "headstart_requests_running", "Requests currently generating.", registry=r
+        )
         self.requests_queued = Gauge(
-            "headstart_requests_queued", "Requests waiting for a slot.", registry=r)
+            "headstart_requests_queued", "Requests waiting for a slot.", registry=r
+        )
         self.slots_total = Gauge(
-            "headstart_slots_total", "Concurrent sequence slots of the engine.", registry=r)
+            "headstart_slots_total", "Concurrent sequence slots of the engine.", registry=r
+        )
         self.time_to_first_token = Histogram(
             "headstart_time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
-            buckets=TTFT_BUCKETS, registry=r)
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.inter_token_latency = Histogram(
             "headstart_inter_token_latency_seconds",
             "Time between consecutive generated tokens of one sequence.",
-            buckets=ITL_BUCKETS, registry=r)
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.request_latency = Histogram(
             "headstart_e2e_request_latency_seconds",
             "Time from request arrival to its last byte.",
-            buckets=LATENCY_BUCKETS, registry=r)
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
-            "headstart_prompt_tokens_total", "Prompt tokens of finished requests.", registry=r)
+            "headstart_prompt_tokens_total", "Prompt tokens of finished requests.", registry=r
+        )
         self.cached_prompt_tokens = Counter(
             "headstart_cached_prompt_tokens_total",
-            "Prompt tokens served from the prefix cache instead of being computed.", registry=r)
+            "Prompt tokens served from the prefix cache instead of being computed.",
+            registry=r,
+        )
         self.generation_tokens = Counter(
-            "headstart_generation_tokens_total", "Generated tokens.", registry=r)
+            "headstart_generation_tokens_total", "Generated tokens.", registry=r
+        )
         self.requests = Counter(
-            "headstart_requests_total", "Finished requests by HTTP status and finish reason.",
-            ["status", "finish_reason"], registry=r)
+            "headstart_requests_total",
+            "Finished requests by HTTP status and finish reason.",
+            ["status", "finish_reason"],
+            registry=r,
+        )
         self.request_errors = Counter(
-            "headstart_request_errors_total", "Errors answered, by error type.", ["type"],
-            registry=r)
+            "headstart_request_errors_total",
+            "Errors answered, by error type.",
+            ["type"],
+            registry=r,
+        )
         self.slots_total.set(slots)
 
     def watch_prompt_cache(self, stats: Callable[[], Mapping[str, int]]) -> None:
@@ -117,10 +200,17 @@ class Metrics:
         """Record the gap before one more generated token, in seconds."""
         self.inter_token_latency.observe(itl_s)
 
-    def request_finished(self, *, status: int, finish_reason: str | None = None,
-                         prompt_tokens: int = 0, completion_tokens: int = 0,
-                         cached_tokens: int = 0, duration_s: float | None = None,
-                         was_running: bool = True) -> None:
+    def request_finished(
+        self,
+        *,
+        status: int,
+        finish_reason: str | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+        duration_s: float | None = None,
+        was_running: bool = True,
+    ) -> None:
         """A request ended. ``was_running``: it had been counted by request_started (a
         request that failed while queued passes False after leaving the queue itself)."""
         if was_running:
@@ -147,14 +237,22 @@ class _PromptCacheCollector(Collector):
     _COUNTERS: ClassVar[dict[str, tuple[str, str]]] = {
         "cache_hits": ("headstart_prompt_cache_hits", "Prompt-cache lookups that found a prefix."),
         "cache_misses": ("headstart_prompt_cache_misses", "Prompt-cache lookups that found none."),
-        "cache_restored_tokens": ("headstart_prompt_cache_restored_tokens",
-                                  "Prompt tokens restored from snapshots."),
-        "cache_evictions": ("headstart_prompt_cache_evictions",
-                            "Snapshots evicted to stay within the byte budget."),
-        "cache_failed_restores": ("headstart_prompt_cache_failed_restores",
-                                  "Restores abandoned for a full prefill."),
-        "cache_host_hits": ("headstart_prompt_cache_host_hits",
-                            "Lookups answered from the host-memory tier."),
+        "cache_restored_tokens": (
+            "headstart_prompt_cache_restored_tokens",
+            "Prompt tokens restored from snapshots.",
+        ),
+        "cache_evictions": (
+            "headstart_prompt_cache_evictions",
+            "Snapshots evicted to stay within the byte budget.",
+        ),
+        "cache_failed_restores": (
+            "headstart_prompt_cache_failed_restores",
+            "Restores abandoned for a full prefill.",
+        ),
+        "cache_host_hits": (
+            "headstart_prompt_cache_host_hits",
+            "Lookups answered from the host-memory tier.",
+        ),
         "spec_rounds": ("headstart_spec_decode_rounds", "Verify windows run."),
         "spec_drafted": ("headstart_spec_decode_draft_tokens", "Draft tokens proposed."),
         "spec_accepted": ("headstart_spec_decode_accepted_tokens", "Draft tokens accepted."),
@@ -163,8 +261,10 @@ class _PromptCacheCollector(Collector):
         "cache_bytes": ("headstart_prompt_cache_bytes", "Bytes held by snapshots."),
         "cache_budget_bytes": ("headstart_prompt_cache_budget_bytes", "Snapshot byte budget."),
         "cache_entries": ("headstart_prompt_cache_entries", "Snapshots held."),
-        "cache_host_bytes": ("headstart_prompt_cache_host_bytes",
-                             "Bytes held by snapshots in host memory."),
+        "cache_host_bytes": (
+            "headstart_prompt_cache_host_bytes",
+            "Bytes held by snapshots in host memory.",
+        ),
     }
 
     def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
@@ -184,4 +284,5 @@ class _PromptCacheCollector(Collector):
         yield GaugeMetricFamily(
             "headstart_spec_decode_mean_accepted_length",
             "Mean tokens emitted per verify window (accepted drafts + 1); 0 before any.",
-            value=(stats.get("spec_accepted", 0) / rounds + 1) if rounds else 0.0)
+            value=(stats.get("spec_accepted", 0) / rounds + 1) if rounds else 0.0,
+        )

@@ -97,22 +97,36 @@ class APIError(Exception):
     ``"messages[0].role"``); ``headers`` are extra response headers (e.g. ``Retry-After``).
     """
 
-    def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _DEFAULT_ERROR_TYPES.get(
-            status, "server_error" if status >= 500 else "invalid_request_error")
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def __repr__(self) -> str:
         return f"APIError({self.status}, {self.message!r}, param={self.param!r})"
@@ -323,8 +337,11 @@ class ChatMessage(_Lenient):
             out["reasoning_content"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [
-                {"id": call.id, "type": call.type,
-                 "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
                 for call in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -334,8 +351,9 @@ class ChatMessage(_Lenient):
 
 # Template variables a client may not set: the request's own fields, and the names of the
 # rendering call's parameters.
-_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "self",
-                                      "template_kwargs"})
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "self", "template_kwargs"}
+)
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -418,8 +436,10 @@ class CompletionRequest(_CommonRequest):
                 return [value]
             if all(isinstance(p, list) and all(is_id(t) for t in p) for p in value):
                 return value
-        raise ValueError("must be a string, a list of strings, a list of token ids, "
-                         "or a list of lists of token ids")
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids, "
+            "or a list of lists of token ids"
+        )
 
     @pydantic.field_validator("echo")
     @classmethod
@@ -462,13 +482,18 @@ def _check_text(data: Any) -> None:
         if isinstance(value, str):
             if _SURROGATE.search(value):
                 where = _where(path)
-                raise _bad(f"{where or 'the request'} holds a lone UTF-16 surrogate "
-                           "(\\ud800-\\udfff without its pair), which is not text", where)
+                raise _bad(
+                    f"{where or 'the request'} holds a lone UTF-16 surrogate "
+                    "(\\ud800-\\udfff without its pair), which is not text",
+                    where,
+                )
         elif isinstance(value, dict):
             for key, item in value.items():
                 if _SURROGATE.search(key):
-                    raise _bad("an object key holds a lone UTF-16 surrogate, which is not text",
-                               _where(path))
+                    raise _bad(
+                        "an object key holds a lone UTF-16 surrogate, which is not text",
+                        _where(path),
+                    )
                 stack.append((item, (*path, key)))
         elif isinstance(value, list):
             stack.extend((item, (*path, i)) for i, item in enumerate(value))
@@ -509,9 +534,13 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 _NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest, *,
-                    defaults: Mapping[str, float], max_new_tokens: int,
-                    eos_ids: Sequence[int] = ()) -> SamplingParams:
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    *,
+    defaults: Mapping[str, float],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+) -> SamplingParams:
     """The request's :class:`SamplingParams`.
 
     For temperature/top_p/top_k/min_p the request's value wins, then ``defaults`` (the
@@ -534,9 +563,14 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *,
         values[name] = int(given) if name == "top_k" else float(given)
     limit, limit_field = req.token_limit
     if limit is not None and limit > max_new_tokens:
-        raise APIError(400, f"{limit_field}={limit} is more than the {max_new_tokens} tokens "
-                       "this request can generate (context length minus prompt, or the "
-                       "server's cap)", param=limit_field, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{limit_field}={limit} is more than the {max_new_tokens} tokens "
+            "this request can generate (context length minus prompt, or the "
+            "server's cap)",
+            param=limit_field,
+            code="context_length_exceeded",
+        )
     try:
         return SamplingParams(
             **values,
@@ -565,16 +599,20 @@ def _render(render: Callable[..., T], req: ChatCompletionRequest) -> T:
         raise _bad("'messages' must contain at least one message", "messages")
     messages = [m.template_dict() for m in req.messages]
     try:
-        return render(messages, add_generation_prompt=True, tools=req.tools,
-                      **req.chat_template_kwargs)
+        return render(
+            messages, add_generation_prompt=True, tools=req.tools, **req.chat_template_kwargs
+        )
     except ValueError as exc:
         raise _bad(str(exc), "messages") from None
     except CheckpointError as exc:
-        raise _bad(f"this model has no usable chat template; use /v1/completions ({exc})",
-                   "messages") from None
+        raise _bad(
+            f"this model has no usable chat template; use /v1/completions ({exc})", "messages"
+        ) from None
     except Exception as exc:
-        raise _bad(f"chat template rejected the conversation: {type(exc).__name__}: "
-                   f"{str(exc)[:200]}", "messages") from None
+        raise _bad(
+            f"chat template rejected the conversation: {type(exc).__name__}: {str(exc)[:200]}",
+            "messages",
+        ) from None
 
 
 def chat_prompt_text(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
@@ -607,8 +645,11 @@ def completion_prompts(tokenizer: Tokenizer, req: CompletionRequest) -> list[lis
     vocab = tokenizer.vocab_size
     texts = [p for p in prompts if isinstance(p, str)]
     # One batch call: the tokenizers binding releases the GIL there (not in encode).
-    encoded = iter(e.ids for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-                   ) if texts else iter(())
+    encoded = (
+        iter(e.ids for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False))
+        if texts
+        else iter(())
+    )
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -617,8 +658,9 @@ def completion_prompts(tokenizer: Tokenizer, req: CompletionRequest) -> list[lis
             raise _bad(f"{where} is empty", "prompt")
         if min(ids) < 0 or max(ids) >= vocab:
             token = next(t for t in ids if not 0 <= t < vocab)
-            raise _bad(f"token id {token} in {where} is outside the vocabulary "
-                       f"[0, {vocab})", "prompt")
+            raise _bad(
+                f"token id {token} in {where} is outside the vocabulary [0, {vocab})", "prompt"
+            )
         out.append(ids)
     return out
 
@@ -631,8 +673,9 @@ def new_request_id(kind: Literal["chat", "completion"]) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int,
-               cached_tokens: int = 0) -> dict[str, Any]:
+def usage_info(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
     """The ``usage`` object; ``cached_tokens`` counts prompt tokens served from cache."""
     return {
         "prompt_tokens": prompt_tokens,
@@ -642,8 +685,13 @@ def usage_info(prompt_tokens: int, completion_tokens: int,
     }
 
 
-def _envelope(object_type: str, request_id: str, model: str, created: int | None,
-              choices: list[dict[str, Any]]) -> dict[str, Any]:
+def _envelope(
+    object_type: str,
+    request_id: str,
+    model: str,
+    created: int | None,
+    choices: list[dict[str, Any]],
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": object_type,
@@ -654,10 +702,16 @@ def _envelope(object_type: str, request_id: str, model: str, created: int | None
     }
 
 
-def chat_choice(index: int, *, content: str | None, finish_reason: str | None,
-                reasoning: str | None = None, logprobs: dict[str, Any] | None = None,
-                tool_calls: list[dict[str, Any]] | None = None,
-                stop_reason: str | int | None = None) -> dict[str, Any]:
+def chat_choice(
+    index: int,
+    *,
+    content: str | None,
+    finish_reason: str | None,
+    reasoning: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    stop_reason: str | int | None = None,
+) -> dict[str, Any]:
     """One choice of a full chat response. The reasoning text is given under both
     ``reasoning_content`` (SGLang, llama.cpp, older vLLM) and ``reasoning`` (newer vLLM)."""
     message: dict[str, Any] = {
@@ -668,23 +722,43 @@ def chat_choice(index: int, *, content: str | None, finish_reason: str | None,
     }
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def chat_completion_response(*, request_id: str, model: str, choices: list[dict[str, Any]],
-                             usage: dict[str, Any], created: int | None = None) -> dict[str, Any]:
+def chat_completion_response(
+    *,
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    created: int | None = None,
+) -> dict[str, Any]:
     """A full ``chat.completion`` object (``choices`` from :func:`chat_choice`)."""
     out = _envelope("chat.completion", request_id, model, created, choices)
     out["usage"] = usage
     return out
 
 
-def chat_chunk(*, request_id: str, model: str, index: int, created: int | None = None,
-               role: bool = False, content: str | None = None, reasoning: str | None = None,
-               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-               stop_reason: str | int | None = None,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def chat_chunk(
+    *,
+    request_id: str,
+    model: str,
+    index: int,
+    created: int | None = None,
+    role: bool = False,
+    content: str | None = None,
+    reasoning: str | None = None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: str | int | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One ``chat.completion.chunk`` for choice ``index``.
 
     ``role=True`` marks a choice's first chunk: its delta carries ``"role": "assistant"``
@@ -704,43 +778,76 @@ def chat_chunk(*, request_id: str, model: str, index: int, created: int | None =
         delta["tool_calls"] = tool_calls
     if role and content is None and reasoning is None and not tool_calls:
         delta["content"] = ""
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason}
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return _envelope("chat.completion.chunk", request_id, model, created, [choice])
 
 
-def completion_choice(index: int, *, text: str, finish_reason: str | None,
-                      logprobs: dict[str, Any] | None = None,
-                      stop_reason: str | int | None = None) -> dict[str, Any]:
+def completion_choice(
+    index: int,
+    *,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: str | int | None = None,
+) -> dict[str, Any]:
     """One choice of a full ``text_completion`` response."""
-    return {"index": index, "text": text, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def completion_response(*, request_id: str, model: str, choices: list[dict[str, Any]],
-                        usage: dict[str, Any], created: int | None = None) -> dict[str, Any]:
+def completion_response(
+    *,
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
+    created: int | None = None,
+) -> dict[str, Any]:
     """A full ``text_completion`` object (``choices`` from :func:`completion_choice`)."""
     out = _envelope("text_completion", request_id, model, created, choices)
     out["usage"] = usage
     return out
 
 
-def completion_chunk(*, request_id: str, model: str, index: int, text: str,
-                     created: int | None = None, finish_reason: str | None = None,
-                     logprobs: dict[str, Any] | None = None,
-                     stop_reason: str | int | None = None) -> dict[str, Any]:
+def completion_chunk(
+    *,
+    request_id: str,
+    model: str,
+    index: int,
+    text: str,
+    created: int | None = None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: str | int | None = None,
+) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk for choice ``index`` (same object type as the
     full response, as OpenAI does)."""
-    choice = completion_choice(index, text=text, finish_reason=finish_reason,
-                               logprobs=logprobs, stop_reason=stop_reason)
+    choice = completion_choice(
+        index, text=text, finish_reason=finish_reason, logprobs=logprobs, stop_reason=stop_reason
+    )
     return _envelope("text_completion", request_id, model, created, [choice])
 
 
-def usage_chunk(*, request_id: str, model: str,
-                object_type: Literal["chat.completion.chunk", "text_completion"],
-                usage: dict[str, Any], created: int | None = None) -> dict[str, Any]:
+def usage_chunk(
+    *,
+    request_id: str,
+    model: str,
+    object_type: Literal["chat.completion.chunk", "text_completion"],
+    usage: dict[str, Any],
+    created: int | None = None,
+) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, usage."""
     out = _envelope(object_type, request_id, model, created, [])
     out["usage"] = usage
@@ -812,8 +919,9 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _NEG_INF_LOGPROB
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[LogprobEntry], *,
-                  as_token_ids: bool = False) -> dict[str, Any]:
+def chat_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[LogprobEntry], *, as_token_ids: bool = False
+) -> dict[str, Any]:
     """Chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``.
 
     ``entries`` holds one ``(token_id, logprob, [(id, logprob), ...])`` per generated token.
@@ -835,8 +943,13 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[LogprobEntry], *,
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[LogprobEntry], *,
-                        as_token_ids: bool = False, text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer,
+    entries: Sequence[LogprobEntry],
+    *,
+    as_token_ids: bool = False,
+    text_offset: int = 0,
+) -> dict[str, Any]:
     """Legacy completions ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs",
     "text_offset"}``. ``top_logprobs`` holds one ``{token: logprob}`` dict per token.
     ``text_offset`` is where the first token starts in the choice's text (pass the running
@@ -855,5 +968,9 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[LogprobEntry], *
         tops.append({name(t): _finite(lp) for t, lp in top})
         offsets.append(offset)
         offset += len(r.text(token_id))
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

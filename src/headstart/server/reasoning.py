@@ -41,7 +41,7 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     (``<think>\\n\\n</think>\\n\\n``) and this returns False.
     """
     start = prompt_text.rfind(THINK_OPEN)
-    return start != -1 and THINK_CLOSE not in prompt_text[start + len(THINK_OPEN):]
+    return start != -1 and THINK_CLOSE not in prompt_text[start + len(THINK_OPEN) :]
 
 
 def _held_tag_prefix(text: str) -> int:
@@ -148,8 +148,9 @@ class ReasoningSplitter:
         return best
 
 
-def split_full(text: str, start_in_reasoning: bool, *,
-               strip_newlines: bool = True) -> tuple[str | None, str]:
+def split_full(
+    text: str, start_in_reasoning: bool, *, strip_newlines: bool = True
+) -> tuple[str | None, str]:
     """Split a whole generated text: ``(reasoning or None when empty, content)``.
 
     Same result as streaming ``text`` through :class:`ReasoningSplitter` in any pieces.

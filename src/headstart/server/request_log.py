@@ -23,16 +23,38 @@ __all__ = ["RECORD_FIELDS", "RequestLog", "request_record"]
 
 #: The fields of a record, in order. None of them can hold request or response text.
 RECORD_FIELDS = (
-    "time", "id", "endpoint", "status", "prompt_tokens", "completion_tokens", "cached_tokens",
-    "ttft_s", "duration_s", "finish_reason", "error", "n", "stream",
+    "time",
+    "id",
+    "endpoint",
+    "status",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_s",
+    "duration_s",
+    "finish_reason",
+    "error",
+    "n",
+    "stream",
 )
 
 
-def request_record(*, id: str, endpoint: str, status: int, prompt_tokens: int = 0,
-                   completion_tokens: int = 0, cached_tokens: int = 0,
-                   ttft_s: float | None = None, duration_s: float | None = None,
-                   finish_reason: str | Sequence[str] | None = None, error: str | None = None,
-                   n: int = 1, stream: bool = False, time: float | None = None) -> dict[str, Any]:
+def request_record(
+    *,
+    id: str,
+    endpoint: str,
+    status: int,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    cached_tokens: int = 0,
+    ttft_s: float | None = None,
+    duration_s: float | None = None,
+    finish_reason: str | Sequence[str] | None = None,
+    error: str | None = None,
+    n: int = 1,
+    stream: bool = False,
+    time: float | None = None,
+) -> dict[str, Any]:
     """One log record (keys in :data:`RECORD_FIELDS` order).
 
     ``time`` is a Unix timestamp (default: now), written as ISO 8601 UTC with milliseconds.
@@ -41,8 +63,11 @@ def request_record(*, id: str, endpoint: str, status: int, prompt_tokens: int = 
     """
     when = datetime.fromtimestamp(_time.time() if time is None else time, tz=UTC)
     reason: str | list[str] | None
-    reason = finish_reason if finish_reason is None or isinstance(finish_reason, str) \
+    reason = (
+        finish_reason
+        if finish_reason is None or isinstance(finish_reason, str)
         else [str(r) for r in finish_reason]
+    )
 
     def seconds(value: float | None) -> float | None:
         return None if value is None else round(float(value), 4)
@@ -74,7 +99,8 @@ class RequestLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._fd: int | None = os.open(
-            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -82,8 +108,9 @@ class RequestLog:
         """Append ``record`` as one JSON line (build it with :func:`request_record`)."""
         # The whole line is built before the write: one write(2) with O_APPEND puts it at
         # the end of the file as a unit, even with other processes appending concurrently.
-        data = (json.dumps(record, ensure_ascii=True, separators=(",", ":"), default=str)
-                + "\n").encode("ascii")
+        data = (
+            json.dumps(record, ensure_ascii=True, separators=(",", ":"), default=str) + "\n"
+        ).encode("ascii")
         if os.getpid() != self._pid:
             # A forked child inherits the lock in whatever state a parent thread left it.
             self._lock = threading.Lock()

@@ -42,73 +42,165 @@ log = logging.getLogger("headstart.serve")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8888,
-                   help="TCP port to listen on, 1..65535 (default: %(default)s)")
-    p.add_argument("--parallel", type=int, default=None,
-                   help="concurrent streams (slots); default 16 (on CPU too: measured best, "
-                        "see BENCHMARKS.md)")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per stream, prompt included (default: min(32768, model max))")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests that may wait for a slot before new ones get 429")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="cap on tokens generated per request (default: the context)")
-    p.add_argument("--api-key-file", default=None,
-                   help="file with one API key per line (mode 600); required on /v1/*")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8888,
+        help="TCP port to listen on, 1..65535 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        help="concurrent streams (slots); default 16 (on CPU too: measured best, "
+        "see BENCHMARKS.md)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per stream, prompt included (default: min(32768, model max))",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests that may wait for a slot before new ones get 429",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cap on tokens generated per request (default: the context)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one API key per line (mode 600); required on /v1/*",
+    )
     p.add_argument("--request-log", default=None, help="append one JSON line per request here")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the model folder's name)")
-    p.add_argument("--prompt-cache-mib", type=int, default=2048,
-                   help="byte budget of the prompt-state cache in MiB (0 disables it)")
-    p.add_argument("--prompt-cache-host-mib", type=int, default=0,
-                   help="second prompt-cache tier in host RAM for snapshots evicted from the "
-                        "first (MiB; 0: none)")
-    p.add_argument("--prompt-cache-max-tokens", type=int, default=0,
-                   help="longest prefix one snapshot may hold (0: no cap)")
-    p.add_argument("--prompt-cache-interval", type=int, default=1024,
-                   help="also snapshot long prompts every N tokens (0: only at turn ends)")
-    p.add_argument("--drafter", default=None,
-                   help="DFlash drafter checkpoint folder: speculative decoding on")
-    p.add_argument("--no-drafter", action="store_true",
-                   help="do not use the drafter shipped with the embedded default model")
-    p.add_argument("--draft-block", type=int, default=None,
-                   help="tokens per verify window, anchor included (default: the drafter's)")
-    p.add_argument("--draft-window", type=int, default=4096,
-                   help="target rows of context the drafter keeps per stream")
-    p.add_argument("--kernels", default="auto", choices=["auto", "reference", "gpu"],
-                   help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--prompt-cache-mib",
+        type=int,
+        default=2048,
+        help="byte budget of the prompt-state cache in MiB (0 disables it)",
+    )
+    p.add_argument(
+        "--prompt-cache-host-mib",
+        type=int,
+        default=0,
+        help="second prompt-cache tier in host RAM for snapshots evicted from the "
+        "first (MiB; 0: none)",
+    )
+    p.add_argument(
+        "--prompt-cache-max-tokens",
+        type=int,
+        default=0,
+        help="longest prefix one snapshot may hold (0: no cap)",
+    )
+    p.add_argument(
+        "--prompt-cache-interval",
+        type=int,
+        default=1024,
+        help="also snapshot long prompts every N tokens (0: only at turn ends)",
+    )
+    p.add_argument(
+        "--drafter", default=None, help="DFlash drafter checkpoint folder: speculative decoding on"
+    )
+    p.add_argument(
+        "--no-drafter",
+        action="store_true",
+        help="do not use the drafter shipped with the embedded default model",
+    )
+    p.add_argument(
+        "--draft-block",
+        type=int,
+        default=None,
+        help="tokens per verify window, anchor included (default: the drafter's)",
+    )
+    p.add_argument(
+        "--draft-window",
+        type=int,
+        default=4096,
+        help="target rows of context the drafter keeps per stream",
+    )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "reference", "gpu"],
+        help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere",
+    )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
-    p.add_argument("--window-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="with a drafter, replay its proposals, chain verify windows and "
-                        "rollbacks from CUDA graphs (27B on an H200: an 8-row window costs 1.35 "
-                        "decode steps instead of 6.6)")
-    p.add_argument("--continuation-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay continued prefill chunks of up to --prefill-graph-tokens tokens "
-                        "(a new turn after a prompt-cache hit) from CUDA graphs (27B on an "
-                        "H200: 21 ms instead of 167; costs start-up time)")
-    p.add_argument("--prefill-graph-tokens", type=int, default=64,
-                   help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
-                        "(one graph per length; 0 or 1: none)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running streams get to finish on SIGTERM/SIGINT before they are "
-                        "ended; a second signal exits at once (default: %(default)s)")
-    p.add_argument("--max-body-mib", type=float, default=8.0,
-                   help="larger request bodies get 413, in MiB (default: %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive before 408 "
-                        "(default: %(default)s)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a request's headers may take to arrive, from the connection's "
-                        "start or a kept-alive request's first byte; then the connection is "
-                        "closed (0: no limit; default: %(default)s)")
-    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                   help="seconds an idle kept-alive connection stays open after a response "
-                        "(default: %(default)s)")
-    p.add_argument("--metrics-open", action="store_true",
-                   help="serve /metrics without an API key even with --api-key-file "
-                        "(default: off)")
+    p.add_argument(
+        "--window-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with a drafter, replay its proposals, chain verify windows and "
+        "rollbacks from CUDA graphs (27B on an H200: an 8-row window costs 1.35 "
+        "decode steps instead of 6.6)",
+    )
+    p.add_argument(
+        "--continuation-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay continued prefill chunks of up to --prefill-graph-tokens tokens "
+        "(a new turn after a prompt-cache hit) from CUDA graphs (27B on an "
+        "H200: 21 ms instead of 167; costs start-up time)",
+    )
+    p.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=64,
+        help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
+        "(one graph per length; 0 or 1: none)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running streams get to finish on SIGTERM/SIGINT before they are "
+        "ended; a second signal exits at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=8.0,
+        help="larger request bodies get 413, in MiB (default: %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive before 408 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive, from the connection's "
+        "start or a kept-alive request's first byte; then the connection is "
+        "closed (0: no limit; default: %(default)s)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open after a response "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-open",
+        action="store_true",
+        help="serve /metrics without an API key even with --api-key-file (default: off)",
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -141,8 +233,9 @@ def _bind(host: str, port: int) -> list[socket.socket]:
     """
     where = _address(host, port)
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as e:
         raise HeadstartError(f"cannot listen on {where}: {e.strerror}") from None
     socks: list[socket.socket] = []
@@ -222,8 +315,11 @@ class _Drain:
                 self._ended_at = now
             return False
         if now - self._ended_at >= self.GRACE_S:
-            log.warning("%d requests still active %gs after ending them; exiting anyway", active,
-                        self.GRACE_S)
+            log.warning(
+                "%d requests still active %gs after ending them; exiting anyway",
+                active,
+                self.GRACE_S,
+            )
             return True
         return False
 
@@ -269,18 +365,27 @@ def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
     from headstart.state import StatePool
 
     if model.arena is not None:
-        log.info("weights: %.2f GiB in one allocation (%d tensors)", model.arena.nbytes / 2**30,
-                 len(model.arena))
+        log.info(
+            "weights: %.2f GiB in one allocation (%d tensors)",
+            model.arena.nbytes / 2**30,
+            len(model.arena),
+        )
     need = StatePool.bytes_for(model.state_groups(), parallel + 1, context, model.dtype)
-    log.info("state pool: %d streams x %d tokens = %.2f GiB (+ up to %.2f GiB prompt cache)",
-             parallel, context, need / 2**30, cache_bytes / 2**30)
+    log.info(
+        "state pool: %d streams x %d tokens = %.2f GiB (+ up to %.2f GiB prompt cache)",
+        parallel,
+        context,
+        need / 2**30,
+        cache_bytes / 2**30,
+    )
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         if need > 0.95 * free:
             raise HeadstartError(
                 f"the state pool for {parallel} streams x {context} tokens needs "
                 f"{need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB of GPU memory is free; "
-                "lower --parallel or --context")
+                "lower --parallel or --context"
+            )
 
 
 def _served_name(model: str | None) -> str:
@@ -341,27 +446,42 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     from headstart.engine.config import CacheConfig, EngineConfig, GraphConfig, SpecConfig
 
     config = EngineConfig(
-        parallel, context, max_queue=args.max_queue,
-        cache=CacheConfig(bytes=max(0, args.prompt_cache_mib) << 20,
-                          host_bytes=max(0, args.prompt_cache_host_mib) << 20,
-                          max_tokens=args.prompt_cache_max_tokens,
-                          interval=args.prompt_cache_interval),
+        parallel,
+        context,
+        max_queue=args.max_queue,
+        cache=CacheConfig(
+            bytes=max(0, args.prompt_cache_mib) << 20,
+            host_bytes=max(0, args.prompt_cache_host_mib) << 20,
+            max_tokens=args.prompt_cache_max_tokens,
+            interval=args.prompt_cache_interval,
+        ),
         spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
-        graphs=GraphConfig(enabled=False if args.no_graphs else None,
-                           prefill_tokens=args.prefill_graph_tokens,
-                           windows=args.window_graphs, continuations=args.continuation_graphs))
+        graphs=GraphConfig(
+            enabled=False if args.no_graphs else None,
+            prefill_tokens=args.prefill_graph_tokens,
+            windows=args.window_graphs,
+            continuations=args.continuation_graphs,
+        ),
+    )
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, drafter=drafter)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or _served_name(args.model)
-    state = ServerState(engine=engine, tokenizer=loaded.tokenizer, model_name=name,
-                        chat=loaded.family.chat,
-                        context=context, generation_defaults=dict(cfg.generation_defaults),
-                        metrics=metrics, keys=keys,
-                        request_log=RequestLog(args.request_log) if args.request_log else None,
-                        max_tokens_cap=args.max_tokens,
-                        max_body_bytes=int(args.max_body_mib * 2**20),
-                        body_timeout_s=args.body_timeout, metrics_open=args.metrics_open)
+    state = ServerState(
+        engine=engine,
+        tokenizer=loaded.tokenizer,
+        model_name=name,
+        chat=loaded.family.chat,
+        context=context,
+        generation_defaults=dict(cfg.generation_defaults),
+        metrics=metrics,
+        keys=keys,
+        request_log=RequestLog(args.request_log) if args.request_log else None,
+        max_tokens_cap=args.max_tokens,
+        max_body_bytes=int(args.max_body_mib * 2**20),
+        body_timeout_s=args.body_timeout,
+        metrics_open=args.metrics_open,
+    )
 
     def reload_keys() -> None:
         assert keys is not None
@@ -381,13 +501,24 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     # host/port only label uvicorn's messages: it listens on the sockets bound above. By the
     # time uvicorn shuts down, the drain has ended every stream, so the graceful phase only has
     # final chunks to flush (or bodies of requests refused with 503 to read).
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=5, access_log=False,
-                            **uvicorn_connection_options(args.header_timeout,
-                                                         args.keep_alive_timeout))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        access_log=False,
+        **uvicorn_connection_options(args.header_timeout, args.keep_alive_timeout),
+    )
     engine.start()
-    log.info("serving %s on http://%s (%d streams x %d tokens, %s)", name,
-             _address(args.host, args.port), parallel, context, args.device)
+    log.info(
+        "serving %s on http://%s (%d streams x %d tokens, %s)",
+        name,
+        _address(args.host, args.port),
+        parallel,
+        context,
+        args.device,
+    )
     try:
         _Server(config, _Drain(state, args.shutdown_timeout)).run(sockets=sockets)
     finally:

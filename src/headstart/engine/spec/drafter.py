@@ -1,7 +1,7 @@
 """The DFlash block drafter: config, checkpoint, context ring and one-forward block proposals.
 
-A DFlash drafter (``../shared/docs/dflash.md``) is a small Qwen3-style stack that proposes the
-``B - 1`` tokens after an anchor in one non-causal forward. The target's hidden states at the
+A DFlash drafter (block drafting after z-lab's DFlash) is a small Qwen3-style stack that proposes
+the ``B - 1`` tokens after an anchor in one non-causal forward. The target's hidden states at the
 tapped layers, fused by ``fc`` + ``hidden_norm``, enter every drafter layer as extra keys/values
 (context); queries come only from the block ``[anchor, MASK x (B-1)]``. It shares the target's
 embedding and LM head. Per stream, the context keys/values live in a ring of the newest
@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from headstart.checkpoint import safetensors_files
 from headstart.errors import CheckpointError, ConfigError
-from headstart.model import Qwen35Model, linear
+from headstart.models.contract import CausalLM
+from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import rotate_half
-from headstart.weights import safetensors_files
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,33 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
-def load_drafter_config(path: Path, target_layers: int, target_hidden: int,
-                        target_vocab: int) -> DrafterConfig:
-    file = str(path / "config.json")
+def _read_config(file: str) -> dict:
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads(Path(file).read_text())
     except FileNotFoundError:
         raise ConfigError("(file)", file, "file not found") from None
     except (OSError, ValueError) as e:
         raise ConfigError("(file)", file, f"cannot be read: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError("(file)", file, "must hold a JSON object")
+    return raw
+
+
+def _causality(raw: dict, dc: dict, types: list[str], layers: int) -> list[bool]:
+    # In the order the reference loaders resolve it.
+    if "is_causal" in raw:
+        return [bool(raw["is_causal"])] * layers
+    if "causal" in dc:
+        return [bool(dc["causal"])] * layers
+    return [t == "sliding_attention" for t in types]
+
+
+def load_drafter_config(
+    path: Path, target_layers: int, target_hidden: int, target_vocab: int
+) -> DrafterConfig:
+    """The drafter's ``config.json``, checked against its target; ConfigError names the field."""
+    file = str(path / "config.json")
+    raw = _read_config(file)
     dc = raw.get("dflash_config") or {}
     if not isinstance(dc, dict):
         raise ConfigError("dflash_config", file, "must be an object")
@@ -78,24 +95,34 @@ def load_drafter_config(path: Path, target_layers: int, target_hidden: int,
     layers = integer(raw, "num_hidden_layers", "")
     hidden = integer(raw, "hidden_size", "")
     if hidden != target_hidden:
-        raise ConfigError("hidden_size", file, f"{hidden} differs from the target's {target_hidden}")
+        raise ConfigError(
+            "hidden_size", file, f"{hidden} differs from the target's {target_hidden}"
+        )
     heads, kv = integer(raw, "num_attention_heads", ""), integer(raw, "num_key_value_heads", "")
     if heads % kv:
         raise ConfigError("num_key_value_heads", file, f"{kv} does not divide {heads}")
     head_dim = integer(raw, "head_dim", "", hidden // heads)
     ids = dc.get("target_layer_ids")
     if ids is None:
-        ids = default_target_layer_ids(integer(raw, "num_target_layers", "", target_layers),
-                                       layers)
-    if (not isinstance(ids, (list, tuple)) or not ids
-            or not all(isinstance(i, int) and 0 <= i < target_layers for i in ids)
-            or len(set(ids)) != len(ids)):
-        raise ConfigError("dflash_config.target_layer_ids", file,
-                          f"must be distinct layer indices below {target_layers}, got {ids!r}")
+        ids = default_target_layer_ids(integer(raw, "num_target_layers", "", target_layers), layers)
+    if (
+        not isinstance(ids, (list, tuple))
+        or not ids
+        or not all(isinstance(i, int) and 0 <= i < target_layers for i in ids)
+        or len(set(ids)) != len(ids)
+    ):
+        raise ConfigError(
+            "dflash_config.target_layer_ids",
+            file,
+            f"must be distinct layer indices below {target_layers}, got {ids!r}",
+        )
     mask = dc.get("mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target_vocab:
-        raise ConfigError("dflash_config.mask_token_id", file,
-                          f"must be a token id below {target_vocab}, got {mask!r}")
+        raise ConfigError(
+            "dflash_config.mask_token_id",
+            file,
+            f"must be a token id below {target_vocab}, got {mask!r}",
+        )
     block = dc.get("block_size", raw.get("block_size", 16))
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise ConfigError("dflash_config.block_size", file, f"must be >= 2, got {block!r}")
@@ -105,18 +132,19 @@ def load_drafter_config(path: Path, target_layers: int, target_hidden: int,
     if not isinstance(types, list) or len(types) != layers:
         raise ConfigError("layer_types", file, f"must list {layers} layer types")
     window = raw.get("sliding_window") or 0
-    # Causality, in the order the reference loaders resolve it (dflash.md 1.5).
-    if "is_causal" in raw:
-        causal = [bool(raw["is_causal"])] * layers
-    elif "causal" in dc:
-        causal = [bool(dc["causal"])] * layers
-    else:
-        causal = [t == "sliding_attention" for t in types]
+    causal = _causality(raw, dc, types, layers)
     return DrafterConfig(
-        hidden_size=hidden, intermediate_size=integer(raw, "intermediate_size", ""),
-        num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-        block_size=block, mask_token_id=mask, target_layer_ids=tuple(ids),
+        hidden_size=hidden,
+        intermediate_size=integer(raw, "intermediate_size", ""),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        block_size=block,
+        mask_token_id=mask,
+        target_layer_ids=tuple(ids),
         causal=tuple(causal),
         sliding_window=tuple(int(window) if t == "sliding_attention" else 0 for t in types),
     )
@@ -125,18 +153,28 @@ def load_drafter_config(path: Path, target_layers: int, target_hidden: int,
 def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     H, m = cfg.hidden_size, len(cfg.target_layer_ids)
     nh, nkv, hd, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (H, m * H), "hidden_norm.weight": (H,),
-                                          "norm.weight": (H,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (H, m * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+    }
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
-            p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nh * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
-            p + "mlp.down_proj.weight": (H, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (nh * hd, H),
+                p + "self_attn.k_proj.weight": (nkv * hd, H),
+                p + "self_attn.v_proj.weight": (nkv * hd, H),
+                p + "self_attn.o_proj.weight": (H, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, H),
+                p + "mlp.up_proj.weight": (inter, H),
+                p + "mlp.down_proj.weight": (H, inter),
+            }
+        )
     return shapes
 
 
@@ -163,20 +201,22 @@ class DrafterPool:
 
 
 class DFlashDrafter:
-    def __init__(self, cfg: DrafterConfig, weights: dict[str, torch.Tensor],
-                 target: Qwen35Model) -> None:
+    def __init__(
+        self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], target: CausalLM
+    ) -> None:
         self.cfg = cfg
         self.w = weights
         self.target = target
         self.device = target.device
         self.dtype = target.dtype
         hd = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device)
-                                                  .float() / hd))
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device).float() / hd)
+        )
         self.forwards = 0  # proposal forwards run (tests check first-token-first with it)
 
     @classmethod
-    def load(cls, path: str | Path, target: Qwen35Model) -> DFlashDrafter:
+    def load(cls, path: str | Path, target: CausalLM) -> DFlashDrafter:
         from safetensors import safe_open
 
         path = Path(path)
@@ -186,7 +226,7 @@ class DFlashDrafter:
         for f in safetensors_files(path):
             try:
                 with safe_open(str(f), framework="pt", device="cpu") as st:
-                    for k in st.keys():
+                    for k in st.keys():  # noqa: SIM118 - safe_open is not iterable
                         raw[k] = st.get_tensor(k)
             except Exception as e:
                 raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from None
@@ -195,20 +235,24 @@ class DFlashDrafter:
             if name not in raw:
                 raise CheckpointError(f"{path}: drafter tensor '{name}' is missing")
             if tuple(raw[name].shape) != shape:
-                raise CheckpointError(f"{path}: drafter tensor '{name}' has shape "
-                                      f"{tuple(raw[name].shape)}, config implies {shape}")
+                raise CheckpointError(
+                    f"{path}: drafter tensor '{name}' has shape "
+                    f"{tuple(raw[name].shape)}, config implies {shape}"
+                )
             t = raw[name]
-            weights[name] = (t.float() if name.endswith("norm.weight") else t.to(target.dtype)
-                             ).to(target.device)
+            weights[name] = (t.float() if name.endswith("norm.weight") else t.to(target.dtype)).to(
+                target.device
+            )
         return cls(cfg, weights, target)
 
     def new_pool(self, num_slots: int, window: int) -> DrafterPool:
         c = self.cfg
         shape = (c.num_layers, num_slots, c.num_kv_heads, window, c.head_dim)
-        return DrafterPool(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.full((num_slots, window), -1, dtype=torch.int64,
-                                      device=self.device))
+        return DrafterPool(
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.full((num_slots, window), -1, dtype=torch.int64, device=self.device),
+        )
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE over the whole head (the drafter's own, not the target's)."""
@@ -220,8 +264,7 @@ class DFlashDrafter:
         return x * cos + rotate_half(x) * sin
 
     @torch.no_grad()
-    def add_context(self, pool: DrafterPool, slot: int, features: torch.Tensor,
-                    start: int) -> None:
+    def add_context(self, pool: DrafterPool, slot: int, features: torch.Tensor, start: int) -> None:
         """Write context rows for positions ``start .. start+n-1`` (``features``: the target's
         tapped hidden states ``[n, m*H]``) into the slot's ring, keeping the newest rows."""
         c, w = self.cfg, self.w
@@ -232,8 +275,9 @@ class DFlashDrafter:
         n = features.shape[0]
         if n == 0:
             return
-        u = _norm(linear(features.to(self.dtype), w["fc.weight"]), w["hidden_norm.weight"],
-                  c.rms_norm_eps)
+        u = _norm(
+            linear(features.to(self.dtype), w["fc.weight"]), w["hidden_norm.weight"], c.rms_norm_eps
+        )
         positions = torch.arange(start, start + n, device=self.device)
         rows = positions % window
         for i in range(c.num_layers):
@@ -246,19 +290,35 @@ class DFlashDrafter:
         pool.positions[slot, rows] = positions
 
     @torch.no_grad()
-    def propose_logits(self, pool: DrafterPool, slots: Sequence[int], anchors: Sequence[int],
-                       positions: Sequence[int], block: int) -> torch.Tensor:
+    def propose_logits(
+        self,
+        pool: DrafterPool,
+        slots: Sequence[int],
+        anchors: Sequence[int],
+        positions: Sequence[int],
+        block: int,
+    ) -> torch.Tensor:
         """Logits ``[n, block-1, vocab]`` for the tokens after each anchor (anchor at
         ``positions[j]``, context already in the ring)."""
         self.forwards += 1
         dev = self.device
-        return self.propose_from(pool, torch.tensor(list(slots), device=dev),
-                                 torch.tensor(list(anchors), device=dev),
-                                 torch.tensor(list(positions), device=dev), block)
+        return self.propose_from(
+            pool,
+            torch.tensor(list(slots), device=dev),
+            torch.tensor(list(anchors), device=dev),
+            torch.tensor(list(positions), device=dev),
+            block,
+        )
 
     @torch.no_grad()
-    def propose_from(self, pool: DrafterPool, slot_t: torch.Tensor, anchor_t: torch.Tensor,
-                     position_t: torch.Tensor, block: int) -> torch.Tensor:
+    def propose_from(
+        self,
+        pool: DrafterPool,
+        slot_t: torch.Tensor,
+        anchor_t: torch.Tensor,
+        position_t: torch.Tensor,
+        block: int,
+    ) -> torch.Tensor:
         """:meth:`propose_logits` from device tensors, with no host work: what a CUDA graph
         captures (engine/cuda_graph.py DraftGraphs). Not counted in ``forwards``."""
         c, w = self.cfg, self.w
@@ -284,7 +344,7 @@ class DFlashDrafter:
             valid = key_pos[:, None, :] >= 0  # [n, 1, W+B]
             valid = valid & (key_pos[:, None, :] < pos[:, :1, None])  # context: before the block
             block_cols = torch.zeros_like(valid)
-            block_cols[..., ctx_pos.shape[1]:] = True
+            block_cols[..., ctx_pos.shape[1] :] = True
             if c.causal[i]:
                 block_ok = key_pos[:, None, :] <= pos[:, :, None]
             else:
@@ -293,7 +353,7 @@ class DFlashDrafter:
             if c.sliding_window[i]:
                 allowed &= (pos[:, :, None] - key_pos[:, None, :]) < c.sliding_window[i]
             qh = q.permute(0, 2, 1, 3).reshape(n, nkv, (nh // nkv) * B, hd)
-            scores = (qh @ keys.transpose(2, 3)).float() * hd ** -0.5  # [n, nkv, g*B, W+B]
+            scores = (qh @ keys.transpose(2, 3)).float() * hd**-0.5  # [n, nkv, g*B, W+B]
             mask = allowed.repeat(1, nh // nkv, 1)[:, None]  # [n, 1, g*B, W+B]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             # Empty ring rows may hold anything (NaN included): zero them, 0 * NaN is NaN.
@@ -302,7 +362,10 @@ class DFlashDrafter:
             o = (probs.to(values.dtype) @ values).view(n, nh, B, hd).permute(0, 2, 1, 3)
             x = x + linear(o.reshape(n, B, nh * hd), w[p + "self_attn.o_proj.weight"])
             h = _norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            x = x + linear(F.silu(linear(h, w[p + "mlp.gate_proj.weight"]))
-                           * linear(h, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
+            x = x + linear(
+                F.silu(linear(h, w[p + "mlp.gate_proj.weight"]))
+                * linear(h, w[p + "mlp.up_proj.weight"]),
+                w[p + "mlp.down_proj.weight"],
+            )
         z = _norm(x[:, 1:], w["norm.weight"], c.rms_norm_eps)
         return self.target.lm_head(z.reshape(n * (B - 1), -1)).view(n, B - 1, -1)

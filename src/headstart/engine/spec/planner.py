@@ -17,9 +17,16 @@ class SpecPlanner:
     second; every ``explore``-th round tries the other mode so neither estimate goes stale.
     """
 
-    def __init__(self, block: int, costs: dict[int, float], tree_cost: float | None,
-                 explore: int = 8, decay: float = 0.9, draft_cost: float = 0.0,
-                 recheck: int = 32) -> None:
+    def __init__(
+        self,
+        block: int,
+        costs: dict[int, float],
+        tree_cost: float | None,
+        explore: int = 8,
+        decay: float = 0.9,
+        draft_cost: float = 0.0,
+        recheck: int = 32,
+    ) -> None:
         """``draft_cost``: one drafter forward (paid by every round, chain or tree);
         ``costs[1]``: one plain decode step. ``recheck``: while drafting does not pay, draft
         anyway after this many steps so the acceptance estimates can recover; the wait doubles

@@ -23,7 +23,7 @@ from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.spec.features import FeatureQueue
 from headstart.engine.spec.planner import SpecPlanner
 from headstart.engine.spec.verification import Draft, Verdict, build_tree, verify, verify_tree
-from headstart.model import Qwen35Model
+from headstart.models.contract import CausalLM
 from headstart.sampling import Sampler, SamplingParams
 
 K = TypeVar("K")
@@ -43,8 +43,15 @@ class DraftJob:
 
 
 class Speculator:
-    def __init__(self, drafter: DFlashDrafter, model: Qwen35Model, num_slots: int, context: int,
-                 vocab_size: int, config: SpecConfig) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        model: CausalLM,
+        num_slots: int,
+        context: int,
+        vocab_size: int,
+        config: SpecConfig,
+    ) -> None:
         assert config.mode in ("chain", "tree", "auto")
         self.drafter, self.model = drafter, model
         self.context, self.vocab_size = context, vocab_size
@@ -68,13 +75,15 @@ class Speculator:
         self.drafter.propose_logits(dpool, [0], [0], [self.block], self.block)
         self.drafter.forwards = 0
 
-    def measure(self, runnable: Callable[[SeqChunk], Callable[[], object]],
-                features: torch.Tensor) -> None:
+    def measure(
+        self, runnable: Callable[[SeqChunk], Callable[[], object]], features: torch.Tensor
+    ) -> None:
         """Time a plain decode step, verify windows (chains of 2..block rows, a tree of the node
         budget) and one drafter forward (context: ``features``, the taps of a short prompt);
         the planner weighs expected accepted tokens against these costs. ``runnable(chunk)``
         runs ``chunk``'s forward as the engine's steps will (a graph replay or an eager
         forward) on an idle slot."""
+
         def timed(fn: Callable[[], object]) -> float:
             best = float("inf")
             for _ in range(3):
@@ -99,8 +108,9 @@ class Speculator:
         if self.graphs is not None:
             draft = timed(lambda: self.graphs.run([self.spare], [0], [8]))
         else:  # the network's own forward (a subclass may wrap propose_logits)
-            draft = timed(lambda: DFlashDrafter.propose_logits(self.drafter, dpool, [0], [0],
-                                                               [8], self.block))
+            draft = timed(
+                lambda: DFlashDrafter.propose_logits(self.drafter, dpool, [0], [0], [8], self.block)
+            )
         self.drafter.forwards = before  # measuring is not drafting
         self.planner = SpecPlanner(self.block, costs, tree, draft_cost=draft)
 
@@ -128,7 +138,7 @@ class Speculator:
             logits = self.graphs.run(*args)
         else:
             logits = self.drafter.propose_logits(self.pool, *args, block)
-        logits[..., self.vocab_size:] = float("-inf")
+        logits[..., self.vocab_size :] = float("-inf")
         proposals = logits.argmax(-1).tolist()
         drafts = []
         for k, job in enumerate(jobs):
@@ -136,8 +146,11 @@ class Speculator:
             mode, depth = self.plan(b)
             if mode == "tree":
                 budget = min(self.tree_budget, self.context - job.start - 1)
-                drafts.append(build_tree(torch.log_softmax(logits[k, :b - 1].float(), -1),
-                                         self.tree_width, budget))
+                drafts.append(
+                    build_tree(
+                        torch.log_softmax(logits[k, : b - 1].float(), -1), self.tree_width, budget
+                    )
+                )
             else:
                 drafts.append(Draft(tuple(proposals[k][:depth])))
         return drafts
@@ -146,8 +159,9 @@ class Speculator:
         """Replay full-block proposals from CUDA graphs from now on."""
         from headstart.engine.cuda_graph import DraftGraphs
 
-        self.graphs = DraftGraphs(self.drafter, self.pool, max_streams, self.spare, self.block,
-                                  capture, mempool)
+        self.graphs = DraftGraphs(
+            self.drafter, self.pool, max_streams, self.spare, self.block, capture, mempool
+        )
 
     def worth_drafting(self) -> bool:
         """In "auto" mode, whether this step should draft at all (see SpecPlanner)."""
@@ -161,8 +175,14 @@ class Speculator:
             return "tree", b - 1
         return self.planner.choose(b)
 
-    def judge(self, logits: torch.Tensor, draft: Draft, params: SamplingParams,
-              rng: torch.Generator | None, sampler: Sampler) -> tuple[Verdict, list[int]]:
+    def judge(
+        self,
+        logits: torch.Tensor,
+        draft: Draft,
+        params: SamplingParams,
+        rng: torch.Generator | None,
+        sampler: Sampler,
+    ) -> tuple[Verdict, list[int]]:
         """The verdict on a verified window (``logits``: its rows, masked) and the accepted
         path as window rows (0, the anchor, first); counted in :attr:`stats` and the planner."""
         if draft.parents is None:

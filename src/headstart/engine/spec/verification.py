@@ -31,8 +31,13 @@ class Verdict:
         return len(self.tokens) - 1
 
 
-def verify(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
-           rng: torch.Generator | None, sampler: Sampler) -> Verdict:
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    rng: torch.Generator | None,
+    sampler: Sampler,
+) -> Verdict:
     """``logits``: ``[b, V]`` for the window rows (masked already); ``drafts``: ``d_1..d_{b-1}``."""
     assert logits.shape[0] == len(drafts) + 1
     want_lp = params.logprobs is not None
@@ -43,15 +48,16 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
         while a < len(drafts) and drafts[a] == ys[a]:
             a += 1
         keep = range(a + 1)
-        return Verdict([ys[i] for i in keep],
-                       [result.logprobs[i] if want_lp and result.logprobs else None for i in keep],
-                       [result.top_logprobs[i] if want_lp and result.top_logprobs else None
-                        for i in keep])
+        return Verdict(
+            [ys[i] for i in keep],
+            [result.logprobs[i] if want_lp and result.logprobs else None for i in keep],
+            [result.top_logprobs[i] if want_lp and result.top_logprobs else None for i in keep],
+        )
     # Sampling: one row at a time, so the request's generator is consumed exactly as far as the
     # round goes (draws for rows after a rejection would change nothing but waste randomness).
     tokens, lps, tops = [], [], []
     for i in range(logits.shape[0]):
-        r = sampler.sample(logits[i:i + 1], [params], [rng])
+        r = sampler.sample(logits[i : i + 1], [params], [rng])
         tokens.append(r.token_ids[0])
         lps.append(r.logprobs[0] if want_lp and r.logprobs else None)
         tops.append(r.top_logprobs[0] if want_lp and r.top_logprobs else None)
@@ -118,8 +124,13 @@ def build_tree(logprobs: torch.Tensor, width: int, budget: int) -> Draft:
     return Draft(tuple(tokens), tuple(parents))
 
 
-def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams,
-                rng: torch.Generator | None, sampler: Sampler) -> tuple[Verdict, list[int]]:
+def verify_tree(
+    logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    rng: torch.Generator | None,
+    sampler: Sampler,
+) -> tuple[Verdict, list[int]]:
     """Walk the tree from the anchor: at each row the target picks its token (argmax, or a
     sample of its distribution); the walk moves to the child holding that token, else stops.
     Returns the verdict and the accepted path as window rows (starting with 0)."""
@@ -131,7 +142,7 @@ def verify_tree(logits: torch.Tensor, draft: Draft, params: SamplingParams,
     path, tokens, lps, tops = [0], [], [], []
     while True:
         row = path[-1]
-        r = sampler.sample(logits[row:row + 1], [params], [None if params.greedy else rng])
+        r = sampler.sample(logits[row : row + 1], [params], [None if params.greedy else rng])
         tok = r.token_ids[0]
         tokens.append(tok)
         lps.append(r.logprobs[0] if want_lp and r.logprobs else None)

@@ -9,16 +9,20 @@ import torch
 from headstart.models.contract import ChatFormat, ModelFamily
 from headstart.models.qwen35.tool_calls import ToolCallParser
 
-__all__ = ["CHAT", "FAMILY"]
+__all__ = ["CHAT", "CHAT_TEMPLATE_PATH", "FAMILY"]
+
+#: The Qwen3.5-9B chat template, verbatim (see ``headstart.tokenizer`` for its provenance).
+CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template.jinja"
 
 #: The Qwen3.5 chat template opens the model's turn with this header; the next turn renders the
 #: same text up to here (thinking dropped from history), so a snapshot here serves it.
-CHAT = ChatFormat(assistant_header="<|im_start|>assistant\n", thinks=True,
-                  tool_calls=ToolCallParser)
+CHAT = ChatFormat(
+    assistant_header="<|im_start|>assistant\n", thinks=True, tool_calls=ToolCallParser
+)
 
 
 def _load(model_dir: Path, dtype: torch.dtype, device: torch.device | str, kernels: str):
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
 
     return Qwen35Model.load(model_dir, dtype, device, kernels)
 

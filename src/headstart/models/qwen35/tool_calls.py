@@ -43,10 +43,14 @@ class ToolCall:
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
         """The OpenAI shape (``index`` set for streaming deltas)."""
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name,
-                                            "arguments": json.dumps(self.arguments,
-                                                                    ensure_ascii=False)}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "arguments": json.dumps(self.arguments, ensure_ascii=False),
+            },
+        }
         if index is not None:
             out["index"] = index
         return out
@@ -105,21 +109,21 @@ class ToolCallParser:
             start = data.find(OPEN)
             if start < 0:
                 keep = _partial_open(data)
-                out.append(data[:len(data) - keep])
-                self.buffer = data[len(data) - keep:]
+                out.append(data[: len(data) - keep])
+                self.buffer = data[len(data) - keep :]
                 break
             out.append(data[:start])
             end = data.find(CLOSE, start)
             if end < 0:
                 self.buffer = data[start:]
                 break
-            call = parse_block(data[start + len(OPEN):end], self.schemas)
+            call = parse_block(data[start + len(OPEN) : end], self.schemas)
             if call is None:  # not a call after all: keep the text
-                out.append(data[start:end + len(CLOSE)])
+                out.append(data[start : end + len(CLOSE)])
             else:
                 calls.append(call)
                 self._after_call = True
-            data = data[end + len(CLOSE):]
+            data = data[end + len(CLOSE) :]
         self.calls += calls
         return "".join(out), calls
 

@@ -27,8 +27,9 @@ def attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, start: i
     return out.to(q.dtype)
 
 
-def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-                  ) -> torch.Tensor:
+def attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Rows attending to rows of the same call under a mask: several fresh streams' prompts at
     once (a block-diagonal causal mask), as :func:`attend` computes each alone.
 
@@ -45,8 +46,9 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return out.to(q.dtype)
 
 
-def attend_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                  lengths: torch.Tensor) -> torch.Tensor:
+def attend_decode(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """One query row per stream, n streams at once (batched decode).
 
     q: [n, nh, hd]; k_rows, v_rows: [n, nkv, L, hd] (rows past each stream's length are

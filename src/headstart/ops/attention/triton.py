@@ -45,12 +45,32 @@ LOG2E = 1.4426950408889634
 if HAVE_TRITON:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr,
-                      stride_qn, stride_qh, stride_ks, stride_kh, stride_kt,
-                      stride_vs, stride_vh, stride_vt, qk_scale,
-                      NH: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
-                      HD: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr,
-                      PDL: tl.constexpr = False):
+    def _split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        slot_ptr,
+        len_ptr,
+        po_ptr,
+        pm_ptr,
+        pl_ptr,
+        stride_qn,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        stride_vs,
+        stride_vh,
+        stride_vt,
+        qk_scale,
+        NH: tl.constexpr,
+        GROUP: tl.constexpr,
+        GP: tl.constexpr,
+        HD: tl.constexpr,
+        BL: tl.constexpr,
+        NS: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # q, the lengths and the new KV row come from earlier kernels
         i_n = tl.program_id(0)
         i_kv = tl.program_id(1)
@@ -64,8 +84,11 @@ if HAVE_TRITON:
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
         heads = i_kv * GROUP + g
-        q = tl.load(q_ptr + i_n * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + i_n * stride_qn + heads[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUP)[:, None],
+            other=0.0,
+        )
         k_base = k_ptr + slot * stride_ks + i_kv * stride_kh
         v_base = v_ptr + slot * stride_vs + i_kv * stride_vh
         m_i = tl.full([GP], -1.0e30, dtype=tl.float32)  # finite: empty splits combine to 0
@@ -74,16 +97,18 @@ if HAVE_TRITON:
         for start in range(lo, hi, BL):
             rows = start + tl.arange(0, BL)
             live = rows < hi
-            kt = tl.load(k_base + rows[None, :] * stride_kt + d[:, None], mask=live[None, :],
-                         other=0.0)  # K^T [HD, BL]
+            kt = tl.load(
+                k_base + rows[None, :] * stride_kt + d[:, None], mask=live[None, :], other=0.0
+            )  # K^T [HD, BL]
             s = tl.dot(q, kt) * qk_scale  # log2-domain scores [GP, BL]
             s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(v_base + rows[:, None] * stride_vt + d[None, :], mask=live[:, None],
-                         other=0.0)  # [BL, HD]
+            vt = tl.load(
+                v_base + rows[:, None] * stride_vt + d[None, :], mask=live[:, None], other=0.0
+            )  # [BL, HD]
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
         # Partials laid out [n, nh, NS(, HD)].
@@ -94,9 +119,18 @@ if HAVE_TRITON:
         tl.store(pl_ptr + row, l_i, mask=gm)
 
     @triton.jit
-    def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, stride_on, stride_oh,
-                        NH: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr,
-                        PDL: tl.constexpr = False):
+    def _combine_kernel(
+        po_ptr,
+        pm_ptr,
+        pl_ptr,
+        o_ptr,
+        stride_on,
+        stride_oh,
+        NH: tl.constexpr,
+        HD: tl.constexpr,
+        NS: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)
         i_n = tl.program_id(0)
         i_h = tl.program_id(1)
@@ -104,7 +138,7 @@ if HAVE_TRITON:
         d = tl.arange(0, HD)
         row = (i_n * NH + i_h) * NS + s
         m = tl.load(pm_ptr + row)
-        l = tl.load(pl_ptr + row)
+        l = tl.load(pl_ptr + row)  # noqa: E741 - the softmax denominator, as in the papers
         m_max = tl.max(m, 0)
         w = tl.exp2(m - m_max)  # 0 for empty splits (m = -1e30)
         part = tl.load(po_ptr + row.to(tl.int64)[:, None] * HD + d[None, :])
@@ -112,10 +146,7 @@ if HAVE_TRITON:
         tl.store(o_ptr + i_n * stride_on + i_h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
-
-
-def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device,
-                   block: int = 32) -> int:
+def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device, block: int = 32) -> int:
     """Splits per (stream, kv head): about two programs per SM, a power of two, at most 64."""
     want = -(-2 * sm_count(device) // max(1, n * nkv))
     ns = 1
@@ -124,9 +155,16 @@ def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device,
     return max(1, min(ns, triton.next_power_of_2(-(-max_tokens // block))))
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     slots: torch.Tensor, lengths: torch.Tensor, num_splits: int | None = None,
-                     block: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    num_splits: int | None = None,
+    block: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """q: [n, nh, hd]; keys, values: [slots, nkv, max_tokens, hd]; slots: [n] int; lengths: [n]
     int (>= 1: rows 0..len-1 of the stream's slot, its own new row included). Returns [n, nh, hd]
     in q's dtype."""
@@ -151,11 +189,44 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     pm = torch.empty(n * nh * NS, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     _split_kernel[(n, nkv, NS)](
-        q, keys, values, slots, lengths, po, pm, pl,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), hd ** -0.5 * LOG2E,
-        NH=nh, GROUP=group, GP=max(16, triton.next_power_of_2(group)), HD=hd, BL=BL, NS=NS,
-        num_warps=4, num_stages=stages, **pdl_options(q.device))
-    _combine_kernel[(n, nh)](po, pm, pl, out, out.stride(0), out.stride(1), NH=nh, HD=hd, NS=NS,
-                             num_warps=4 if hd >= 128 else 2, **pdl_options(q.device))
+        q,
+        keys,
+        values,
+        slots,
+        lengths,
+        po,
+        pm,
+        pl,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        hd**-0.5 * LOG2E,
+        NH=nh,
+        GROUP=group,
+        GP=max(16, triton.next_power_of_2(group)),
+        HD=hd,
+        BL=BL,
+        NS=NS,
+        num_warps=4,
+        num_stages=stages,
+        **pdl_options(q.device),
+    )
+    _combine_kernel[(n, nh)](
+        po,
+        pm,
+        pl,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NH=nh,
+        HD=hd,
+        NS=NS,
+        num_warps=4 if hd >= 128 else 2,
+        **pdl_options(q.device),
+    )
     return out

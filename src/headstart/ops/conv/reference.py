@@ -10,19 +10,19 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(
+    x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. x: [T, C]; tail: [C, K-1]; weight: [C, K] (``weight[:, K-1]`` hits the
     current row). Returns (silu(conv) [T, C], new tail [C, K-1])."""
     T = x.shape[0]
     window = torch.cat([tail.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
     y = F.conv1d(window.unsqueeze(0), weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])[0]
-    new_tail = window[:, -tail.shape[1]:]
+    new_tail = window[:, -tail.shape[1] :]
     return F.silu(y[:, -T:]).transpose(0, 1), new_tail
 
 
-def conv_spans_plan(lengths: list[int], k1: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                        torch.Tensor]:
+def conv_spans_plan(lengths: list[int], k1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host index tensors of :func:`causal_conv_spans` for spans of ``lengths`` rows and tails
     of ``k1`` rows: (ext_index, out_index, tail_index).
 
@@ -43,13 +43,19 @@ def conv_spans_plan(lengths: list[int], k1: int) -> tuple[torch.Tensor, torch.Te
         tail.extend(range(pos + n, pos + n + k1))
         row += n
         pos += k1 + n
-    return (torch.tensor(ext, dtype=torch.int64), torch.tensor(out, dtype=torch.int64),
-            torch.tensor(tail, dtype=torch.int64))
+    return (
+        torch.tensor(ext, dtype=torch.int64),
+        torch.tensor(out, dtype=torch.int64),
+        torch.tensor(tail, dtype=torch.int64),
+    )
 
 
-def causal_conv_spans(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor,
-                      plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv_spans(
+    x: torch.Tensor,
+    tails: torch.Tensor,
+    weight: torch.Tensor,
+    plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv` for several sequences at once, in a fixed number of kernels (a loop
     over spans costs a few launches each: a burst of 16 prompts paid ~100 a GDN layer).
 
@@ -67,8 +73,9 @@ def causal_conv_spans(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor
     return out, new_tails
 
 
-def causal_conv_step(x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv_step(
+    x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One new row for n streams at once. x: [n, C]; tails: [n, C, K-1]; weight: [C, K].
     Returns (silu(conv) [n, C], new tails [n, C, K-1])."""
     window = torch.cat([tails.to(x.dtype), x[:, :, None]], dim=2)  # [n, C, K]

@@ -26,10 +26,18 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def gdn_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                       fresh: torch.Tensor, state_pool: torch.Tensor,
-                       cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+def gdn_prefill_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    state_pool: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Chunked GDN over packed sequences; updates ``state_pool[slots]`` in place.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; cu_seqlens: [N+1] (int,
@@ -46,14 +54,31 @@ def gdn_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         # One sequence (the common prefill): FLA's plain batched form. It needs no chunk index
         # built from cu_seqlens, so it has no host work at all and can be captured in a CUDA
         # graph (engine/cuda_graph.py captures short fresh prefills).
-        o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                         beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, final = chunk(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.unsqueeze(0),
+            beta.unsqueeze(0),
+            scale=q.shape[-1] ** -0.5,
+            initial_state=init,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
         return o[0].to(v.dtype)
-    o, final = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                     beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                     output_final_state=True, use_qk_l2norm_in_kernel=True,
-                     cu_seqlens=cu_seqlens.to(torch.long), cu_seqlens_cpu=cu_seqlens_cpu)
+    o, final = chunk(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g.unsqueeze(0),
+        beta.unsqueeze(0),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=init,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.to(torch.long),
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
     state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
     return o[0].to(v.dtype)

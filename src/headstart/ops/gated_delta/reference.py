@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """[T, H*, D] inputs -> fp32 head-first [Hv, T, D], q/k normalised and grouped."""
     r = v.shape[1] // q.shape[1]
     q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))
@@ -27,8 +28,14 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return q, k, v, g.float().transpose(0, 1), beta.float().transpose(0, 1)
 
 
-def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, step by step: the executable spec.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; state: [Hv, Dk, Dv] fp32.
@@ -46,17 +53,23 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return out.transpose(0, 1), S
 
 
-def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor, state: torch.Tensor, chunk: int = 64
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`recurrent_gated_delta`, computed chunk-parallel (for prefill).
 
-    Within a chunk with cumulative log decay ``c``, the delta-rule updates are solved at once through
-    the unit lower-triangular system ``(I + A) U = diag(beta) V`` (WY form); chunks then run in
-    sequence carrying the state. Equal to the recurrence up to rounding.
+    Within a chunk with cumulative log decay ``c``, the delta-rule updates are solved at once
+    through the unit lower-triangular system ``(I + A) U = diag(beta) V`` (WY form); chunks then
+    run in sequence carrying the state. Equal to the recurrence up to rounding.
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    H, T, Dk = k.shape
+    H, T, _Dk = k.shape
     pad = (-T) % chunk
     if pad:
         # Zero beta and zero log-decay make padded steps leave the state untouched.
@@ -71,13 +84,15 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     # exp(c_i - c_j) for j <= i; masked to -inf first so the j > i entries cannot overflow.
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(future, float("-inf")).exp()
     kb = k * beta[..., None]
-    A = ((kb @ k.transpose(-1, -2)) * decay).masked_fill(future | torch.eye(chunk, dtype=torch.bool,
-                                                                               device=q.device), 0)
+    A = ((kb @ k.transpose(-1, -2)) * decay).masked_fill(
+        future | torch.eye(chunk, dtype=torch.bool, device=q.device), 0
+    )
     eye = torch.eye(chunk, device=q.device)
     system = A + eye  # unit lower triangular
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * c.exp()[..., None], upper=False,
-                                      unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, kb * c.exp()[..., None], upper=False, unitriangular=True
+    )
     attn = (q @ k.transpose(-1, -2)) * decay  # includes the diagonal
     q_decayed = q * c.exp()[..., None]
     k_to_end = k * (c[..., -1:] - c).exp()[..., None]
@@ -92,8 +107,14 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     return out.transpose(0, 1), S
 
 
-def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step for n independent streams at once (batched decode).
 
     q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; state: [n, Hv, Dk, Dv] fp32.

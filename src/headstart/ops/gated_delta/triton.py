@@ -49,13 +49,43 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, slot_ptr, fresh_ptr,
-                         state_ptr, rows_ptr, a_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr,
-                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                         stride_gn, stride_bn, stride_on, stride_oh, stride_slot, stride_zn, eps,
-                         HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BV: tl.constexpr, RAW_GATES: tl.constexpr, NORM: tl.constexpr,
-                         PDL: tl.constexpr = False):
+    def _gdn_step_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        beta_ptr,
+        o_ptr,
+        slot_ptr,
+        fresh_ptr,
+        state_ptr,
+        rows_ptr,
+        a_log_ptr,
+        dt_bias_ptr,
+        z_ptr,
+        norm_w_ptr,
+        stride_qn,
+        stride_qh,
+        stride_kn,
+        stride_kh,
+        stride_vn,
+        stride_vh,
+        stride_gn,
+        stride_bn,
+        stride_on,
+        stride_oh,
+        stride_slot,
+        stride_zn,
+        eps,
+        HV: tl.constexpr,
+        R: tl.constexpr,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BV: tl.constexpr,
+        RAW_GATES: tl.constexpr,
+        NORM: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # every input but A_log, dt_bias and the norm weight is written before
         pid = tl.program_id(0)  # stream * HV + value head
         pv = tl.program_id(1)  # Dv slice
@@ -81,13 +111,12 @@ if HAVE_TRITON:
             g = tl.load(g_ptr + i_n * stride_gn + i_hv).to(tl.float32)
             beta = tl.load(beta_ptr + i_n * stride_bn + i_hv).to(tl.float32)
         # Same normalisation as the reference (rsqrt of sum of squares + 1e-6; q also * Dk^-0.5).
-        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK ** -0.5))
+        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK**-0.5))
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
 
         slot = tl.load(slot_ptr + i_n).to(tl.int64)
         keep = tl.load(fresh_ptr + i_n) == 0
-        s_ptrs = (state_ptr + slot * stride_slot + i_hv * (DK * DV)
-                  + dk[:, None] * DV + dv[None, :])
+        s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
         # A fresh stream's slot is not read at all (it may hold anything, NaN included).
         S = tl.load(s_ptrs, mask=(dk[:, None] < DK) & keep, other=0.0)
         S = S * tl.exp(g)
@@ -115,12 +144,21 @@ def norm_fold_limit(device: torch.device) -> int:
     return 2 * sm_count(device) if device.type == "cuda" else 264
 
 
-def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-               state_pool: torch.Tensor, out_dtype: torch.dtype | None = None,
-               rows: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
-               dt_bias: torch.Tensor | None = None,
-               norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    state_pool: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    rows: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
     """One GDN step for n streams; updates ``state_pool[slots]`` in place.
 
     q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool;
@@ -144,8 +182,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         from headstart.ops.pointwise.triton import gated_rms_norm
 
         z, norm_w, eps = norm
-        o = gdn_decode(q, k, v, g, beta, slots, fresh, state_pool, out_dtype, rows, A_log,
-                       dt_bias)
+        o = gdn_decode(q, k, v, g, beta, slots, fresh, state_pool, out_dtype, rows, A_log, dt_bias)
         return gated_rms_norm(o, z, norm_w, eps, gate_rows=rows).view(o.shape)
     # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head); the
     # output norm needs whole heads.
@@ -162,25 +199,64 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     else:
         z, norm_w, eps = g, g, 0.0
     _gdn_step_kernel[grid](
-        q, k, v, g, beta, o, slots, fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
-        state_pool, rows if raw else slots, A_log if raw else g, dt_bias if raw else g, z, norm_w,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), o.stride(0), o.stride(1), state_pool.stride(0),
-        z.stride(0), eps, HV=Hv, R=Hv // Hk, DK=Dk, DV=Dv, BV=BV, RAW_GATES=raw,
-        NORM=norm is not None, num_warps=8 if norm is not None else 4,
-        **pdl_options(v.device))
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        slots,
+        fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
+        state_pool,
+        rows if raw else slots,
+        A_log if raw else g,
+        dt_bias if raw else g,
+        z,
+        norm_w,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        o.stride(0),
+        o.stride(1),
+        state_pool.stride(0),
+        z.stride(0),
+        eps,
+        HV=Hv,
+        R=Hv // Hk,
+        DK=Dk,
+        DV=Dv,
+        BV=BV,
+        RAW_GATES=raw,
+        NORM=norm is not None,
+        num_warps=8 if norm is not None else 4,
+        **pdl_options(v.device),
+    )
     return o
 
 
-def gdn_decode_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                     b: torch.Tensor, rows: torch.Tensor, A_log: torch.Tensor,
-                     dt_bias: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-                     state_pool: torch.Tensor,
-                     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                     ) -> torch.Tensor:
+def gdn_decode_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rows: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    state_pool: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
     """:func:`gdn_decode` with the gates computed in the kernel from the raw projections a, b
     ``[T, Hv]`` at packed rows ``rows [n]`` (``pointwise.gdn_gates``): no gate kernels, no
     gathers. ``norm = (z [T, Hv, Dv], weight [Dv], eps)``: the output goes through
     ``pointwise.gated_rms_norm`` with ``z`` at the same rows, in the same kernel."""
-    return gdn_decode(q, k, v, a, b, slots, fresh, state_pool, rows=rows, A_log=A_log,
-                      dt_bias=dt_bias, norm=norm)
+    return gdn_decode(
+        q, k, v, a, b, slots, fresh, state_pool, rows=rows, A_log=A_log, dt_bias=dt_bias, norm=norm
+    )

@@ -18,22 +18,29 @@ from headstart.ops.conv.reference import causal_conv_step
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm; ``scale`` is the multiplier ``1 + w`` in fp32. Rounds once at the end."""
+    """Zero-centred RMSNorm; ``scale`` is the multiplier ``1 + w`` in fp32. Rounds once at the
+    end."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale
     return y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x + residual`` (rounded to x's dtype; ``residual`` None: x itself) and its RMSNorm."""
     if residual is not None:
         x = x + residual
     return x, rms_norm(x, scale, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   gate_rows: torch.Tensor | None = None) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """GDN output norm per head (plain weight, no +1), then ``* silu(gate)``; rounds twice, as HF
     does. x, gate: [T, H, D] (gate may be a strided view); returns [T, H * D]. ``gate_rows``
     [T] (int): row i takes its gate from ``gate[gate_rows[i]]`` (gate then has any row count)."""
@@ -57,15 +64,22 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(gate).reshape(x.shape)
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN's log decay ``g`` (fp32) and write strength ``beta`` (a's dtype) from the raw
     projections a, b [T, Hv]."""
     return -A_log.exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
-def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                   tails: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+def conv_step_rows(
+    mixed: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    tails: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
     """The GDN conv for one new row of each of n streams: row ``rows[i]`` of ``mixed [T, C]``
     continues the tail ``tails[slots[i]]`` (``[slots, C, K-1]``, updated in place; zeros when
     ``fresh[i]``, whatever the slot held). Returns ``silu(conv)`` [n, C]."""
@@ -91,10 +105,11 @@ class Rotary:
         ``int(head_dim * partial_rotary_factor)``); ``theta``: the RoPE base (``rope_theta``)."""
         rd = rotary_dim
         exponent = torch.arange(0, rd, 2, dtype=torch.int64, device=device).float() / rd
-        return cls(1.0 / (theta ** exponent))
+        return cls(1.0 / (theta**exponent))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, rd]
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
@@ -106,14 +121,25 @@ class Rotary:
         return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
-def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float,
-                       inv_freq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def attn_decode_inputs(
+    qkv: torch.Tensor,
+    rows: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """Attention inputs of one decode row per stream, from the fused projection ``qkv [T, 2*nh*hd
     + 2*nkv*hd]`` (per query head ``[query | gate]``, then keys, then values): q and k get their
     RMSNorm and RoPE at ``positions``; k and v are written into the pools ``keys``/``values``
-    (``[slots, nkv, max_tokens, hd]``) at ``(slots[i], positions[i])``. Returns q ``[n, nh, hd]``."""
+    (``[slots, nkv, max_tokens, hd]``) at ``(slots[i], positions[i])``. Returns q
+    ``[n, nh, hd]``."""
     hd = keys.shape[-1]
     x = qkv[rows]
     n = x.shape[0]

@@ -32,9 +32,22 @@ if HAVE_TRITON:
         return x.to(DT).to(tl.float32)
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, s_ptr, sum_ptr, y_ptr, D, stride_x, stride_r,
-                             stride_sum, stride_y, eps, HAS_RES: tl.constexpr,
-                             BD: tl.constexpr, PDL: tl.constexpr = False):
+    def _add_rms_norm_kernel(
+        x_ptr,
+        r_ptr,
+        s_ptr,
+        sum_ptr,
+        y_ptr,
+        D,
+        stride_x,
+        stride_r,
+        stride_sum,
+        stride_y,
+        eps,
+        HAS_RES: tl.constexpr,
+        BD: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BD)
@@ -43,17 +56,32 @@ if HAVE_TRITON:
         DT: tl.constexpr = x.dtype
         x = x.to(tl.float32)
         if HAS_RES:
-            x = _round(x + tl.load(r_ptr + row * stride_r + d, mask=m, other=0.0).to(tl.float32),
-                       DT)
+            x = _round(
+                x + tl.load(r_ptr + row * stride_r + d, mask=m, other=0.0).to(tl.float32), DT
+            )
             tl.store(sum_ptr + row * stride_sum + d, x.to(DT), mask=m)
         rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         s = tl.load(s_ptr + d, mask=m, other=0.0)
         tl.store(y_ptr + row * stride_y + d, (x * rstd * s).to(DT), mask=m)
 
     @triton.jit
-    def _gated_rms_norm_kernel(x_ptr, z_ptr, zrow_ptr, w_ptr, y_ptr, H, stride_x, stride_z,
-                               stride_y, eps, D: tl.constexpr, BH: tl.constexpr,
-                               BD: tl.constexpr, Z_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    def _gated_rms_norm_kernel(
+        x_ptr,
+        z_ptr,
+        zrow_ptr,
+        w_ptr,
+        y_ptr,
+        H,
+        stride_x,
+        stride_z,
+        stride_y,
+        eps,
+        D: tl.constexpr,
+        BH: tl.constexpr,
+        BD: tl.constexpr,
+        Z_ROWS: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
@@ -73,8 +101,9 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_y + off, (y * (z * tl.sigmoid(z))).to(DT), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):
+    def _silu_mul_kernel(
+        gu_ptr, y_ptr, N, stride_gu, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+    ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -86,8 +115,19 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_y + c, (_round(g * tl.sigmoid(g), DT) * u).to(DT), mask=m)
 
     @triton.jit
-    def _sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, F, HD, stride_x, stride_gr, stride_gh, stride_y,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _sigmoid_mul_kernel(
+        x_ptr,
+        g_ptr,
+        y_ptr,
+        F,
+        HD,
+        stride_x,
+        stride_gr,
+        stride_gh,
+        stride_y,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         # gate [T, F] given as [T, F / HD, HD] strides: a per-head view of the projection.
         row = tl.program_id(0).to(tl.int64)
@@ -95,15 +135,33 @@ if HAVE_TRITON:
         m = c < F
         x = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0)
         DT: tl.constexpr = x.dtype
-        g = tl.load(g_ptr + row * stride_gr + (c // HD) * stride_gh + c % HD, mask=m,
-                    other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + c, (x.to(tl.float32) * _round(tl.sigmoid(g), DT)
-                                             ).to(DT), mask=m)
+        g = tl.load(g_ptr + row * stride_gr + (c // HD) * stride_gh + c % HD, mask=m, other=0.0).to(
+            tl.float32
+        )
+        tl.store(
+            y_ptr + row * stride_y + c,
+            (x.to(tl.float32) * _round(tl.sigmoid(g), DT)).to(DT),
+            mask=m,
+        )
 
     @triton.jit
-    def _conv_step_kernel(x_ptr, rows_ptr, w_ptr, tail_ptr, slot_ptr, fresh_ptr, y_ptr, C,
-                          stride_x, stride_slot, stride_y, K: tl.constexpr, KP: tl.constexpr,
-                          BC: tl.constexpr, PDL: tl.constexpr = False):
+    def _conv_step_kernel(
+        x_ptr,
+        rows_ptr,
+        w_ptr,
+        tail_ptr,
+        slot_ptr,
+        fresh_ptr,
+        y_ptr,
+        C,
+        stride_x,
+        stride_slot,
+        stride_y,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        BC: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         i = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -115,27 +173,55 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + row * stride_x + c, mask=cm, other=0.0)
         t_ptrs = tail_ptr + slot * stride_slot + c[:, None] * (K - 1)
         # window [BC, KP]: columns 0..K-2 the tail (zeros for a fresh stream: never read), K-1 x.
-        win = tl.load(t_ptrs + j[None, :], mask=cm[:, None] & (j[None, :] < K - 1) & keep,
-                      other=0.0)
+        win = tl.load(
+            t_ptrs + j[None, :], mask=cm[:, None] & (j[None, :] < K - 1) & keep, other=0.0
+        )
         win = tl.where(j[None, :] == K - 1, x[:, None], win)
-        w = tl.load(w_ptr + c[:, None] * K + j[None, :], mask=cm[:, None] & (j[None, :] < K),
-                    other=0.0)
+        w = tl.load(
+            w_ptr + c[:, None] * K + j[None, :], mask=cm[:, None] & (j[None, :] < K), other=0.0
+        )
         DT: tl.constexpr = x.dtype
         acc = _round(tl.sum(win.to(tl.float32) * w.to(tl.float32), 1), DT)
         tl.store(y_ptr + i * stride_y + c, (acc * tl.sigmoid(acc)).to(DT), mask=cm)
         # New tail: the window shifted left by one (column j <- column j + 1).
-        nxt = tl.load(t_ptrs + j[None, :] + 1, mask=cm[:, None] & (j[None, :] < K - 2) & keep,
-                      other=0.0)
+        nxt = tl.load(
+            t_ptrs + j[None, :] + 1, mask=cm[:, None] & (j[None, :] < K - 2) & keep, other=0.0
+        )
         nxt = tl.where(j[None, :] == K - 2, x[:, None], nxt)
-        tl.store(t_ptrs + j[None, :], nxt.to(tail_ptr.dtype.element_ty),
-                 mask=cm[:, None] & (j[None, :] < K - 1))
+        tl.store(
+            t_ptrs + j[None, :],
+            nxt.to(tail_ptr.dtype.element_ty),
+            mask=cm[:, None] & (j[None, :] < K - 1),
+        )
 
     @triton.jit
-    def _attn_inputs_kernel(qkv_ptr, rows_ptr, qs_ptr, ks_ptr, inv_ptr, k_pool, v_pool, slot_ptr,
-                            pos_ptr, q_out, stride_qkv, stride_ks, stride_kh, stride_kt,
-                            stride_vs, stride_vh, stride_vt, stride_qn, stride_qh, eps,
-                            NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-                            RD: tl.constexpr, PDL: tl.constexpr = False):
+    def _attn_inputs_kernel(
+        qkv_ptr,
+        rows_ptr,
+        qs_ptr,
+        ks_ptr,
+        inv_ptr,
+        k_pool,
+        v_pool,
+        slot_ptr,
+        pos_ptr,
+        q_out,
+        stride_qkv,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        stride_vs,
+        stride_vh,
+        stride_vt,
+        stride_qn,
+        stride_qh,
+        eps,
+        NH: tl.constexpr,
+        NKV: tl.constexpr,
+        HD: tl.constexpr,
+        RD: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
         i = tl.program_id(0)
         h = tl.program_id(1)  # 0..NH-1: query heads; NH..NH+NKV-1: key/value heads
@@ -177,8 +263,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = _rows(x)
     T, D = x.shape
     y = torch.empty_like(x)
@@ -188,14 +275,33 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Te
     r = _rows(residual) if has_res else x  # x stands in for the absent residual (unread)
     out = torch.empty_like(x) if has_res else x
     BD = triton.next_power_of_2(D)
-    _add_rms_norm_kernel[(T,)](x, r, scale, out, y, D, x.stride(0), r.stride(0), out.stride(0),
-                               y.stride(0), eps, HAS_RES=has_res, BD=BD,
-                               num_warps=8 if BD >= 4096 else 4, **pdl_options(x.device))
+    _add_rms_norm_kernel[(T,)](
+        x,
+        r,
+        scale,
+        out,
+        y,
+        D,
+        x.stride(0),
+        r.stride(0),
+        out.stride(0),
+        y.stride(0),
+        eps,
+        HAS_RES=has_res,
+        BD=BD,
+        num_warps=8 if BD >= 4096 else 4,
+        **pdl_options(x.device),
+    )
     return out, y
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   gate_rows: torch.Tensor | None = None) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     T, H, D = x.shape
     x = x if x.stride(2) == 1 and x.stride(1) == D else x.contiguous()
     if gate.stride(2) != 1 or gate.stride(1) != D:
@@ -203,10 +309,24 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     y = torch.empty(T, H * D, dtype=x.dtype, device=x.device)
     if T:
         rows = gate_rows if gate_rows is not None else y  # y stands in (unread)
-        _gated_rms_norm_kernel[(T,)](x, gate, rows, weight, y, H, x.stride(0), gate.stride(0),
-                                     y.stride(0), eps, D=D, BH=triton.next_power_of_2(H),
-                                     BD=triton.next_power_of_2(D), Z_ROWS=gate_rows is not None,
-                                     num_warps=8, **pdl_options(x.device))
+        _gated_rms_norm_kernel[(T,)](
+            x,
+            gate,
+            rows,
+            weight,
+            y,
+            H,
+            x.stride(0),
+            gate.stride(0),
+            y.stride(0),
+            eps,
+            D=D,
+            BH=triton.next_power_of_2(H),
+            BD=triton.next_power_of_2(D),
+            Z_ROWS=gate_rows is not None,
+            num_warps=8,
+            **pdl_options(x.device),
+        )
     return y
 
 
@@ -217,9 +337,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         BLOCK = 2048
-        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](gate_up, y, N, gate_up.stride(0),
-                                                    y.stride(0), BLOCK=BLOCK, num_warps=4,
-                                                    **pdl_options(y.device))
+        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](
+            gate_up,
+            y,
+            N,
+            gate_up.stride(0),
+            y.stride(0),
+            BLOCK=BLOCK,
+            num_warps=4,
+            **pdl_options(y.device),
+        )
     return y
 
 
@@ -234,13 +361,30 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if T:
         BLOCK = 1024
         _sigmoid_mul_kernel[(T, triton.cdiv(F, BLOCK))](
-            x, g3, y, F, g3.shape[2], x.stride(0), g3.stride(0), g3.stride(1), y.stride(0),
-            BLOCK=BLOCK, num_warps=4, **pdl_options(y.device))
+            x,
+            g3,
+            y,
+            F,
+            g3.shape[2],
+            x.stride(0),
+            g3.stride(0),
+            g3.stride(1),
+            y.stride(0),
+            BLOCK=BLOCK,
+            num_warps=4,
+            **pdl_options(y.device),
+        )
     return y
 
 
-def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                   tails: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+def conv_step_rows(
+    mixed: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    tails: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
     mixed = _rows(mixed)
     n = rows.shape[0]
     C, K = weight.shape
@@ -250,16 +394,40 @@ def conv_step_rows(mixed: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor
     if n:
         BC = 256
         _conv_step_kernel[(n, triton.cdiv(C, BC))](
-            mixed, rows, weight, tails, slots, fresh.view(torch.uint8), y, C, mixed.stride(0),
-            tails.stride(0), y.stride(0), K=K, KP=triton.next_power_of_2(K), BC=BC,
-            num_warps=4, **pdl_options(y.device))
+            mixed,
+            rows,
+            weight,
+            tails,
+            slots,
+            fresh.view(torch.uint8),
+            y,
+            C,
+            mixed.stride(0),
+            tails.stride(0),
+            y.stride(0),
+            K=K,
+            KP=triton.next_power_of_2(K),
+            BC=BC,
+            num_warps=4,
+            **pdl_options(y.device),
+        )
     return y
 
 
-def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float,
-                       inv_freq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def attn_decode_inputs(
+    qkv: torch.Tensor,
+    rows: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     qkv = _rows(qkv)
     n = rows.shape[0]
     hd = keys.shape[-1]
@@ -269,8 +437,31 @@ def attn_decode_inputs(qkv: torch.Tensor, rows: torch.Tensor, num_heads: int, nu
     q = torch.empty(n, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
     if n:
         _attn_inputs_kernel[(n, num_heads + num_kv_heads)](
-            qkv, rows, q_scale, k_scale, inv_freq, keys, values, slots, positions, q,
-            qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
-            values.stride(1), values.stride(2), q.stride(0), q.stride(1), eps, NH=num_heads,
-            NKV=num_kv_heads, HD=hd, RD=rd, num_warps=2, **pdl_options(q.device))
+            qkv,
+            rows,
+            q_scale,
+            k_scale,
+            inv_freq,
+            keys,
+            values,
+            slots,
+            positions,
+            q,
+            qkv.stride(0),
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            values.stride(0),
+            values.stride(1),
+            values.stride(2),
+            q.stride(0),
+            q.stride(1),
+            eps,
+            NH=num_heads,
+            NKV=num_kv_heads,
+            HD=hd,
+            RD=rd,
+            num_warps=2,
+            **pdl_options(q.device),
+        )
     return q

@@ -150,8 +150,13 @@ class PreparedQuant:
         return sum(t.numel() * t.element_size() for t in (self.words, self.sb))
 
 
-def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int | None = None,
-            rows_per_chunk: int = 2048, layout: str = "auto") -> PreparedQuant:
+def prepare(
+    qt: QuantizedTensor,
+    config: QmmConfig | None = None,
+    block_n: int | None = None,
+    rows_per_chunk: int = 2048,
+    layout: str = "auto",
+) -> PreparedQuant:
     """Repack an MLX affine weight (on its device) into a kernel layout. Done once at load.
 
     ``layout``: "mma" (4-bit with groups of 64 or 128; ``block_n`` 64, 128 (default) or 256
@@ -166,8 +171,9 @@ def prepare(qt: QuantizedTensor, config: QmmConfig | None = None, block_n: int |
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def _scale_bias_words(qt: QuantizedTensor, rows: int, cols: int, repeat: int
-                      ) -> tuple[torch.Tensor, bool]:
+def _scale_bias_words(
+    qt: QuantizedTensor, rows: int, cols: int, repeat: int
+) -> tuple[torch.Tensor, bool]:
     """int32 ``[rows, cols]``: (scale | bias << 16) as 16-bit floats (bf16 or fp16 as stored;
     fp32 is rounded to bf16), each group repeated ``repeat`` times along K; zero padding."""
     sdt = qt.scales.dtype
@@ -177,15 +183,16 @@ def _scale_bias_words(qt: QuantizedTensor, rows: int, cols: int, repeat: int
     dev = qt.scales.device
     s = torch.zeros(rows, cols, dtype=sdt, device=dev)
     b = torch.zeros(rows, cols, dtype=sdt, device=dev)
-    s[:N, :n_groups * repeat] = qt.scales.to(sdt).repeat_interleave(repeat, dim=1)
-    b[:N, :n_groups * repeat] = qt.biases.to(sdt).repeat_interleave(repeat, dim=1)
+    s[:N, : n_groups * repeat] = qt.scales.to(sdt).repeat_interleave(repeat, dim=1)
+    b[:N, : n_groups * repeat] = qt.biases.to(sdt).repeat_interleave(repeat, dim=1)
     lo = s.view(torch.int16).to(torch.int32) & 0xFFFF
     hi = b.view(torch.int16).to(torch.int32) << 16
     return lo | hi, sdt == torch.bfloat16
 
 
-def _prepare_mma(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
-                 rows_per_chunk: int) -> PreparedQuant:
+def _prepare_mma(
+    qt: QuantizedTensor, config: QmmConfig | None, block_n: int, rows_per_chunk: int
+) -> PreparedQuant:
     bits, G = qt.bits, qt.group_size
     if bits != 4 or G % MMA_CHUNK:
         raise ValueError(f"the mma layout needs 4-bit groups of a multiple of 64, not {bits}/{G}")
@@ -207,7 +214,7 @@ def _prepare_mma(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
         r1 = min(Np, r0 + rows_per_chunk)
         codes = torch.zeros(r1 - r0, Kp, dtype=torch.int32, device=dev)
         if r0 < N:
-            codes[:min(r1, N) - r0, :K] = unpack(qt.packed[r0:min(r1, N)], bits)
+            codes[: min(r1, N) - r0, :K] = unpack(qt.packed[r0 : min(r1, N)], bits)
         # Row n = tile*BN + 16 blk + 8 half + g and element k = 64 c + 16 t + 4 j + 2 khi + e
         # go to word j of lane 4 g + t, nibble half + 2 khi + 4 e (module doc).
         c9 = codes.view((r1 - r0) // block_n, nb, 2, 8, Cp, 4, 4, 2, 2)
@@ -216,7 +223,7 @@ def _prepare_mma(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
         for i in range(8):
             w |= c9[:, i].to(torch.int64) << (4 * i)
         w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # uint32 bits as int32
-        words[r0 // block_n:r1 // block_n] = w.view(-1, Cp, nb, 32, 4)
+        words[r0 // block_n : r1 // block_n] = w.view(-1, Cp, nb, 32, 4)
         del codes, c9, w
     sbw, sb_bf16 = _scale_bias_words(qt, Np, Cp, G // MMA_CHUNK)
     # Row n = tile*BN + 16 blk + 8 half + g, chunk 2 pair + sel -> entry 2 sel + half of the
@@ -224,12 +231,14 @@ def _prepare_mma(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
     sb = sbw.view(nt, nb, 2, 8, Cp // 2, 2).permute(0, 4, 1, 3, 5, 2).contiguous()
     sb = sb.view(nt, Cp // 2, nb, 8, 4)
     counters = torch.zeros(nt * _MMA_M_TILES, dtype=torch.int32, device=dev)
-    return PreparedQuant(words, sb, block_n, N, K, bits, G, sb_bf16, counters,
-                         config or QmmConfig(), "mma")
+    return PreparedQuant(
+        words, sb, block_n, N, K, bits, G, sb_bf16, counters, config or QmmConfig(), "mma"
+    )
 
 
-def _prepare_tiled(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
-                   rows_per_chunk: int) -> PreparedQuant:
+def _prepare_tiled(
+    qt: QuantizedTensor, config: QmmConfig | None, block_n: int, rows_per_chunk: int
+) -> PreparedQuant:
     if block_n not in (16, 32, 64, 128):
         raise ValueError(f"block_n must be 16, 32, 64 or 128, not {block_n}")
     bits, G = qt.bits, qt.group_size
@@ -263,8 +272,9 @@ def _prepare_tiled(qt: QuantizedTensor, config: QmmConfig | None, block_n: int,
     sb = sb.reshape(S, PW, nt, block_n).permute(2, 0, 1, 3).contiguous()
     # Split-K arrival counters: one per N tile (M <= 64 is always one M tile).
     counters = torch.zeros(nt, dtype=torch.int32, device=dev)
-    return PreparedQuant(words, sb, block_n, N, K, bits, G, sb_bf16, counters,
-                         config or QmmConfig(), "tiled")
+    return PreparedQuant(
+        words, sb, block_n, N, K, bits, G, sb_bf16, counters, config or QmmConfig(), "tiled"
+    )
 
 
 if HAVE_TRITON:
@@ -295,9 +305,13 @@ if HAVE_TRITON:
         if USE_ASM:
             # (v & MASK) | EXP as one LOP3: left alone, ptxas emits two (one immediate per LOP3).
             bits = tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                "lop3.b32 $0, $1, $2, $3, 0xEA;",
+                "=r,r,r,r",
                 [v, tl.full(v.shape, MASK, tl.int32), tl.full(v.shape, EXP, tl.int32)],
-                dtype=tl.int32, is_pure=True, pack=1)
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
         else:  # Triton's CPU interpreter has no inline asm
             bits = (v & MASK) | EXP
         f = bits.to(tl.float32, bitcast=True)  # == OFFSET + q
@@ -316,12 +330,33 @@ if HAVE_TRITON:
         return s, b
 
     @triton.jit
-    def _qmm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr,
-                    M, N, K, NP, stride_xm, stride_ym, SB_PER_SPLIT, NUM_SB,
-                    BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-                    SB_BF16: tl.constexpr, PREFETCH: tl.constexpr, USE_ASM: tl.constexpr,
-                    PDL: tl.constexpr = False):
+    def _qmm_kernel(
+        x_ptr,
+        w_ptr,
+        sb_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        NP,
+        stride_xm,
+        stride_ym,
+        SB_PER_SPLIT,
+        NUM_SB,
+        BITS: tl.constexpr,
+        G: tl.constexpr,
+        BN: tl.constexpr,
+        BM: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        USE_DOT: tl.constexpr,
+        SB_BF16: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        USE_ASM: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         pdl_wait(PDL)
         PW: tl.constexpr = 32 // BITS
         pid_n = tl.program_id(0)
@@ -370,8 +405,11 @@ if HAVE_TRITON:
                     if EVEN_K:
                         xi = tl.load(x_rows + k_offs[None, :], mask=m_mask[:, None], other=0.0)
                     else:
-                        xi = tl.load(x_rows + k_offs[None, :],
-                                     mask=m_mask[:, None] & (k_offs < K)[None, :], other=0.0)
+                        xi = tl.load(
+                            x_rows + k_offs[None, :],
+                            mask=m_mask[:, None] & (k_offs < K)[None, :],
+                            other=0.0,
+                        )
                     acc = tl.dot(xi, a.to(xdt), acc)  # [BM, G] @ [G, BN]
                 else:  # M == 1 on CUDA cores; reduce over the tile's rows once at the end
                     if EVEN_K:
@@ -402,15 +440,27 @@ if HAVE_TRITON:
                 total = tl.zeros([BM, BN], dtype=tl.float32)
                 for sk in tl.static_range(SPLIT_K):
                     # .cg: read L2, never a stale L1 line
-                    total += tl.load(ws_tile + sk * split_stride, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(
+                        ws_tile + sk * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg"
+                    )
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, K, NUM_SB, stride_on,
-                        BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                        SB_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    def _dequant_kernel(
+        w_ptr,
+        sb_ptr,
+        out_ptr,
+        N,
+        K,
+        NUM_SB,
+        stride_on,
+        BITS: tl.constexpr,
+        G: tl.constexpr,
+        BN: tl.constexpr,
+        SB_BF16: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
         PW: tl.constexpr = 32 // BITS
         pid_n = tl.program_id(0)
         t = tl.program_id(1)
@@ -424,11 +474,11 @@ if HAVE_TRITON:
             a = _dequant_field(w, s, b, i, BITS, USE_ASM)  # [G, BN]
             k_offs = t * (PW * G) + i * G + j
             # Transposed in registers so that the stores run along K (contiguous in out).
-            tl.store(out_ptr + n_offs.to(tl.int64)[:, None] * stride_on + k_offs[None, :],
-                     tl.trans(a.to(out_ptr.dtype.element_ty)),
-                     mask=(n_offs < N)[:, None] & (k_offs < K)[None, :])
-
-
+            tl.store(
+                out_ptr + n_offs.to(tl.int64)[:, None] * stride_on + k_offs[None, :],
+                tl.trans(a.to(out_ptr.dtype.element_ty)),
+                mask=(n_offs < N)[:, None] & (k_offs < K)[None, :],
+            )
 
 
 if HAVE_TRITON:
@@ -444,8 +494,12 @@ if HAVE_TRITON:
         and the only operands are x_lo ($4..$7) and x_hi ($8..$11): every row of the result is
         then the chunk's column sum ``sum_k x[m, k]``."""
         ty = "f16" if f16 else "bf16"
-        lines = ["{", ".reg .f32 d<4>;", ".reg .b32 one;",
-                 f"mov.b32 one, {'0x3C003C00' if f16 else '0x3F803F80'};"]
+        lines = [
+            "{",
+            ".reg .f32 d<4>;",
+            ".reg .b32 one;",
+            f"mov.b32 one, {'0x3C003C00' if f16 else '0x3F803F80'};",
+        ]
         lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4)]
         for j in range(4):
             if ones:
@@ -453,8 +507,10 @@ if HAVE_TRITON:
             else:
                 a = f"${4 + j}, ${8 + j}, ${12 + j}, ${16 + j}"
                 b = f"${20 + 2 * j}, ${21 + 2 * j}"
-            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
-                         f"{{d0, d1, d2, d3}}, {{{a}}}, {{{b}}}, {{d0, d1, d2, d3}};")
+            lines.append(
+                f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+                f"{{d0, d1, d2, d3}}, {{{a}}}, {{{b}}}, {{d0, d1, d2, d3}};"
+            )
         lines += [f"mov.f32 ${i}, d{i};" for i in range(4)]
         lines.append("}")
         return "\n".join(lines)
@@ -470,17 +526,27 @@ if HAVE_TRITON:
         for h in range(2):
             src = f"${12 + 2 * sel + h}"
             if sb_bf16:  # bf16 -> fp32 is a 16-bit left shift of the bits
-                lines += [f"shl.b32 u, {src}, 16;", f"mov.b32 s{h}, u;",
-                          f"and.b32 u, {src}, 0xFFFF0000;", f"mov.b32 b{h}, u;"]
+                lines += [
+                    f"shl.b32 u, {src}, 16;",
+                    f"mov.b32 s{h}, u;",
+                    f"and.b32 u, {src}, 0xFFFF0000;",
+                    f"mov.b32 b{h}, u;",
+                ]
             else:
-                lines += [f"mov.b32 {{lo, hi}}, {src};", f"cvt.f32.f16 s{h}, lo;",
-                          f"cvt.f32.f16 b{h}, hi;"]
+                lines += [
+                    f"mov.b32 {{lo, hi}}, {src};",
+                    f"cvt.f32.f16 s{h}, lo;",
+                    f"cvt.f32.f16 b{h}, hi;",
+                ]
             neg_off = "0fC4800000" if x_f16 else "0fC3000000"  # -1024.0, -128.0
             lines.append(f"fma.rn.f32 b{h}, s{h}, {neg_off}, b{h};")
         for i in range(4):
             h = i // 2  # C elements 0, 1: row g; 2, 3: row g + 8
-            lines += [f"fma.rn.f32 r{i}, s{h}, ${4 + i}, ${16 + i};",
-                      f"fma.rn.f32 r{i}, b{h}, ${8 + i}, r{i};", f"mov.f32 ${i}, r{i};"]
+            lines += [
+                f"fma.rn.f32 r{i}, s{h}, ${4 + i}, ${16 + i};",
+                f"fma.rn.f32 r{i}, b{h}, ${8 + i}, r{i};",
+                f"mov.f32 ${i}, r{i};",
+            ]
         lines.append("}")
         return "\n".join(lines)
 
@@ -491,8 +557,10 @@ if HAVE_TRITON:
     def _halves_f32(v, F16: tl.constexpr = False):
         """int32 holding two bf16 (or fp16) -> (low, high) as fp32."""
         if F16:
-            return ((v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)),
-                    (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+            return (
+                (v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)),
+                (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            )
         else:
             return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
 
@@ -508,15 +576,18 @@ if HAVE_TRITON:
         return tl.reshape(b, [1, W, 8, 4, 4, 2, 2])
 
     @triton.jit
-    def _emu_mma(a0, a1, a2, a3, x_lo, x_hi, RB: tl.constexpr, W: tl.constexpr,
-                 X_F16: tl.constexpr):
+    def _emu_mma(
+        a0, a1, a2, a3, x_lo, x_hi, RB: tl.constexpr, W: tl.constexpr, X_F16: tl.constexpr
+    ):
         lo0, hi0 = _halves_f32(a0, X_F16)
         lo1, hi1 = _halves_f32(a1, X_F16)
         lo2, hi2 = _halves_f32(a2, X_F16)
         lo3, hi3 = _halves_f32(a3, X_F16)
         # register h = half + 2 khi; its low/high bf16 is e = 0/1
-        a = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo1, hi1)),
-                    tl.join(tl.join(lo2, hi2), tl.join(lo3, hi3)))  # [RB,W,32,4(j),e,half,khi]
+        a = tl.join(
+            tl.join(tl.join(lo0, hi0), tl.join(lo1, hi1)),
+            tl.join(tl.join(lo2, hi2), tl.join(lo3, hi3)),
+        )  # [RB,W,32,4(j),e,half,khi]
         a = tl.reshape(a, [RB, W, 8, 4, 4, 2, 2, 2])  # [rb, w, g, t, j, e, half, khi]
         a = tl.permute(a, 0, 1, 2, 6, 3, 4, 7, 5)  # [rb, w, g, half, t, j, khi, e]
         b = _emu_b(x_lo, x_hi, W, X_F16)  # [1, w, n, t, j, khi, e]
@@ -535,8 +606,17 @@ if HAVE_TRITON:
         return tl.reshape(e, [1, W, 32, 4])
 
     @triton.jit
-    def _emu_scale(acc, d, e, sbw, SEL: tl.constexpr, SB_BF16: tl.constexpr,
-                   RB: tl.constexpr, W: tl.constexpr, X_F16: tl.constexpr):
+    def _emu_scale(
+        acc,
+        d,
+        e,
+        sbw,
+        SEL: tl.constexpr,
+        SB_BF16: tl.constexpr,
+        RB: tl.constexpr,
+        W: tl.constexpr,
+        X_F16: tl.constexpr,
+    ):
         half0, half1 = tl.split(tl.reshape(sbw, [RB, W, 32, 2, 2]))  # [.., sel] each
         r0a, r0b = tl.split(half0)
         r1a, r1b = tl.split(half1)
@@ -573,22 +653,28 @@ if HAVE_TRITON:
         if USE_ASM:
             # (v & MASK) | MAGIC in one LOP3 (ptxas otherwise splits the two immediates).
             return tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                "lop3.b32 $0, $1, $2, $3, 0xEA;",
+                "=r,r,r,r",
                 [v, tl.full(v.shape, 0x000F000F, tl.int32), tl.full(v.shape, MAGIC, tl.int32)],
-                dtype=tl.int32, is_pure=True, pack=1)
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
         else:
             return (v & 0x000F000F) | MAGIC
 
     @triton.jit
-    def _load_w_pair(w_ptr, sb_ptr, tile0, tp, t1, frag, sb_off, CW: tl.constexpr,
-                     SBW: tl.constexpr):
+    def _load_w_pair(
+        w_ptr, sb_ptr, tile0, tp, t1, frag, sb_off, CW: tl.constexpr, SBW: tl.constexpr
+    ):
         """Words (both chunks) and scales of chunk pair ``tp`` of the tile; zeros past t1."""
         ok = tp < t1
         w_ptrs = w_ptr + (tile0 + tp) * (2 * CW) + frag
         wa = tl.load(w_ptrs, mask=ok, other=0, eviction_policy="evict_first")
         wb = tl.load(w_ptrs + CW, mask=ok, other=0, eviction_policy="evict_first")
-        sbw = tl.load(sb_ptr + (tile0 + tp) * SBW + sb_off, mask=ok, other=0,
-                      eviction_policy="evict_first")
+        sbw = tl.load(
+            sb_ptr + (tile0 + tp) * SBW + sb_off, mask=ok, other=0, eviction_policy="evict_first"
+        )
         return wa, wb, sbw
 
     @triton.jit
@@ -606,8 +692,9 @@ if HAVE_TRITON:
         return lo0, hi0, lo1, hi1
 
     @triton.jit
-    def _load_x_pair(xi_ptr, tp, xo0, xm0, xo1, xm1, kp, K2, NT: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+    def _load_x_pair(
+        xi_ptr, tp, xo0, xm0, xo1, xm1, kp, K2, NT: tl.constexpr, EVEN_K: tl.constexpr
+    ):
         """:func:`_load_x` for both chunks of pair ``tp`` (x beyond K reads as zero)."""
         xk = tp * 64
         if EVEN_K:
@@ -615,17 +702,35 @@ if HAVE_TRITON:
             b0, b1, b2, b3 = _load_x(xi_ptr, xo0 + xk + 32, xm0, xo1 + xk + 32, xm1, NT)
         else:  # K padded to whole chunk pairs (x_hi is +8 words on, inside the same 16)
             ka = xk + kp
-            a0, a1, a2, a3 = _load_x(xi_ptr, xo0 + xk, xm0 & (ka < K2), xo1 + xk,
-                                     xm1 & (ka < K2), NT)
-            b0, b1, b2, b3 = _load_x(xi_ptr, xo0 + xk + 32, xm0 & (ka + 32 < K2), xo1 + xk + 32,
-                                     xm1 & (ka + 32 < K2), NT)
+            a0, a1, a2, a3 = _load_x(
+                xi_ptr, xo0 + xk, xm0 & (ka < K2), xo1 + xk, xm1 & (ka < K2), NT
+            )
+            b0, b1, b2, b3 = _load_x(
+                xi_ptr, xo0 + xk + 32, xm0 & (ka + 32 < K2), xo1 + xk + 32, xm1 & (ka + 32 < K2), NT
+            )
         return a0, a1, a2, a3, b0, b1, b2, b3
 
     @triton.jit
-    def _mma_chunk(acc0, acc1, wq, sbw, x_lo0, x_hi0, x_lo1, x_hi1,
-                   SEL: tl.constexpr, NT: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
-                   SB_BF16: tl.constexpr, X_F16: tl.constexpr, MMA_Q: tl.constexpr,
-                   MMA_ONES: tl.constexpr, SCALE: tl.constexpr, USE_ASM: tl.constexpr):
+    def _mma_chunk(
+        acc0,
+        acc1,
+        wq,
+        sbw,
+        x_lo0,
+        x_hi0,
+        x_lo1,
+        x_hi1,
+        SEL: tl.constexpr,
+        NT: tl.constexpr,
+        RB: tl.constexpr,
+        W: tl.constexpr,
+        SB_BF16: tl.constexpr,
+        X_F16: tl.constexpr,
+        MMA_Q: tl.constexpr,
+        MMA_ONES: tl.constexpr,
+        SCALE: tl.constexpr,
+        USE_ASM: tl.constexpr,
+    ):
         """One 64-wide chunk of K: acc_u += W_chunk x_u^T (C fragments) for the n8 tiles u < NT."""
         a0 = _code_pair(wq, 0, X_F16, USE_ASM)
         a1 = _code_pair(wq, 1, X_F16, USE_ASM)
@@ -637,25 +742,62 @@ if HAVE_TRITON:
             else:
                 x_lo, x_hi, acc = x_lo1, x_hi1, acc1
             if USE_ASM:
-                e = tl.inline_asm_elementwise(MMA_ONES, "=f,=f,=f,=f" + ",r" * 8,
-                                              [x_lo, x_hi], dtype=tl.float32, is_pure=True,
-                                              pack=4)
-                d = tl.inline_asm_elementwise(MMA_Q, "=f,=f,=f,=f" + ",r" * 24,
-                                              [a0, a1, a2, a3, x_lo, x_hi], dtype=tl.float32,
-                                              is_pure=True, pack=4)
-                acc = tl.inline_asm_elementwise(SCALE, "=f,=f,=f,=f" + ",f" * 8 + ",r" * 4
-                                                + ",f" * 4, [d, e, sbw, acc], dtype=tl.float32,
-                                                is_pure=True, pack=4)
+                e = tl.inline_asm_elementwise(
+                    MMA_ONES,
+                    "=f,=f,=f,=f" + ",r" * 8,
+                    [x_lo, x_hi],
+                    dtype=tl.float32,
+                    is_pure=True,
+                    pack=4,
+                )
+                d = tl.inline_asm_elementwise(
+                    MMA_Q,
+                    "=f,=f,=f,=f" + ",r" * 24,
+                    [a0, a1, a2, a3, x_lo, x_hi],
+                    dtype=tl.float32,
+                    is_pure=True,
+                    pack=4,
+                )
+                acc = tl.inline_asm_elementwise(
+                    SCALE,
+                    "=f,=f,=f,=f" + ",f" * 8 + ",r" * 4 + ",f" * 4,
+                    [d, e, sbw, acc],
+                    dtype=tl.float32,
+                    is_pure=True,
+                    pack=4,
+                )
             else:  # the stand-ins index [block, warp, lane, element]
                 xl = tl.permute(x_lo, 2, 1, 0, 3)
                 xh = tl.permute(x_hi, 2, 1, 0, 3)
                 e = _emu_ones(xl, xh, W, X_F16)
-                d = _emu_mma(tl.permute(a0, 2, 1, 0, 3), tl.permute(a1, 2, 1, 0, 3),
-                             tl.permute(a2, 2, 1, 0, 3), tl.permute(a3, 2, 1, 0, 3), xl, xh, RB, W,
-                             X_F16)
-                acc = tl.permute(_emu_scale(tl.permute(acc, 2, 1, 0, 3), d, e,
-                                            tl.permute(sbw, 2, 1, 0, 3), SEL, SB_BF16, RB, W,
-                                            X_F16), 2, 1, 0, 3)
+                d = _emu_mma(
+                    tl.permute(a0, 2, 1, 0, 3),
+                    tl.permute(a1, 2, 1, 0, 3),
+                    tl.permute(a2, 2, 1, 0, 3),
+                    tl.permute(a3, 2, 1, 0, 3),
+                    xl,
+                    xh,
+                    RB,
+                    W,
+                    X_F16,
+                )
+                acc = tl.permute(
+                    _emu_scale(
+                        tl.permute(acc, 2, 1, 0, 3),
+                        d,
+                        e,
+                        tl.permute(sbw, 2, 1, 0, 3),
+                        SEL,
+                        SB_BF16,
+                        RB,
+                        W,
+                        X_F16,
+                    ),
+                    2,
+                    1,
+                    0,
+                    3,
+                )
             if u == 0:
                 acc0 = acc
             else:
@@ -664,17 +806,51 @@ if HAVE_TRITON:
 
     # Shape-only integers are not specialized (one compile serves every weight shape and M);
     # stride_xm is, for its 16-byte divisibility (x loads), and SPLIT_K == 1 drops the reduction.
-    @triton.jit(do_not_specialize=["M", "N", "K2", "stride_ym", "PAIRS_PER_SPLIT", "NUM_PAIRS",
-                                   "N_TILES", "M_TILES"])
-    def _mma_kernel(xi_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr,
-                    M, N, K2, stride_xm, stride_ym, PAIRS_PER_SPLIT, NUM_PAIRS, N_TILES, M_TILES,
-                    SPLIT_K,
-                    BN: tl.constexpr, W: tl.constexpr, NT: tl.constexpr, EVEN_K: tl.constexpr,
-                    SB_BF16: tl.constexpr, X_F16: tl.constexpr, PREFETCH: tl.constexpr,
-                    NUM_STAGES: tl.constexpr, MMA_Q: tl.constexpr, MMA_ONES: tl.constexpr,
-                    SCALE_0: tl.constexpr, SCALE_1: tl.constexpr, USE_ASM: tl.constexpr,
-                    PREFETCH_X: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+    @triton.jit(
+        do_not_specialize=[
+            "M",
+            "N",
+            "K2",
+            "stride_ym",
+            "PAIRS_PER_SPLIT",
+            "NUM_PAIRS",
+            "N_TILES",
+            "M_TILES",
+        ]
+    )
+    def _mma_kernel(
+        xi_ptr,
+        w_ptr,
+        sb_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K2,
+        stride_xm,
+        stride_ym,
+        PAIRS_PER_SPLIT,
+        NUM_PAIRS,
+        N_TILES,
+        M_TILES,
+        SPLIT_K,
+        BN: tl.constexpr,
+        W: tl.constexpr,
+        NT: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        SB_BF16: tl.constexpr,
+        X_F16: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        MMA_Q: tl.constexpr,
+        MMA_ONES: tl.constexpr,
+        SCALE_0: tl.constexpr,
+        SCALE_1: tl.constexpr,
+        USE_ASM: tl.constexpr,
+        PREFETCH_X: tl.constexpr = False,
+        PDL: tl.constexpr = False,
+    ):
         """Program (m tile, n tile, K split): rows [pid_n*BN, +BN) of y for the K chunk pairs
         [pid_k*PAIRS_PER_SPLIT, +PAIRS_PER_SPLIT). Warp w owns 16-row blocks w, w + W, ...;
         every tensor is [32 lanes, W, RB, 4] so that each lane's registers are its MMA fragments
@@ -721,8 +897,9 @@ if HAVE_TRITON:
         # kernel before this one.
         pdl_wait(PDL)
         if PREFETCH_X:
-            xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = _load_x_pair(xi_ptr, t0, xo0, xm0, xo1, xm1,
-                                                                  kp, K2, NT, EVEN_K)
+            xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = _load_x_pair(
+                xi_ptr, t0, xo0, xm0, xo1, xm1, kp, K2, NT, EVEN_K
+            )
         for tp in tl.range(t0, t1, num_stages=NUM_STAGES):
             if PREFETCH:
                 wa = na
@@ -737,15 +914,61 @@ if HAVE_TRITON:
             if PREFETCH_X:  # this pair's x came with the previous step; ask for the next's
                 ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3 = xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3
                 xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = _load_x_pair(
-                    xi_ptr, tp + 1, xo0, xm0 & (tp + 1 < t1), xo1, xm1 & (tp + 1 < t1), kp, K2,
-                    NT, EVEN_K)
+                    xi_ptr,
+                    tp + 1,
+                    xo0,
+                    xm0 & (tp + 1 < t1),
+                    xo1,
+                    xm1 & (tp + 1 < t1),
+                    kp,
+                    K2,
+                    NT,
+                    EVEN_K,
+                )
             else:
-                ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3 = _load_x_pair(xi_ptr, tp, xo0, xm0, xo1,
-                                                                      xm1, kp, K2, NT, EVEN_K)
-            acc0, acc1 = _mma_chunk(acc0, acc1, wa, sbw, ca0, ca1, ca2, ca3, 0, NT, RB, W,
-                                    SB_BF16, X_F16, MMA_Q, MMA_ONES, SCALE_0, USE_ASM)
-            acc0, acc1 = _mma_chunk(acc0, acc1, wb, sbw, cb0, cb1, cb2, cb3, 1, NT, RB, W,
-                                    SB_BF16, X_F16, MMA_Q, MMA_ONES, SCALE_1, USE_ASM)
+                ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3 = _load_x_pair(
+                    xi_ptr, tp, xo0, xm0, xo1, xm1, kp, K2, NT, EVEN_K
+                )
+            acc0, acc1 = _mma_chunk(
+                acc0,
+                acc1,
+                wa,
+                sbw,
+                ca0,
+                ca1,
+                ca2,
+                ca3,
+                0,
+                NT,
+                RB,
+                W,
+                SB_BF16,
+                X_F16,
+                MMA_Q,
+                MMA_ONES,
+                SCALE_0,
+                USE_ASM,
+            )
+            acc0, acc1 = _mma_chunk(
+                acc0,
+                acc1,
+                wb,
+                sbw,
+                cb0,
+                cb1,
+                cb2,
+                cb3,
+                1,
+                NT,
+                RB,
+                W,
+                SB_BF16,
+                X_F16,
+                MMA_Q,
+                MMA_ONES,
+                SCALE_1,
+                USE_ASM,
+            )
 
         # C fragment element p of lane (g, t): row 16 blk + g + 8 (p // 2), column 2 t + p % 2.
         n_idx = pid_n * BN + blk * 16 + g + 8 * (p // 2)
@@ -778,19 +1001,22 @@ if HAVE_TRITON:
                 tot1 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
                 for sk in range(SPLIT_K):
                     # .cg: read L2, never a stale L1 line
-                    tot0 += tl.load(ws_tile + sk * stride_k, mask=om0, other=0.0,
-                                    cache_modifier=".cg")
+                    tot0 += tl.load(
+                        ws_tile + sk * stride_k, mask=om0, other=0.0, cache_modifier=".cg"
+                    )
                     if NT == 2:
-                        tot1 += tl.load(ws_tile + sk * stride_k + CW, mask=om1, other=0.0,
-                                        cache_modifier=".cg")
+                        tot1 += tl.load(
+                            ws_tile + sk * stride_k + CW, mask=om1, other=0.0, cache_modifier=".cg"
+                        )
                 tl.store(y0, tot0.to(y_ptr.dtype.element_ty), mask=om0)
                 if NT == 2:
                     tl.store(y1, tot1.to(y_ptr.dtype.element_ty), mask=om1)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _mma_dequant_kernel(w_ptr, sb_ptr, out_ptr, N, K, NUM_PAIRS, stride_on,
-                            BN: tl.constexpr, SB_BF16: tl.constexpr):
+    def _mma_dequant_kernel(
+        w_ptr, sb_ptr, out_ptr, N, K, NUM_PAIRS, stride_on, BN: tl.constexpr, SB_BF16: tl.constexpr
+    ):
         """One (tile, chunk) of the MMA layout -> ``[BN, 64]`` of the weight, straight from the
         layout's index map (gathers; the weight is written once, along K)."""
         pid_n = tl.program_id(0)
@@ -805,13 +1031,21 @@ if HAVE_TRITON:
         tile = pid_n.to(tl.int64) * NUM_PAIRS * 2 + c
         w = tl.load(w_ptr + tile * (BN * 8) + word)
         q = ((w >> (4 * nib)) & 15).to(tl.float32)
-        sbw = tl.load(sb_ptr + (pid_n.to(tl.int64) * NUM_PAIRS + c // 2) * (BN * 2)
-                      + (blk * 8 + g) * 4 + 2 * (c % 2) + half)
+        sbw = tl.load(
+            sb_ptr
+            + (pid_n.to(tl.int64) * NUM_PAIRS + c // 2) * (BN * 2)
+            + (blk * 8 + g) * 4
+            + 2 * (c % 2)
+            + half
+        )
         s, b = _halves_f32(sbw, not SB_BF16)
         n_offs = pid_n * BN + rows
         k_offs = c * 64 + kk
-        tl.store(out_ptr + n_offs.to(tl.int64) * stride_on + k_offs,
-                 (q * s + b).to(out_ptr.dtype.element_ty), mask=(n_offs < N) & (k_offs < K))
+        tl.store(
+            out_ptr + n_offs.to(tl.int64) * stride_on + k_offs,
+            (q * s + b).to(out_ptr.dtype.element_ty),
+            mask=(n_offs < N) & (k_offs < K),
+        )
 
 
 def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -820,13 +1054,35 @@ def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -
     BN = p.block_n
     if p.layout == "mma":
         grid = (p.words.shape[0], triton.cdiv(p.k, MMA_CHUNK))
-        _mma_dequant_kernel[grid](p.words, p.sb, out, p.n, p.k, p.sb.shape[1], out.stride(0),
-                                  BN=BN, SB_BF16=p.sb_bf16, num_warps=4)
+        _mma_dequant_kernel[grid](
+            p.words,
+            p.sb,
+            out,
+            p.n,
+            p.k,
+            p.sb.shape[1],
+            out.stride(0),
+            BN=BN,
+            SB_BF16=p.sb_bf16,
+            num_warps=4,
+        )
         return out
     grid = (triton.cdiv(p.n, BN), p.superblocks)
-    _dequant_kernel[grid](p.words, p.sb, out, p.n, p.k, p.superblocks,
-                          out.stride(0), BITS=p.bits, G=p.group_size, BN=BN,
-                          SB_BF16=p.sb_bf16, USE_ASM=_USE_ASM, num_warps=4)
+    _dequant_kernel[grid](
+        p.words,
+        p.sb,
+        out,
+        p.n,
+        p.k,
+        p.superblocks,
+        out.stride(0),
+        BITS=p.bits,
+        G=p.group_size,
+        BN=BN,
+        SB_BF16=p.sb_bf16,
+        USE_ASM=_USE_ASM,
+        num_warps=4,
+    )
     return out
 
 
@@ -867,8 +1123,9 @@ def _mma_warps(p: PreparedQuant, cfg: QmmConfig) -> int:
     return max(1, w)
 
 
-def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = None
-                 ) -> torch.Tensor:
+def quant_matmul(
+    x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = None
+) -> torch.Tensor:
     """``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or fp16), fp32 accumulation.
 
     Rows <= 64: one fused Triton launch reading the packed weight once (per 16 rows of x). More
@@ -895,30 +1152,59 @@ def quant_matmul(x: torch.Tensor, p: PreparedQuant, config: QmmConfig | None = N
     NP = p.padded_n
     n_tiles = p.words.shape[0]
     m_tiles = -(-M // BM)
-    ws = (torch.empty(split, M, NP, dtype=torch.float32, device=x.device) if split > 1
-          else y)  # unused when split == 1
+    ws = (
+        torch.empty(split, M, NP, dtype=torch.float32, device=x.device) if split > 1 else y
+    )  # unused when split == 1
     prefetch = cfg.prefetch
-    if (use_dot and prefetch and p.block_n == 32 and cfg.num_warps == 4 and BM == 16
-            and n_tiles * split * m_tiles > _DOT_PF_RESIDENT * sm_count(x.device)):
+    if (
+        use_dot
+        and prefetch
+        and p.block_n == 32
+        and cfg.num_warps == 4
+        and BM == 16
+        and n_tiles * split * m_tiles > _DOT_PF_RESIDENT * sm_count(x.device)
+    ):
         # The prefetching dot variant holds more registers (96 vs 76 per thread on H200 / Triton
         # 3.6): 5 programs per SM instead of 6. When that alone would push the grid into a
         # second wave (q_proj 12288x5120: 768 programs), the lighter variant runs in one:
         # measured 40 us instead of 57 at M = 4 and 16.
         prefetch = False
     _qmm_kernel[(n_tiles, split, m_tiles)](
-        x2, p.words, p.sb, y, ws, p.counters,
-        M, p.n, p.k, NP, x2.stride(0), y.stride(0), per, p.superblocks,
-        BITS=p.bits, G=p.group_size, BN=p.block_n, BM=BM, SPLIT_K=split,
-        EVEN_K=p.superblocks * p.per_word * p.group_size == p.k, USE_DOT=use_dot,
-        SB_BF16=p.sb_bf16, PREFETCH=prefetch, USE_ASM=_USE_ASM,
+        x2,
+        p.words,
+        p.sb,
+        y,
+        ws,
+        p.counters,
+        M,
+        p.n,
+        p.k,
+        NP,
+        x2.stride(0),
+        y.stride(0),
+        per,
+        p.superblocks,
+        BITS=p.bits,
+        G=p.group_size,
+        BN=p.block_n,
+        BM=BM,
+        SPLIT_K=split,
+        EVEN_K=p.superblocks * p.per_word * p.group_size == p.k,
+        USE_DOT=use_dot,
+        SB_BF16=p.sb_bf16,
+        PREFETCH=prefetch,
+        USE_ASM=_USE_ASM,
         # More rows per program: 4 warps would spill (acc and x tiles grow with BLOCK_M).
         num_warps=cfg.num_warps if BM <= 16 else max(8, cfg.num_warps),
-        num_stages=cfg.num_stages, **pdl_options(x.device))
+        num_stages=cfg.num_stages,
+        **pdl_options(x.device),
+    )
     return y.reshape(*lead, p.n)
 
 
-def _quant_matmul_mma(x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: torch.Tensor
-                      ) -> torch.Tensor:
+def _quant_matmul_mma(
+    x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: torch.Tensor
+) -> torch.Tensor:
     M = x2.shape[0]
     x_f16 = x2.dtype == torch.float16
     if x2.stride(0) % 8 or x2.data_ptr() % 16:
@@ -929,16 +1215,46 @@ def _quant_matmul_mma(x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: tor
     m_tiles = -(-M // BM)
     NT = BM // 8
     W = _mma_warps(p, cfg)
-    ws = (torch.empty(split * m_tiles * n_tiles * NT * p.block_n * 8, dtype=torch.float32,
-                      device=x2.device) if split > 1 else y)  # unused when split == 1
+    ws = (
+        torch.empty(
+            split * m_tiles * n_tiles * NT * p.block_n * 8, dtype=torch.float32, device=x2.device
+        )
+        if split > 1
+        else y
+    )  # unused when split == 1
     _mma_kernel[(m_tiles, n_tiles, split)](
-        xi, p.words, p.sb, y, ws, p.counters,
-        M, p.n, p.k // 2, xi.stride(0), y.stride(0), per, p.sb.shape[1], n_tiles, m_tiles, split,
-        BN=p.block_n, W=W, NT=NT, EVEN_K=p.sb.shape[1] * 2 * MMA_CHUNK == p.k,
-        SB_BF16=p.sb_bf16, X_F16=x_f16, PREFETCH=cfg.prefetch and cfg.num_stages <= 1,
-        NUM_STAGES=max(1, cfg.num_stages), MMA_Q=_mma_asm(False, x_f16),
-        MMA_ONES=_mma_asm(True, x_f16), SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
-        SCALE_1=_scale_asm(1, p.sb_bf16, x_f16), USE_ASM=_USE_ASM,
-        PREFETCH_X=cfg.prefetch_x, num_warps=W, num_stages=1,
-        **pdl_options(x2.device))
+        xi,
+        p.words,
+        p.sb,
+        y,
+        ws,
+        p.counters,
+        M,
+        p.n,
+        p.k // 2,
+        xi.stride(0),
+        y.stride(0),
+        per,
+        p.sb.shape[1],
+        n_tiles,
+        m_tiles,
+        split,
+        BN=p.block_n,
+        W=W,
+        NT=NT,
+        EVEN_K=p.sb.shape[1] * 2 * MMA_CHUNK == p.k,
+        SB_BF16=p.sb_bf16,
+        X_F16=x_f16,
+        PREFETCH=cfg.prefetch and cfg.num_stages <= 1,
+        NUM_STAGES=max(1, cfg.num_stages),
+        MMA_Q=_mma_asm(False, x_f16),
+        MMA_ONES=_mma_asm(True, x_f16),
+        SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
+        SCALE_1=_scale_asm(1, p.sb_bf16, x_f16),
+        USE_ASM=_USE_ASM,
+        PREFETCH_X=cfg.prefetch_x,
+        num_warps=W,
+        num_stages=1,
+        **pdl_options(x2.device),
+    )
     return y

@@ -2,9 +2,9 @@
 
 One job: turn a checkpoint folder's ``config.json`` (and ``generation_config.json`` if present) into
 a frozen :class:`ModelConfig`, in whichever placement the checkpoint uses (the vision-language
-wrapper with ``text_config``, or a text-only export), with every size checked. Any missing or invalid
-field raises :class:`~headstart.errors.ConfigError` naming the field and the file; nothing else
-escapes. Non-goal: the vision tower and the MTP head (ignored).
+wrapper with ``text_config``, or a text-only export), with every size checked. Any missing or
+invalid field raises :class:`~headstart.errors.ConfigError` naming the field and the file;
+nothing else escapes. Non-goal: the vision tower and the MTP head (ignored).
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ class Quantization:
     overrides: tuple[tuple[str, QuantSpec | None], ...] = ()
 
     def spec_for(self, module_path: str) -> QuantSpec | None:
-        """The spec of a module, matching overrides on the path's suffix (prefixes differ by layout)."""
+        """The spec of a module, matching overrides on the path's suffix (prefixes differ by
+        layout)."""
         for path, spec in self.overrides:
-            if module_path == path or module_path.endswith("." + path) or path.endswith(
-                "." + module_path
+            if (
+                module_path == path
+                or module_path.endswith("." + path)
+                or path.endswith("." + module_path)
             ):
                 return spec
         return self.default
@@ -230,12 +233,16 @@ def _rope(text: _Reader) -> tuple[float, float]:
     return theta, factor
 
 
-def _quant_spec(r: _Reader, key: str, block: dict[str, Any], default: QuantSpec | None) -> QuantSpec:
+def _quant_spec(
+    r: _Reader, key: str, block: dict[str, Any], default: QuantSpec | None
+) -> QuantSpec:
     sub = _Reader(block, r.file, f"{r.prefix}{key}.")
     bits = sub.int("bits", default=None if default is None else default.bits)
     group = sub.int("group_size", default=None if default is None else default.group_size)
     if bits not in SUPPORTED_BITS:
-        raise sub.error("bits", f"{bits}-bit weights are not supported (supported: {SUPPORTED_BITS})")
+        raise sub.error(
+            "bits", f"{bits}-bit weights are not supported (supported: {SUPPORTED_BITS})"
+        )
     if group not in (32, 64, 128):
         raise sub.error("group_size", f"must be 32, 64 or 128, got {group}")
     mode = block.get("mode", "affine")
@@ -246,8 +253,12 @@ def _quant_spec(r: _Reader, key: str, block: dict[str, Any], default: QuantSpec 
 
 def _quantization(top: _Reader, text: _Reader) -> Quantization | None:
     reader, key = top, None
-    for r, k in ((top, "quantization"), (top, "quantization_config"), (text, "quantization"),
-                 (text, "quantization_config")):
+    for r, k in (
+        (top, "quantization"),
+        (top, "quantization_config"),
+        (text, "quantization"),
+        (text, "quantization_config"),
+    ):
         if r.dict(k) is not None:
             reader, key = r, k
             break
@@ -256,7 +267,9 @@ def _quantization(top: _Reader, text: _Reader) -> Quantization | None:
     block = reader.dict(key)
     assert block is not None
     if "quant_method" in block and "bits" not in block:
-        raise reader.error(key + ".quant_method", f"unsupported quantization {block['quant_method']!r}")
+        raise reader.error(
+            key + ".quant_method", f"unsupported quantization {block['quant_method']!r}"
+        )
     default = _quant_spec(reader, key, block, None)
     overrides: list[tuple[str, QuantSpec | None]] = []
     for name, value in block.items():
@@ -312,7 +325,8 @@ def _validate(cfg: ModelConfig, text: _Reader) -> None:
         group = cfg.quantization.default.group_size
         if cfg.hidden_size % group:
             raise ConfigError(
-                "quantization.group_size", text.file,
+                "quantization.group_size",
+                text.file,
                 f"{group} does not divide hidden_size {cfg.hidden_size}",
             )
 
@@ -338,10 +352,16 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if gen.has(key):
                 generation.append((key, gen.float(key)))
-    dtype = text.data.get("dtype") or text.data.get("torch_dtype") or top.data.get("dtype") or top.data.get("torch_dtype") or "bfloat16"
+    dtype = (
+        text.data.get("dtype")
+        or text.data.get("torch_dtype")
+        or top.data.get("dtype")
+        or top.data.get("torch_dtype")
+        or "bfloat16"
+    )
     if dtype not in ("bfloat16", "float16", "float32"):
         raise text.error("dtype", f"unsupported dtype {dtype!r}")
-    # The wrapper repeats tie_word_embeddings at the top level, which is what HF's wrapper model reads.
+    # The wrapper repeats tie_word_embeddings at the top level, which HF's wrapper model reads.
     tie = top.bool("tie_word_embeddings", default=text.bool("tie_word_embeddings", default=False))
 
     cfg = ModelConfig(

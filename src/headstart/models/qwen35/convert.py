@@ -19,12 +19,17 @@ from safetensors.torch import save_file
 
 from headstart.quant import QuantizedTensor, quantize
 
-_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
-                 "k_norm.weight")
+_ZERO_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
 
 
-def quantize_state_dict(state: Mapping[str, torch.Tensor], bits: int = 4, group: int = 64,
-                        tied: bool = False) -> dict[str, QuantizedTensor]:
+def quantize_state_dict(
+    state: Mapping[str, torch.Tensor], bits: int = 4, group: int = 64, tied: bool = False
+) -> dict[str, QuantizedTensor]:
     """Module path (HF text-only names) -> its quantized weight, by mlx-lm's rule: every 2-D
     projection or embedding whose input dimension ``group`` divides. A tied head is skipped
     (it is the embedding)."""
@@ -38,8 +43,14 @@ def quantize_state_dict(state: Mapping[str, torch.Tensor], bits: int = 4, group:
     return out
 
 
-def write_mlx(state: Mapping[str, torch.Tensor], config: dict[str, Any], out: Path, bits: int,
-              group: int, packed: Mapping[str, QuantizedTensor] | None = None) -> Path:
+def write_mlx(
+    state: Mapping[str, torch.Tensor],
+    config: dict[str, Any],
+    out: Path,
+    bits: int,
+    group: int,
+    packed: Mapping[str, QuantizedTensor] | None = None,
+) -> Path:
     """Write ``state`` (an HF ``Qwen3_5ForCausalLM`` state dict) and its text ``config`` to
     ``out`` in the MLX layout. ``packed`` gives the quantized modules (default: quantize now)."""
     out = Path(out)

@@ -1,13 +1,15 @@
 """Reading a checkpoint's safetensors into canonical text-model tensors.
 
 One job: find the safetensors files (single or sharded with an index), map the names of the three
-layouts we accept onto one canonical naming (HF's text-model names, e.g. ``layers.3.self_attn.q_proj``),
-undo the MLX conversions (conv ``[C, K, 1]``, zero-centred norms stored as ``1 + w``), keep MLX
-quantized modules packed, and check every tensor against the configuration. Problems raise
-:class:`~headstart.errors.CheckpointError` naming the file or tensor.
+layouts we accept onto one canonical naming (HF's text-model names, e.g.
+``layers.3.self_attn.q_proj``), undo the MLX conversions (conv ``[C, K, 1]``, zero-centred
+norms stored as ``1 + w``), keep MLX quantized modules packed, and check every tensor against
+the configuration. Problems raise :class:`~headstart.errors.CheckpointError` naming the file or
+tensor.
 
 Layouts:
-  * HF wrapper   ``model.language_model.*`` + ``lm_head.weight`` (``model.visual.*``, ``mtp.*`` ignored)
+  * HF wrapper   ``model.language_model.*`` + ``lm_head.weight`` (``model.visual.*``, ``mtp.*``
+    ignored)
   * HF text-only ``model.*`` + ``lm_head.weight``
   * MLX          ``language_model.model.*`` + ``language_model.lm_head.*``; ``.scales``/``.biases``
     beside a uint32 ``.weight`` mark a quantized module.
@@ -23,7 +25,6 @@ final copies never holds a second full copy of the checkpoint.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,9 @@ import torch
 from safetensors import safe_open
 
 from headstart.arena import to_meta
-from headstart.config import ModelConfig
+from headstart.checkpoint import safetensors_files
 from headstart.errors import CheckpointError
+from headstart.models.qwen35.config import ModelConfig
 from headstart.quant import QuantizedTensor
 
 Weight = torch.Tensor | QuantizedTensor
@@ -45,11 +47,22 @@ _PREFIXES = (  # (prefix in file, canonical prefix); first match wins
     ("lm_head.", "lm_head."),
     ("model.", ""),
 )
-_IGNORED = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.", "language_model.mtp.")
+_IGNORED = (
+    "model.visual.",
+    "visual.",
+    "vision_tower.",
+    "mtp.",
+    "model.mtp.",
+    "language_model.mtp.",
+)
 
 # Norms stored as w with output * (1 + w) in HF; MLX stores 1 + w.
-_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
-                 "k_norm.weight")
+_ZERO_CENTRED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
 _FP32 = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm.weight")
 
 
@@ -88,43 +101,37 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files: those named by the index if there is one, else every file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        files = [model_dir / n for n in names]
-        for f in files:
-            if not f.exists():
-                raise CheckpointError(f"{index} names {f.name}, which does not exist")
-        return files
-    files = sorted(p for p in model_dir.iterdir() if ".safetensors" in p.name and p.is_file()
-                   and not p.name.endswith(".json"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors weight files found")
-    return files
-
-
 def _canonical(name: str) -> str | None:
     if name.startswith(_IGNORED):
         return None
     for prefix, canon in _PREFIXES:
         if name.startswith(prefix):
-            return canon + name[len(prefix):]
+            return canon + name[len(prefix) :]
     return None
 
 
 # safetensors header dtype -> torch dtype (those this torch has).
-_DTYPES = {name: getattr(torch, attr) for name, attr in (
-    ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"),
-    ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"), ("U64", "uint64"), ("F16", "float16"),
-    ("BF16", "bfloat16"), ("F32", "float32"), ("F64", "float64"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-) if hasattr(torch, attr)}
+_DTYPES = {
+    name: getattr(torch, attr)
+    for name, attr in (
+        ("BOOL", "bool"),
+        ("U8", "uint8"),
+        ("I8", "int8"),
+        ("I16", "int16"),
+        ("U16", "uint16"),
+        ("I32", "int32"),
+        ("U32", "uint32"),
+        ("I64", "int64"),
+        ("U64", "uint64"),
+        ("F16", "float16"),
+        ("BF16", "bfloat16"),
+        ("F32", "float32"),
+        ("F64", "float64"),
+        ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E5M2", "float8_e5m2"),
+    )
+    if hasattr(torch, attr)
+}
 
 
 @dataclass(frozen=True)
@@ -189,13 +196,22 @@ class _Quant:
         def empty(s: _Source, dtype: torch.dtype | None = None) -> torch.Tensor:
             return torch.empty(s.shape, dtype=dtype or s.dtype, device="meta")
 
-        return QuantizedTensor(empty(self.packed, torch.int32), empty(self.scales),
-                               empty(self.biases), self.bits, self.group_size)
+        return QuantizedTensor(
+            empty(self.packed, torch.int32),
+            empty(self.scales),
+            empty(self.biases),
+            self.bits,
+            self.group_size,
+        )
 
     def read(self, device: torch.device) -> QuantizedTensor:
-        return QuantizedTensor(self.packed.read().view(torch.int32).to(device),
-                               self.scales.read().to(device), self.biases.read().to(device),
-                               self.bits, self.group_size)
+        return QuantizedTensor(
+            self.packed.read().view(torch.int32).to(device),
+            self.scales.read().to(device),
+            self.biases.read().to(device),
+            self.bits,
+            self.group_size,
+        )
 
 
 _Recipe = _Plain | _Quant
@@ -211,12 +227,11 @@ def _read_headers(files: list[Path]) -> tuple[dict[str, _Source], bool]:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 mlx_meta |= (f.metadata() or {}).get("format") == "mlx"
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     canon = _canonical(name)
                     if canon is not None:
                         part = f.get_slice(name)
-                        raw[canon] = _Source(path, name, tuple(part.get_shape()),
-                                             part.get_dtype())
+                        raw[canon] = _Source(path, name, tuple(part.get_shape()), part.get_dtype())
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises several types for damaged files
@@ -235,8 +250,12 @@ def _plan(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, _R
             del raw[key]
     # MLX's own test for "norms already shifted": any conv weight stored [C, K, 1].
     conv = next((s for k, s in raw.items() if k.endswith("conv1d.weight")), None)
-    mlx_layout = mlx_meta or (conv is not None and len(conv.shape) == 3 and conv.shape[-1] == 1
-                              and cfg.linear_conv_kernel_dim != 1)
+    mlx_layout = mlx_meta or (
+        conv is not None
+        and len(conv.shape) == 3
+        and conv.shape[-1] == 1
+        and cfg.linear_conv_kernel_dim != 1
+    )
     recipes: dict[str, _Recipe] = {}
     for name, shape in expected_shapes(cfg).items():
         module = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -249,26 +268,34 @@ def _plan(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, _R
     return recipes
 
 
-def _plain(model_dir: Path, name: str, src: _Source, shape: tuple[int, ...], dtype: torch.dtype,
-           mlx_layout: bool) -> _Plain:
+def _plain(
+    model_dir: Path,
+    name: str,
+    src: _Source,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    mlx_layout: bool,
+) -> _Plain:
     got, drop = src.shape, None
     if name.endswith("conv1d.weight") and len(got) == 3:  # HF [C, 1, K]; MLX [C, K, 1]
         drop = 2 if got[-1] == 1 and got[1] != 1 else 1
-        got = got[:drop] + got[drop + 1:]
+        got = got[:drop] + got[drop + 1 :]
     if got != shape:
         raise CheckpointError(
             f"{model_dir}: tensor '{name}' has shape {got}, config implies {shape}"
         )
     if src.dtype is None or not src.dtype.is_floating_point:
         raise CheckpointError(
-            f"{model_dir}: tensor '{name}' has non-float dtype {src.describe_dtype()}")
+            f"{model_dir}: tensor '{name}' has non-float dtype {src.describe_dtype()}"
+        )
     norm = name.endswith(_ZERO_CENTRED) or name == "norm.weight"
     final = torch.float32 if norm or name.endswith(_FP32) else dtype
     return _Plain(src, shape, final, drop, norm and not mlx_layout)
 
 
-def _quantized(raw: dict[str, _Source], module: str, shape: tuple[int, ...],
-               cfg: ModelConfig) -> _Quant:
+def _quantized(
+    raw: dict[str, _Source], module: str, shape: tuple[int, ...], cfg: ModelConfig
+) -> _Quant:
     if cfg.quantization is None:
         raise CheckpointError(f"'{module}' is quantized but config.json has no quantization block")
     spec = cfg.quantization.spec_for(module)
@@ -279,7 +306,9 @@ def _quantized(raw: dict[str, _Source], module: str, shape: tuple[int, ...],
         raise CheckpointError(f"'{module}' has scales but no packed weight")
     biases = raw.get(module + ".biases")
     if biases is None:
-        raise CheckpointError(f"'{module}' has scales but no biases (only affine mode is supported)")
+        raise CheckpointError(
+            f"'{module}' has scales but no biases (only affine mode is supported)"
+        )
     out_f, in_f = shape
     want_packed = (out_f, in_f * spec.bits // 32)
     want_groups = (out_f, in_f // spec.group_size) if in_f % spec.group_size == 0 else None
@@ -293,8 +322,7 @@ def _quantized(raw: dict[str, _Source], module: str, shape: tuple[int, ...],
     for part, s in (("scales", scales), ("biases", biases)):
         if s.shape != want_groups or s.dtype is None or not s.dtype.is_floating_point:
             raise CheckpointError(
-                f"'{module}.{part}' is {s.describe_dtype()} {s.shape}, expected float "
-                f"{want_groups}"
+                f"'{module}.{part}' is {s.describe_dtype()} {s.shape}, expected float {want_groups}"
             )
     return _Quant(packed, scales, biases, spec.bits, spec.group_size)
 
@@ -340,8 +368,10 @@ class LazyWeights(MutableMapping[str, Weight]):
 
     def meta(self) -> dict[str, Weight]:
         """Meta stand-ins (shapes and dtypes as a read would give, no data) of every value."""
-        return {k: self._recipes[k].meta() if k in self._recipes else to_meta(self._held[k])
-                for k in self}
+        return {
+            k: self._recipes[k].meta() if k in self._recipes else to_meta(self._held[k])
+            for k in self
+        }
 
 
 def stand_ins(weights: Mapping[str, Weight]) -> dict[str, Weight]:
@@ -352,9 +382,13 @@ def stand_ins(weights: Mapping[str, Weight]) -> dict[str, Weight]:
     return {k: to_meta(v) for k, v in weights.items()}
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", lazy: bool = False
-                 ) -> MutableMapping[str, Weight]:
+def load_weights(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    lazy: bool = False,
+) -> MutableMapping[str, Weight]:
     """Check every tensor of the text model from the file headers (see the module docstring),
     then read and convert them all into a dict, or (``lazy``) return a :class:`LazyWeights`
     that reads each one when it is taken. Problems raise :class:`CheckpointError` before any

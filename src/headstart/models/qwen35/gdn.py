@@ -1,0 +1,277 @@
+"""Qwen3.5's Gated DeltaNet over a packed batch, one method per batch shape.
+
+One matmul gives every row's conv input ``[q | k | v]``, output gate ``z`` and gate inputs
+``b``, ``a``. Each shape of rows then runs the causal conv and the gated delta rule from its
+slot's conv tail and recurrent state and leaves them updated: decode rows as one batched step
+(the step kernels compute the gates and, when every row is a decode row, the output norm
+themselves), a graph-captured continued chunk, graph-captured verify windows as W batched
+one-row steps (recorded for rollback), multi-row spans (one conv pass and one varlen recurrence
+for all of them), and token trees. A stream at position 0 starts from a zero tail and state,
+whatever its slot held. The gated RMSNorm and the output projection close the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from headstart.batch import ForwardBatch
+from headstart.models.qwen35.speculative import GDNRecord, tree_gated_delta
+from headstart.ops.conv.reference import causal_conv, causal_conv_spans, conv_spans_plan
+from headstart.ops.linear import linear
+from headstart.ops.pointwise.reference import gdn_gates
+from headstart.state import StatePool
+
+if TYPE_CHECKING:
+    from headstart.models.qwen35.model import Qwen35Model
+
+__all__ = ["GatedDeltaNet"]
+
+
+def _conv_plan(batch: ForwardBatch, k1: int) -> tuple[torch.Tensor, ...]:
+    m = batch.multi
+    if ("conv", k1) not in m.memo:
+        plan = conv_spans_plan([s.length for s in batch.multi_row], k1)
+        m.memo[("conv", k1)] = tuple(t.to(m.rows.device) for t in plan)
+    return m.memo[("conv", k1)]
+
+
+@dataclass
+class _Rows:
+    """One layer's per-row inputs and its slice of the pool, shared by the shape methods."""
+
+    i: int
+    mixed: torch.Tensor  # [T, conv_dim] pre-conv rows
+    a: torch.Tensor
+    b: torch.Tensor
+    g: torch.Tensor | None  # log decays (fp32); None when only the step kernels run
+    beta: torch.Tensor | None
+    tails: torch.Tensor  # the pool's conv tails of this layer [slots, conv_dim, K-1]
+    states: torch.Tensor  # the pool's recurrent states of this layer [slots, Hv, Dk, Dv]
+    conv_w: torch.Tensor
+    core: torch.Tensor | None  # [T, Hv, Dv] the rule's outputs, before the output norm
+
+
+class GatedDeltaNet:
+    """The GDN layers of one model (reads its weights, kernels and config)."""
+
+    def __init__(self, model: Qwen35Model) -> None:
+        self.m = model
+        cfg = model.cfg
+        self.heads = (
+            cfg.linear_num_key_heads,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        )
+
+    def __call__(
+        self,
+        i: int,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        pool: StatePool,
+        records: dict[int, GDNRecord] | None = None,
+    ) -> torch.Tensor:
+        """Layer ``i`` over the batch's rows ``x``; spans marked ``record`` (and graphed
+        windows) leave what a rollback replays in ``records``."""
+        m, cfg, p = self.m, self.m.cfg, f"layers.{i}.linear_attn."
+        T, Hv, Dv = x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        mixed, z, b, a = torch.split(
+            linear(x, m.w[p + "in_proj.weight"]), [cfg.conv_dim, cfg.value_dim, Hv, Hv], dim=-1
+        )
+        norm = (z.view(T, Hv, Dv), m.w[p + "norm.weight"], cfg.rms_norm_eps)
+        d = batch.decode
+        only_decode = d is not None and batch.all_decode is d
+        g = beta = None
+        if not only_decode:  # other rows' paths take the gates as tensors
+            g, beta = gdn_gates(a, b, m.w[p + "A_log"], m.w[p + "dt_bias"])
+        layer = m.state_index[i]
+        rows = _Rows(
+            i,
+            mixed,
+            a,
+            b,
+            g,
+            beta,
+            pool.conv[layer],
+            pool.recurrent[layer],
+            m.w[p + "conv1d.weight"],
+            None if only_decode else torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device),
+        )
+        if d is not None:
+            o = self._decode(rows, batch, norm if only_decode else None)
+            if only_decode:  # the rows in order, output norm applied: straight to out_proj
+                return linear(o.to(x.dtype).view(T, -1), m.w[p + "out_proj.weight"])
+            rows.core[d.rows] = o.to(x.dtype)
+        if batch.windows is not None and batch.windows.span:
+            self._window_span(rows, batch)
+        elif batch.windows is not None:
+            self._windows(rows, batch, records)
+        if batch.multi is not None:
+            self._spans(rows, batch, records)
+        self._trees(rows, batch, records)
+        return linear(m.kernels.gated_rms_norm(rows.core, *norm), m.w[p + "out_proj.weight"])
+
+    def _qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.m.cfg
+        Hk, Hv, Dk, Dv = self.heads
+        n = y.shape[0]
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        return q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk), v.reshape(n, Hv, Dv)
+
+    def _decode(self, r: _Rows, batch: ForwardBatch, norm) -> torch.Tensor:
+        """One row per stream: the step form, batched over streams. The kernels read the rows
+        and compute the gates themselves (no gathers); a new stream starts from zero."""
+        m, d = self.m, batch.decode
+        p = f"layers.{r.i}.linear_attn."
+        y = m.kernels.conv_step_rows(r.mixed, d.rows, r.conv_w, r.tails, d.slots, d.fresh)
+        return m.kernels.gdn_decode_gates(
+            *self._qkv(y),
+            r.a,
+            r.b,
+            d.rows,
+            m.w[p + "A_log"],
+            m.w[p + "dt_bias"],
+            d.slots,
+            d.fresh,
+            r.states,
+            norm=norm,
+        )
+
+    def _window_span(self, r: _Rows, batch: ForwardBatch) -> None:
+        """A continued chunk addressed by a slot tensor (graph-capturable)."""
+        wd, dev = batch.windows, r.mixed.device
+        rows, L = wd.rows[0], wd.rows.shape[1]
+        y, tail = causal_conv(r.mixed[rows], r.tails.index_select(0, wd.slots)[0], r.conv_w)
+        r.tails.index_copy_(0, wd.slots, tail[None])
+        o = self.m.kernels.gdn_spans(
+            *self._qkv(y),
+            r.g[rows],
+            r.beta[rows],
+            torch.arange(0, 2 * L, L, dtype=torch.int32, device=dev),
+            wd.slots,
+            torch.zeros(1, dtype=torch.bool, device=dev),
+            r.states,
+            torch.tensor([0, L], dtype=torch.int32),
+        )
+        r.core[rows] = o.to(r.core.dtype)
+
+    def _windows(self, r: _Rows, batch: ForwardBatch, records: dict[int, GDNRecord] | None) -> None:
+        """Verify windows as W batched one-row steps (graph-capturable), with the decode
+        step's own kernels, so that a window equals one-row steps."""
+        m, wd = self.m, batch.windows
+        n, W = wd.rows.shape
+        if records is not None:
+            self._record_windows(r, wd, records)
+        kept = torch.zeros(n, dtype=torch.bool, device=r.mixed.device)  # no window is fresh
+        p = f"layers.{r.i}.linear_attn."
+        for t in range(W):
+            col = wd.columns[t]
+            y = m.kernels.conv_step_rows(r.mixed, col, r.conv_w, r.tails, wd.slots, kept)
+            o = m.kernels.gdn_decode_gates(
+                *self._qkv(y),
+                r.a,
+                r.b,
+                col,
+                m.w[p + "A_log"],
+                m.w[p + "dt_bias"],
+                wd.slots,
+                kept,
+                r.states,
+            )
+            r.core[col] = o.to(r.core.dtype)
+
+    def _record_windows(self, r: _Rows, wd, records: dict[int, GDNRecord]) -> None:
+        """What a rollback replays, per window: into the shared buffers (graphs), kept as
+        views, or as gathered copies."""
+        n, W = wd.rows.shape
+        flat = wd.rows.reshape(-1)
+        tail0, state0 = r.tails[wd.slots], r.states[wd.slots]  # gathers: copies
+        mixed_w, g_w, beta_w = (t[flat].view(n, W, -1) for t in (r.mixed, r.g, r.beta))
+        buf = wd.records
+        if buf is not None:
+            li = self.m.state_index[r.i]
+            parts = (
+                buf.tail[li, :n],
+                buf.state[li, :n],
+                buf.mixed[li, :n, :W],
+                buf.g[li, :n, :W],
+                buf.beta[li, :n, :W],
+            )
+            for dst, src in zip(parts, (tail0, state0, mixed_w, g_w, beta_w), strict=True):
+                dst.copy_(src)
+            tail0, state0, mixed_w, g_w, beta_w = parts
+        for j in range(n):
+            records[j].layers[r.i] = (tail0[j], state0[j], mixed_w[j], g_w[j], beta_w[j])
+
+    def _spans(self, r: _Rows, batch: ForwardBatch, records: dict[int, GDNRecord] | None) -> None:
+        """Multi-row spans: the conv (of all of them in one pass when several), then one
+        varlen recurrence."""
+        m = batch.multi
+        if len(batch.multi_row) > 1:
+            init = torch.where(m.fresh[:, None, None], 0.0, r.tails.index_select(0, m.slots))
+            for j, s in enumerate(batch.multi_row):
+                if s.record:
+                    state = (
+                        torch.zeros_like(r.states[s.slot])
+                        if s.start == 0
+                        else r.states[s.slot].clone()
+                    )
+                    records[s.slot].layers[r.i] = (
+                        init[j],
+                        state,
+                        r.mixed[s.begin : s.end],
+                        r.g[s.begin : s.end],
+                        r.beta[s.begin : s.end],
+                    )
+            y, new_tails = causal_conv_spans(
+                r.mixed[m.rows], init, r.conv_w, _conv_plan(batch, init.shape[-1])
+            )
+            r.tails.index_copy_(0, m.slots, new_tails.to(r.tails.dtype))
+        else:
+            s = batch.multi_row[0]
+            fresh = s.start == 0
+            tail = torch.zeros_like(r.tails[s.slot]) if fresh else r.tails[s.slot]
+            if s.record:
+                tail = tail.clone()
+                state = torch.zeros_like(r.states[s.slot]) if fresh else r.states[s.slot].clone()
+                records[s.slot].layers[r.i] = (
+                    tail,
+                    state,
+                    r.mixed[s.begin : s.end],
+                    r.g[s.begin : s.end],
+                    r.beta[s.begin : s.end],
+                )
+            y, r.tails[s.slot] = causal_conv(r.mixed[s.begin : s.end], tail, r.conv_w)
+        o = self.m.kernels.gdn_spans(
+            *self._qkv(y),
+            r.g[m.rows],
+            r.beta[m.rows],
+            m.cu_seqlens,
+            m.slots,
+            m.fresh,
+            r.states,
+            m.cu_seqlens_cpu,
+        )
+        r.core[m.rows] = o.to(r.core.dtype)
+
+    def _trees(self, r: _Rows, batch: ForwardBatch, records: dict[int, GDNRecord] | None) -> None:
+        """Token trees, one by one: every node continues from its parent's tail and state."""
+        for s in batch.trees:
+            fresh = s.start == 0
+            o, node_states, node_tails = tree_gated_delta(
+                r.mixed[s.begin : s.end],
+                r.g[s.begin : s.end],
+                r.beta[s.begin : s.end],
+                s.parents,
+                torch.zeros_like(r.tails[s.slot]) if fresh else r.tails[s.slot],
+                torch.zeros_like(r.states[s.slot]) if fresh else r.states[s.slot],
+                r.conv_w,
+                self.m.cfg,
+            )
+            r.core[s.begin : s.end] = o.to(r.core.dtype)
+            if records is not None and s.slot in records:
+                records[s.slot].tree[r.i] = (node_states, node_tails)

@@ -1,0 +1,149 @@
+"""Qwen3.5's weight-loading pipeline: checkpoint tensors to the weights the forward reads.
+
+Projections that read the same input are stacked into one weight (one matmul instead of two to
+four), quantized weights are unpacked once where the reference path gains from it, and every
+weight is put in the form the kernels consume and handed to ``place`` (the arena's copy, or the
+arena plan's record) as soon as it is final. The pipeline runs on meta stand-ins too, to plan the
+arena, so it depends only on shapes and dtypes, never on values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+
+import torch
+
+from headstart.models.qwen35.config import ModelConfig
+from headstart.models.qwen35.weights import Weight
+from headstart.quant import QuantizedTensor
+
+__all__ = ["EMBED", "FUSED", "UNPACK_BYTES", "Convert", "consume", "fuse_layer", "unpack_fits"]
+
+
+FUSED = {  # fused weight -> the checkpoint's projections it stacks along the output dimension
+    "linear_attn.in_proj.weight": (
+        "linear_attn.in_proj_qkv.weight",
+        "linear_attn.in_proj_z.weight",
+        "linear_attn.in_proj_b.weight",
+        "linear_attn.in_proj_a.weight",
+    ),
+    "self_attn.qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def _stack(parts: list[Weight]) -> Weight:
+    if all(isinstance(t, torch.Tensor) for t in parts):
+        return torch.cat(parts, dim=0)
+    first = parts[0]
+    assert all(
+        isinstance(t, QuantizedTensor) and t.bits == first.bits and t.group_size == first.group_size
+        for t in parts
+    )
+    return QuantizedTensor(
+        torch.cat([t.packed for t in parts]),
+        torch.cat([t.scales for t in parts]),
+        torch.cat([t.biases for t in parts]),
+        first.bits,
+        first.group_size,
+    )
+
+
+Convert = Callable[[str, Weight], Weight]
+
+
+def _as_is(name: str, t: Weight) -> Weight:
+    return t
+
+
+def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = _as_is) -> None:
+    """Stack layer ``i``'s projections that read the same input into one weight each (one
+    matmul instead of two to four: fewer, larger kernels). Parts that cannot be stacked
+    (quantized with different bits or groups, or quantized next to unquantized) are stacked
+    after dequantizing the odd ones out, never silently changed in precision otherwise.
+
+    In place: the parts are popped (and passed through ``convert`` with their names) and the
+    stack is stored under the fused name."""
+    p = f"layers.{i}."
+    for fused, parts in FUSED.items():
+        if p + parts[0] not in weights:
+            continue
+        tensors = [convert(p + name, weights.pop(p + name)) for name in parts]
+        kinds = {
+            (t.bits, t.group_size) if isinstance(t, QuantizedTensor) else None for t in tensors
+        }
+        if len(kinds) > 1:  # mixed: bring every part to full precision
+            dtype = (
+                next(t.dtype for t in tensors if isinstance(t, torch.Tensor))
+                if any(isinstance(t, torch.Tensor) for t in tensors)
+                else torch.float32
+            )
+            tensors = [
+                t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t for t in tensors
+            ]
+        weights[p + fused] = _stack(tensors)
+
+
+# Unpacking per call costs the reference path most of a small model's step (the embedded default
+# decodes several times faster unpacked); a large model keeps its memory saving instead.
+UNPACK_BYTES = 1 << 30
+
+
+EMBED = "embed_tokens.weight"
+
+
+def unpack_fits(weights: Mapping[str, Weight], dtype: torch.dtype, budget: int) -> bool:
+    """Whether the quantized linear weights of ``weights`` all fit ``budget`` bytes unpacked to
+    ``dtype`` (the embedding table does not count: it stays packed, its rows are unpacked as
+    they are looked up). Reads only shapes, so meta stand-ins do."""
+    packed = [t for k, t in weights.items() if isinstance(t, QuantizedTensor) and k != EMBED]
+    size = torch.tensor([], dtype=dtype).element_size()
+    return bool(packed) and sum(t.shape[0] * t.shape[1] for t in packed) * size <= budget
+
+
+def consume(
+    weights: MutableMapping[str, Weight],
+    cfg: ModelConfig,
+    kernels,
+    dtype: torch.dtype,
+    unpack: bool,
+    unpack_bytes: int,
+    place: Callable[[str, Weight], Weight],
+) -> tuple[dict[str, Weight], Weight]:
+    """The pipeline: every weight popped from ``weights`` (unpacked to ``dtype`` when
+    ``unpack``: the reference path's small models), fused layer by layer, prepared for
+    ``kernels`` (the embedding table stays as loaded: rows are looked up), and handed to
+    ``place``. Returns (name -> weight, head); a tied head is its own prepared copy of the
+    embedding table, or the table itself where preparing changes nothing."""
+
+    def convert(k: str, t: Weight) -> Weight:
+        return (
+            t.dequantize(dtype) if unpack and k != EMBED and isinstance(t, QuantizedTensor) else t
+        )
+
+    w: dict[str, Weight] = {}
+
+    def take(keys: list[str]) -> None:
+        for k in keys:  # each original is dropped once its placed form exists
+            t = convert(k, weights.pop(k))
+            w[k] = place(k, t if k == EMBED else kernels.prepare(t))
+
+    for i in range(cfg.num_hidden_layers):
+        fuse_layer(weights, i, convert)
+        take([k for k in weights if k.startswith(f"layers.{i}.")])
+    take(list(weights))
+    if not cfg.tie_word_embeddings:
+        return w, w["lm_head.weight"]
+    head = kernels.prepare(w[EMBED])
+    if (
+        kernels.name == "reference"
+        and isinstance(head, QuantizedTensor)
+        and unpack_fits({"head": head}, dtype, unpack_bytes)
+    ):
+        # A tied head shares the packed embedding table; unpack a copy under the same rule.
+        head = head.dequantize(dtype)
+    return w, place("head", head)

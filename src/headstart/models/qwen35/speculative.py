@@ -1,0 +1,253 @@
+"""Qwen3.5's speculative-decoding state surgery and the reference ops of token trees.
+
+After a verify window the slot must hold the state after the last accepted row. Attention KV rows
+need nothing for a chain (rows past the kept ones are never read and are overwritten next); the
+GDN state cannot be rewound, so a window runs *recorded*: :class:`GDNRecord` keeps each layer's
+inputs (initial conv tail and state, pre-conv rows, gates), and :func:`rollback` replays the kept
+rows from them. Graphed windows record into the shared :class:`WindowRecords` and roll back with
+:func:`rollback_window` (no host work, so it can be captured). Token trees run through
+:func:`tree_gated_delta` and :func:`attend_tree` (every node continues from its parent), and
+:func:`commit_tree` keeps the accepted path's state and KV rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from headstart.models.qwen35.config import ModelConfig
+from headstart.ops.conv.reference import causal_conv, causal_conv_step
+from headstart.ops.gated_delta.reference import (
+    chunked_gated_delta,
+    gated_delta_step,
+    recurrent_gated_delta,
+)
+from headstart.state import StatePool
+
+if TYPE_CHECKING:
+    from headstart.models.qwen35.model import Qwen35Model
+
+__all__ = [
+    "GDNRecord",
+    "WindowRecords",
+    "ancestry",
+    "attend_tree",
+    "commit_tree",
+    "rollback",
+    "rollback_window",
+    "tree_gated_delta",
+]
+
+
+@dataclass
+class GDNRecord:
+    """One span's GDN inputs per layer: (initial tail, initial state, pre-conv rows, g, beta)."""
+
+    layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # Tree windows instead: per layer, every node's (state [N,Hv,Dk,Dv], tail [N,C,K-1]).
+    tree: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def ancestry(parents: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: row i may see row j iff j is i or one of its ancestors."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        seen[i] |= seen[parents[i]]
+    return seen
+
+
+def attend_tree(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, start: int, sees: torch.Tensor
+) -> torch.Tensor:
+    """q: [N, nh, hd] tree rows; k_rows, v_rows: [nkv, start+N, hd]; sees: [N, N] ancestry."""
+    N, nh, hd = q.shape
+    nkv = k_rows.shape[0]
+    group = nh // nkv
+    qh = q.transpose(0, 1).reshape(nkv, group * N, hd)
+    scores = (qh @ k_rows.transpose(1, 2)).float() * hd**-0.5  # [nkv, group*N, start+N]
+    allowed = torch.cat([torch.ones(N, start, dtype=torch.bool), sees], dim=1).to(q.device)
+    probs = scores.masked_fill(~allowed.repeat(group, 1), float("-inf")).softmax(-1)
+    out = (probs.to(v_rows.dtype) @ v_rows).reshape(nh, N, hd).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+def tree_gated_delta(
+    mixed: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: Sequence[int],
+    tail: torch.Tensor,
+    state: torch.Tensor,
+    conv_w: torch.Tensor,
+    cfg: ModelConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDN over a token tree: every node continues from its parent's conv tail and state.
+
+    mixed: [N, C] pre-conv rows; tail: [C, K-1] and state: [Hv, Dk, Dv] of the committed prefix.
+    Returns (o [N, Hv, Dv], node states [N, Hv, Dk, Dv] fp32, node tails [N, C, K-1])."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    N = mixed.shape[0]
+    out = torch.empty(N, Hv, Dv, dtype=torch.float32, device=mixed.device)
+    states = torch.empty((N,) + tuple(state.shape), dtype=torch.float32, device=mixed.device)
+    tails = torch.empty((N,) + tuple(tail.shape), dtype=tail.dtype, device=mixed.device)
+    for i in range(N):
+        p = parents[i]
+        before_tail = tail if p < 0 else tails[p]
+        before_state = state if p < 0 else states[p]
+        y, tails[i] = causal_conv_step(mixed[i : i + 1], before_tail[None], conv_w)
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        o, new_state = gated_delta_step(
+            q.view(1, Hk, Dk),
+            k.view(1, Hk, Dk),
+            v.view(1, Hv, Dv),
+            g[i : i + 1],
+            beta[i : i + 1],
+            before_state[None].float(),
+        )
+        out[i], states[i] = o[0], new_state[0]
+    return out, states, tails
+
+
+@dataclass
+class WindowRecords:
+    """Where graphed verify windows leave what a rollback replays (see :func:`rollback`):
+    per GDN layer and window (stream index), the conv tail and recurrent state before the window
+    and the window's pre-conv rows, log decays and betas. Allocated once and shared by every
+    window graph: per-graph outputs of this size would multiply the state pool's memory by the
+    number of graphs."""
+
+    tail: torch.Tensor  # [linear layers, n, conv_dim, K-1]
+    state: torch.Tensor  # [linear layers, n, Hv, Dk, Dv] fp32
+    mixed: torch.Tensor  # [linear layers, n, W, conv_dim]
+    g: torch.Tensor  # [linear layers, n, W, Hv] fp32
+    beta: torch.Tensor  # [linear layers, n, W, Hv]
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        streams: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> WindowRecords:
+        L, Hv = len(cfg.linear_layers), cfg.linear_num_value_heads
+        return cls(
+            tail=torch.zeros(
+                L, streams, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device
+            ),
+            state=torch.zeros(
+                L,
+                streams,
+                Hv,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                dtype=torch.float32,
+                device=device,
+            ),
+            mixed=torch.zeros(L, streams, width, cfg.conv_dim, dtype=dtype, device=device),
+            g=torch.zeros(L, streams, width, Hv, dtype=torch.float32, device=device),
+            beta=torch.zeros(L, streams, width, Hv, dtype=dtype, device=device),
+        )
+
+
+@torch.no_grad()
+def commit_tree(
+    model: Qwen35Model,
+    pool: StatePool,
+    slot: int,
+    start: int,
+    record: GDNRecord,
+    path: Sequence[int],
+) -> None:
+    """After a tree window: make the slot hold the state after the accepted ``path`` (row
+    indices from the root): that node's GDN state and conv tail, and the path's KV rows
+    moved to consecutive positions ``start ..``."""
+    node = path[-1]
+    for i, (states, tails) in record.tree.items():
+        layer = model.state_index[i]
+        pool.recurrent[layer, slot] = states[node]
+        pool.conv[layer, slot] = tails[node]
+    idx = torch.tensor([start + p for p in path], device=pool.keys.device)
+    n = len(path)
+    pool.keys[:, slot, :, start : start + n] = pool.keys[:, slot, :, idx].clone()
+    pool.values[:, slot, :, start : start + n] = pool.values[:, slot, :, idx].clone()
+
+
+@torch.no_grad()
+def rollback(model: Qwen35Model, pool: StatePool, slot: int, record: GDNRecord, keep: int) -> None:
+    """Set the slot's GDN state to what it was after the first ``keep`` rows of the recorded
+    span, by replaying the recurrence over those rows from the recorded initial state.
+
+    Attention KV rows need nothing: rows past the kept ones are simply never read (the next
+    chunk starts at their position and overwrites them)."""
+    cfg = model.cfg
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    for i, (tail, state, mixed, g, beta) in record.layers.items():
+        layer = model.state_index[i]
+        conv_w = model.w[f"layers.{i}.linear_attn.conv1d.weight"]
+        y, pool.conv[layer, slot] = causal_conv(mixed[:keep], tail, conv_w)
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        rule = recurrent_gated_delta if keep == 1 else chunked_gated_delta
+        _, pool.recurrent[layer, slot] = rule(
+            q.reshape(keep, Hk, Dk),
+            k.reshape(keep, Hk, Dk),
+            v.reshape(keep, Hv, Dv),
+            g[:keep],
+            beta[:keep],
+            state,
+        )
+
+
+@torch.no_grad()
+def rollback_window(
+    model: Qwen35Model,
+    pool: StatePool,
+    slot: torch.Tensor,
+    records: WindowRecords,
+    window: torch.Tensor,
+    keep: int,
+) -> None:
+    """:func:`rollback` for a window recorded into shared buffers by a graphed window batch
+    (``records``, window index ``window`` [1]), with ``slot`` [1] a tensor: no host work,
+    so it can be captured. Replays the kept rows through the kernels' span recurrence."""
+    cfg = model.cfg
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    dev = pool.conv.device
+    cu = torch.tensor([0, keep], dtype=torch.int32)  # host copy: the reference kernels
+    # [0, keep] made on the device (a copy from the host cannot be captured).
+    cu_dev = torch.arange(0, 2 * keep, keep, dtype=torch.int32, device=dev)
+    kept = torch.zeros(1, dtype=torch.bool, device=dev)
+    for i in cfg.linear_layers:
+        li = model.state_index[i]
+
+        def pick(t: torch.Tensor, li: int = li) -> torch.Tensor:
+            return t[li].index_select(0, window)[0]
+
+        y, tail = causal_conv(
+            pick(records.mixed)[:keep],
+            pick(records.tail),
+            model.w[f"layers.{i}.linear_attn.conv1d.weight"],
+        )
+        pool.conv[li].index_copy_(0, slot, tail[None])
+        pool.recurrent[li].index_copy_(0, slot, records.state[li].index_select(0, window))
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        model.kernels.gdn_spans(
+            q.reshape(keep, Hk, Dk),
+            k.reshape(keep, Hk, Dk),
+            v.reshape(keep, Hv, Dv),
+            pick(records.g)[:keep],
+            pick(records.beta)[:keep],
+            cu_dev,
+            slot,
+            kept,
+            pool.recurrent[li],
+            cu,
+        )
