@@ -27,7 +27,10 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - held until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "headstart", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
 
     def wait_ready(self, timeout: float = 60) -> ServerProcess:
         deadline = time.monotonic() + timeout

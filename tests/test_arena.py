@@ -7,10 +7,10 @@ import re
 from dataclasses import replace
 
 import pytest
+import tiny
 import torch
 from safetensors.torch import load_file, save_file
 
-import tiny
 from headstart.arena import (
     ALIGN,
     ArenaMismatch,
@@ -23,20 +23,25 @@ from headstart.arena import (
     to_meta,
 )
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.config import load_config
 from headstart.errors import CheckpointError
 from headstart.kernels import REFERENCE
-from headstart.model import Qwen35Model
+from headstart.models.qwen35.config import load_config
+from headstart.models.qwen35.model import Qwen35Model
+from headstart.models.qwen35.weights import LazyWeights, load_weights, stand_ins
 from headstart.ops.quant_matmul import triton as quant_matmul
 from headstart.ops.quant_matmul.triton import PreparedQuant
 from headstart.quant import QuantizedTensor, quantize
-from headstart.weights import LazyWeights, load_weights, stand_ins
 
 # --- the arena itself -------------------------------------------------------------------------
 
-SLOTS = [Slot("a", (3,), torch.int8), Slot("b", (5, 3), torch.float32), Slot("c", (0, 4),
-         torch.float32), Slot("d", (7,), torch.bfloat16), Slot("e", (2, 2), torch.int64),
-         Slot("f", (1,), torch.bool)]
+SLOTS = [
+    Slot("a", (3,), torch.int8),
+    Slot("b", (5, 3), torch.float32),
+    Slot("c", (0, 4), torch.float32),
+    Slot("d", (7,), torch.bfloat16),
+    Slot("e", (2, 2), torch.int64),
+    Slot("f", (1,), torch.bool),
+]
 
 
 def test_layout_aligns_every_slot():
@@ -78,8 +83,11 @@ def test_fill_copies_and_checks_against_the_plan():
     assert isinstance(placed, QuantizedTensor) and (placed.bits, placed.group_size) == (4, 32)
     for field, t in leaves(placed):
         assert arena.holds(t) and torch.equal(t, getattr(qt, field))
-    with pytest.raises(ArenaMismatch, match=r"'t' is float64 \(4, 2\), the arena planned "
-                                            r"float32 \(4, 2\)"):
+    with pytest.raises(
+        ArenaMismatch,
+        match=r"'t' is float64 \(4, 2\), the arena planned "
+        r"float32 \(4, 2\)",
+    ):
         arena.fill("t", torch.zeros(4, 2, dtype=torch.float64))
     with pytest.raises(ArenaMismatch, match="'t' is float32 \\(2, 4\\)"):
         arena.fill("t", torch.zeros(2, 4))
@@ -109,13 +117,17 @@ def test_leaves_and_rebuild_keep_non_tensor_fields():
 
 # --- the GPU prepare on meta tensors ----------------------------------------------------------
 
-@pytest.mark.parametrize("bits,group,shape", [
-    (4, 64, (300, 320)),  # mma, rows padded to the tile, an odd number of chunks
-    (4, 128, (130, 384)),  # mma, groups of two chunks
-    (4, 32, (96, 64)),  # tiled
-    (8, 64, (70, 128)),
-    (2, 32, (40, 96)),
-])
+
+@pytest.mark.parametrize(
+    "bits,group,shape",
+    [
+        (4, 64, (300, 320)),  # mma, rows padded to the tile, an odd number of chunks
+        (4, 128, (130, 384)),  # mma, groups of two chunks
+        (4, 32, (96, 64)),  # tiled
+        (8, 64, (70, 128)),
+        (2, 32, (40, 96)),
+    ],
+)
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_quant_prepare_on_meta_matches_a_real_run(bits, group, shape, scale_dtype):
     qt = quantize(torch.randn(*shape), bits, group, scale_dtype)
@@ -129,6 +141,7 @@ def test_quant_prepare_on_meta_matches_a_real_run(bits, group, shape, scale_dtyp
 
 
 # --- the model in its arena -------------------------------------------------------------------
+
 
 def logits(model: Qwen35Model) -> torch.Tensor:
     """A 9-token prefill (all rows' logits) then three decode steps."""
@@ -188,15 +201,24 @@ def ckpts(tmp_path_factory):
     out = {}
     for tied in (False, True):
         ref = tiny.causal_lm(seed=4, tie_word_embeddings=tied)
-        out["float-tied" if tied else "float"] = tiny.save_text_only(
-            ref, root / f"float-{tied}")
+        out["float-tied" if tied else "float"] = tiny.save_text_only(ref, root / f"float-{tied}")
         deq, packed = tiny.dequantized_copy(ref, 4, 32)
         out["q4-tied" if tied else "q4"] = tiny.save_mlx(deq, packed, root / f"q4-{tied}", 4, 32)
     return out
 
 
-@pytest.mark.parametrize("name,unpack", [("float", 0), ("float-tied", 0), ("q4", 0),
-                                         ("q4", 1 << 30), ("q4-tied", 0), ("q4-tied", 1 << 30)])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,unpack",
+    [
+        ("float", 0),
+        ("float-tied", 0),
+        ("q4", 0),
+        ("q4", 1 << 30),
+        ("q4-tied", 0),
+        ("q4-tied", 1 << 30),
+    ],
+)
 def test_arena_model_is_bit_identical(ckpts, name, unpack):
     plain = realigned(Qwen35Model.load(ckpts[name], unpack_bytes=unpack, arena=False))
     model = Qwen35Model.load(ckpts[name], unpack_bytes=unpack)
@@ -229,13 +251,17 @@ def test_planned_slots_are_what_the_real_run_made(ckpts):
 
 def test_a_real_run_that_differs_from_the_plan_fails_clearly(ckpts):
     """A prepare whose result depends on more than shapes and dtypes breaks the plan."""
+
     def prepare(w):
         if isinstance(w, torch.Tensor) and w.ndim == 2 and not w.is_meta:
             return w[:-1]
         return w
 
-    with pytest.raises(ArenaMismatch, match=r"'layers\.0\.[a-z_.]+' is float32 .* the arena "
-                                            r"planned float32"):
+    with pytest.raises(
+        ArenaMismatch,
+        match=r"'layers\.0\.[a-z_.]+' is float32 .* the arena "
+        r"planned float32",
+    ):
         Qwen35Model.load(ckpts["float"], kernels=replace(REFERENCE, prepare=prepare))
     Qwen35Model.load(ckpts["float"], kernels=replace(REFERENCE, prepare=prepare), arena=False)
 
@@ -270,6 +296,7 @@ def test_gpu_prepare_through_the_arena(tmp_path, group, tied):
             assert (got.layout, got.block_n, got.n, got.k) == (v.layout, v.block_n, v.n, v.k)
 
 
+@pytest.mark.slow
 def test_a_model_from_a_dict_goes_into_an_arena_too(ckpts):
     """Tests and benchmarks build models from plain dicts, including already fused ones."""
     cfg = load_config(ckpts["float-tied"])
@@ -284,6 +311,7 @@ def test_a_model_from_a_dict_goes_into_an_arena_too(ckpts):
     assert torch.equal(logits(again), logits(model))
 
 
+@pytest.mark.slow
 def test_the_default_model_loads_into_an_arena():
     from headstart.loading import default_model_dir
 
@@ -295,10 +323,11 @@ def test_the_default_model_loads_into_an_arena():
 
 # --- lazy loading -----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def reads(monkeypatch):
     """Names of the stored tensors read from files, in order."""
-    from headstart import weights
+    from headstart.models.qwen35 import weights
 
     log: list[str] = []
     real = weights._Source.read
@@ -323,8 +352,9 @@ def test_lazy_weights_read_only_what_is_taken(ckpts, reads):
     metas = stand_ins(lazy)
     assert reads == []
     for k, v in eager.items():  # meta stand-ins from headers alone are what a read gives
-        assert [(f, t.shape, t.dtype) for f, t in leaves(v)] == \
-            [(f, t.shape, t.dtype) for f, t in leaves(metas[k])], k
+        assert [(f, t.shape, t.dtype) for f, t in leaves(v)] == [
+            (f, t.shape, t.dtype) for f, t in leaves(metas[k])
+        ], k
         assert all(t.is_meta for _, t in leaves(metas[k]))
     q = lazy.pop("layers.0.mlp.up_proj.weight")
     assert len(reads) == 3 and reads[0].endswith("up_proj.weight")  # words, scales, biases
@@ -366,6 +396,7 @@ def test_loading_streams_layer_by_layer(ckpts, reads, monkeypatch):
             assert index(event) <= done + 1, event
 
 
+@pytest.mark.slow
 def test_lazy_and_eager_models_are_equal(ckpts):
     for name in ("float", "q4-tied"):
         ckpt = ckpts[name]
@@ -388,22 +419,47 @@ def _rewrite(src, dst, change):
     return d
 
 
-@pytest.mark.parametrize("ckpt,change,match", [
-    ("float", lambda t: t.__setitem__("model.layers.1.linear_attn.dt_bias", torch.zeros(3)),
-     r"'layers\.1\.linear_attn\.dt_bias' has shape \(3,\)"),
-    ("float", lambda t: t.__setitem__("model.norm.weight", torch.zeros(64, dtype=torch.int32)),
-     r"'norm\.weight' has non-float dtype torch\.int32"),
-    ("float", lambda t: t.pop("model.layers.3.mlp.up_proj.weight"),
-     r"'layers\.3\.mlp\.up_proj\.weight' is missing"),
-    ("q4", lambda t: t.__setitem__("language_model.model.layers.0.mlp.up_proj.scales",
-                                   torch.zeros(96, 3)),
-     r"'layers\.0\.mlp\.up_proj\.scales' is torch\.float32 \(96, 3\), expected float \(96, 2\)"),
-    ("q4", lambda t: t.pop("language_model.model.layers.2.mlp.down_proj.biases"),
-     r"'layers\.2\.mlp\.down_proj' has scales but no biases"),
-    ("q4", lambda t: t.__setitem__("language_model.model.layers.2.mlp.down_proj.weight",
-                                   torch.zeros(64, 12, dtype=torch.int16)),
-     r"'layers\.2\.mlp\.down_proj\.weight' is torch\.int16 \(64, 12\), expected uint32"),
-])
+@pytest.mark.parametrize(
+    "ckpt,change,match",
+    [
+        (
+            "float",
+            lambda t: t.__setitem__("model.layers.1.linear_attn.dt_bias", torch.zeros(3)),
+            r"'layers\.1\.linear_attn\.dt_bias' has shape \(3,\)",
+        ),
+        (
+            "float",
+            lambda t: t.__setitem__("model.norm.weight", torch.zeros(64, dtype=torch.int32)),
+            r"'norm\.weight' has non-float dtype torch\.int32",
+        ),
+        (
+            "float",
+            lambda t: t.pop("model.layers.3.mlp.up_proj.weight"),
+            r"'layers\.3\.mlp\.up_proj\.weight' is missing",
+        ),
+        (
+            "q4",
+            lambda t: t.__setitem__(
+                "language_model.model.layers.0.mlp.up_proj.scales", torch.zeros(96, 3)
+            ),
+            r"'layers\.0\.mlp\.up_proj\.scales' is torch\.float32 \(96, 3\), "
+            r"expected float \(96, 2\)",
+        ),
+        (
+            "q4",
+            lambda t: t.pop("language_model.model.layers.2.mlp.down_proj.biases"),
+            r"'layers\.2\.mlp\.down_proj' has scales but no biases",
+        ),
+        (
+            "q4",
+            lambda t: t.__setitem__(
+                "language_model.model.layers.2.mlp.down_proj.weight",
+                torch.zeros(64, 12, dtype=torch.int16),
+            ),
+            r"'layers\.2\.mlp\.down_proj\.weight' is torch\.int16 \(64, 12\), expected uint32",
+        ),
+    ],
+)
 def test_bad_checkpoints_fail_before_any_read(ckpts, tmp_path, reads, ckpt, change, match):
     d = _rewrite(ckpts[ckpt], tmp_path / "bad", change)
     reads.clear()
@@ -421,6 +477,9 @@ def test_a_file_damaged_after_the_check_fails_naming_the_tensor(ckpts, tmp_path)
     lazy = load_weights(d, load_config(d), lazy=True)
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read tensor "
-                                              r"'model\.layers\.0\.[a-z_.]+'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: cannot read tensor "
+        r"'model\.layers\.0\.[a-z_.]+'",
+    ):
         lazy.pop("layers.0.input_layernorm.weight")

@@ -59,21 +59,24 @@ def test_key_with_inner_whitespace_refused_without_echoing_it(tmp_path):
     assert "secret" not in str(info.value)
 
 
-@pytest.mark.parametrize("header, ok", [
-    ("Bearer sk-good", True),
-    ("bearer sk-good", True),  # the scheme is case-insensitive (RFC 7235)
-    ("Bearer   sk-good  ", True),
-    ("Bearer sk-bad", False),
-    ("Bearer sk-goo", False),  # a prefix is not a match
-    ("Bearer sk-good2", False),
-    (None, False),
-    ("", False),
-    ("Bearer", False),
-    ("Bearer ", False),
-    ("Basic sk-good", False),
-    ("sk-good", False),
-    ("Token sk-good", False),
-])
+@pytest.mark.parametrize(
+    "header, ok",
+    [
+        ("Bearer sk-good", True),
+        ("bearer sk-good", True),  # the scheme is case-insensitive (RFC 7235)
+        ("Bearer   sk-good  ", True),
+        ("Bearer sk-bad", False),
+        ("Bearer sk-goo", False),  # a prefix is not a match
+        ("Bearer sk-good2", False),
+        (None, False),
+        ("", False),
+        ("Bearer", False),
+        ("Bearer ", False),
+        ("Basic sk-good", False),
+        ("sk-good", False),
+        ("Token sk-good", False),
+    ],
+)
 def test_check(tmp_path, header, ok):
     keys = ApiKeys(key_file(tmp_path, "sk-good\nsk-other\n"))
     assert keys.check(header) is ok

@@ -27,6 +27,7 @@ QUICK = ["--streams", "1", "2", "--bursts", "2", "--max-tokens", "6", "--no-prog
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def bench(*args: str) -> int:
     return cli.main(["bench", *args])
 
@@ -35,8 +36,10 @@ def rewrite_manifest(receipt: Path) -> None:
     """Make the manifest agree with the files again, as a careful forger would."""
     m = json.loads((receipt / "manifest.json").read_text())
     for name in m["files"]:
-        m["files"][name] = {"sha256": sha256_file(receipt / name),
-                            "bytes": (receipt / name).stat().st_size}
+        m["files"][name] = {
+            "sha256": sha256_file(receipt / name),
+            "bytes": (receipt / name).stat().st_size,
+        }
     n = len(R.from_json((receipt / "requests.json").read_text()))
     m["rows"] = {"requests.csv": n, "requests.json": n}
     (receipt / "manifest.json").write_text(json.dumps(m))
@@ -58,6 +61,7 @@ def problems(receipt: Path) -> str:
 
 # ----------------------------------------------------------------------------- real headstart
 
+
 @pytest.fixture(scope="module")
 def receipt(tmp_path_factory) -> Path:
     """Two arms serving the embedded model: a command arm (fresh process per order) and a
@@ -68,41 +72,68 @@ def receipt(tmp_path_factory) -> Path:
     srv = ServerProcess("--parallel", "4", "--context", "256").wait_ready()
     out = tmp / "receipt"
     try:
-        rc = bench("--arm", f"cmd=cmd:{sys.executable} -m headstart serve --port {{port}} "
-                   "--parallel 4 --context 256", "--arm", f"url={srv.url}",
-                   "--builtin", "chat", "--prompts", str(prompts), "--prompt-id", "chat-hello",
-                   "--prompt-id", "raw", *QUICK, "--out", str(out))
+        rc = bench(
+            "--arm",
+            f"cmd=cmd:{sys.executable} -m headstart serve --port {{port}} "
+            "--parallel 4 --context 256",
+            "--arm",
+            f"url={srv.url}",
+            "--builtin",
+            "chat",
+            "--prompts",
+            str(prompts),
+            "--prompt-id",
+            "chat-hello",
+            "--prompt-id",
+            "raw",
+            *QUICK,
+            "--out",
+            str(out),
+        )
     finally:
         srv.stop()
     assert rc == 0, (out / "table.txt").read_text() if out.exists() else "no receipt"
     return out
 
 
+@pytest.mark.slow
 def test_receipt_layout_and_rows(receipt):
-    for name in ("manifest.json", "config.json", "env.json", "requests.csv", "requests.json",
-                 "outputs.json", "summary.json", "table.txt", "ttft.png",
-                 "logs/cmd-o0.log", "logs/cmd-o1.log"):
+    for name in (
+        "manifest.json",
+        "config.json",
+        "env.json",
+        "requests.csv",
+        "requests.json",
+        "outputs.json",
+        "summary.json",
+        "table.txt",
+        "ttft.png",
+        "logs/cmd-o0.log",
+        "logs/cmd-o1.log",
+    ):
         assert (receipt / name).is_file(), name
     rows = R.from_json((receipt / "requests.json").read_text())
     assert rows == R.from_csv((receipt / "requests.csv").read_text())
     # 2 arms x 2 orders x 2 prompts x (1 cold + 2 rounds x (1 + 2 streams))
     assert len(rows) == 2 * 2 * 2 * 7
     assert {r["phase"] for r in rows} == {"cold", "primed", "steady"}
-    assert all(r["completion_tokens"] == 6 and r["status"] == 200 and not r["error"]
-               for r in rows)
+    assert all(r["completion_tokens"] == 6 and r["status"] == 200 and not r["error"] for r in rows)
     assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in rows)
     # A repeat of a prompt is served from the prompt cache and the server says so.
     assert any(r["cached_tokens"] for r in rows if r["phase"] == "steady")
     config = json.loads((receipt / "config.json").read_text())
     assert config["order_list"] == [["cmd", "url"], ["url", "cmd"]] and config["salted"]
-    assert [launch["exit_status"] for launch in config["launches"] if launch["arm"] == "cmd"] \
-        == [0, 0]
+    assert [launch["exit_status"] for launch in config["launches"] if launch["arm"] == "cmd"] == [
+        0,
+        0,
+    ]
     env = json.loads((receipt / "env.json").read_text())
     assert env["models"]["cmd"]["files"]["model.safetensors"]  # the embedded default model
     assert len(env["client"]["sha256"]) == 64 and env["packages"]["headstart"]
     assert "--arm" in config["argv"]
 
 
+@pytest.mark.slow
 def test_check_passes_and_arms_agree(receipt, capsys):
     report = verify(receipt)
     assert report.rows == 56
@@ -119,6 +150,7 @@ def copy(receipt, tmp_path) -> Path:
     return Path(shutil.copytree(receipt, tmp_path / "copy"))
 
 
+@pytest.mark.slow
 def test_check_fails_on_an_edited_csv_number(copy, capsys):
     lines = (copy / "requests.csv").read_text().splitlines()
     cells = lines[5].split(",")
@@ -132,6 +164,7 @@ def test_check_fails_on_an_edited_csv_number(copy, capsys):
     assert "FAILED" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_removed_row_even_with_a_fixed_manifest(copy):
     edit_rows(copy, lambda rows: rows[:10] + rows[11:])
     found = problems(copy)
@@ -140,6 +173,7 @@ def test_check_fails_on_a_removed_row_even_with_a_fixed_manifest(copy):
         verify(copy)
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_consistently_edited_timestamp(copy):
     def slower(rows):
         rows[3]["t_done"] += 5.0
@@ -150,6 +184,7 @@ def test_check_fails_on_a_consistently_edited_timestamp(copy):
     assert "summary.json does not match the rows" in problems(copy)
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_derived_field_edit(copy):
     def edit(rows):
         rows[2]["ttft_s"] /= 2
@@ -159,15 +194,19 @@ def test_check_fails_on_a_derived_field_edit(copy):
     assert "derived field does not match" in problems(copy)
 
 
+@pytest.mark.slow
 def test_check_fails_on_an_edited_summary(copy):
     s = json.loads((copy / "summary.json").read_text())
     s["groups"][0]["metrics"]["ttft_s"]["median"] *= 0.5
     (copy / "summary.json").write_text(json.dumps(s))
     rewrite_manifest(copy)
-    assert "summary.json does not match the rows: summary.groups[0].metrics.ttft_s.median" \
+    assert (
+        "summary.json does not match the rows: summary.groups[0].metrics.ttft_s.median"
         in problems(copy)
+    )
 
 
+@pytest.mark.slow
 def test_check_fails_when_an_output_differs(copy):
     def edit(rows):
         rows[-1]["fingerprint"] = "0" * 16
@@ -177,12 +216,14 @@ def test_check_fails_when_an_output_differs(copy):
     assert "outputs disagree" in problems(copy)
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_missing_file(copy):
     (copy / "requests.json").unlink()
     assert "requests.json: listed in manifest.json but missing" in problems(copy)
 
 
 # ----------------------------------------------------------------------------- a fake server
+
 
 class FakeOpenAI(BaseHTTPRequestHandler):
     """Streams ``max_tokens`` one-word deltas of a fixed reply, then usage and [DONE];
@@ -229,11 +270,26 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         for i in range(req["max_tokens"]):
             time.sleep(0.002)
             word = f" {self.reply}{i}"
-            send({"choices": [{"index": 0, "delta": {"content": word}} if chat else
-                              {"index": 0, "text": word}]})
-        send({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens":
-                                       req["max_tokens"], "total_tokens": 10 + req["max_tokens"],
-                                       "prompt_tokens_details": {"cached_tokens": cached}}})
+            send(
+                {
+                    "choices": [
+                        {"index": 0, "delta": {"content": word}}
+                        if chat
+                        else {"index": 0, "text": word}
+                    ]
+                }
+            )
+        send(
+            {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 10,
+                    "completion_tokens": req["max_tokens"],
+                    "total_tokens": 10 + req["max_tokens"],
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        )
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -254,9 +310,28 @@ def fake_servers() -> Iterator[list[str]]:
 def test_bench_against_a_fake_openai_server(fake_servers, tmp_path, capsys):
     a, b, _ = fake_servers
     out = tmp_path / "fake"
-    assert bench("--arm", f"a={a}", "--arm", f"b={b}", "--prompt-id", "code-sql",
-                 "--no-plot", "--max-tokens", "5", "--streams", "1", "3", "--bursts", "2",
-                 "--no-progress", "--out", str(out)) == 0
+    assert (
+        bench(
+            "--arm",
+            f"a={a}",
+            "--arm",
+            f"b={b}",
+            "--prompt-id",
+            "code-sql",
+            "--no-plot",
+            "--max-tokens",
+            "5",
+            "--streams",
+            "1",
+            "3",
+            "--bursts",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert table.splitlines()[-1].startswith("steady") and "100%" in table
     rows = R.from_json((out / "requests.json").read_text())
@@ -271,15 +346,36 @@ def test_bench_against_a_fake_openai_server(fake_servers, tmp_path, capsys):
 def test_bench_fails_loudly_when_arms_disagree(fake_servers, tmp_path, capsys):
     a, _, c = fake_servers
     out = tmp_path / "disagree"
-    assert bench("--arm", f"a={a}", "--arm", f"c={c}", "--prompt-id", "chat-hello",
-                 "--no-plot", "--max-tokens", "3", "--streams", "2", "--bursts", "1",
-                 "--orders", "1", "--no-progress", "--out", str(out)) == 1
+    assert (
+        bench(
+            "--arm",
+            f"a={a}",
+            "--arm",
+            f"c={c}",
+            "--prompt-id",
+            "chat-hello",
+            "--no-plot",
+            "--max-tokens",
+            "3",
+            "--streams",
+            "2",
+            "--bursts",
+            "1",
+            "--orders",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "outputs disagree" in err and "arm 'c'" in err
     assert bench("check", str(out)) == 1
 
 
 # ----------------------------------------------------------------------------- pure parts
+
 
 def test_arm_parsing_and_orders():
     assert parse_arm("x=http://h:1/", 0).url == "http://h:1"
@@ -292,23 +388,47 @@ def test_arm_parsing_and_orders():
 
 
 def test_csv_round_trip_is_exact():
-    row = dict.fromkeys(R.FIELDS) | {"arm": "a,b \"q\"", "order": 0, "slot": 0,
-                                         "prompt_id": "p", "phase": "cold", "streams": 1,
-                                         "rep": 0, "stream": 0, "request_sha": "x",
-                                         "t_send": 0.1 + 0.2, "n_deltas": 0,
-                                         "finish_reason": "", "fingerprint": "f",
-                                         "status": 200, "error": "line\nbreak"}
+    row = dict.fromkeys(R.FIELDS) | {
+        "arm": 'a,b "q"',
+        "order": 0,
+        "slot": 0,
+        "prompt_id": "p",
+        "phase": "cold",
+        "streams": 1,
+        "rep": 0,
+        "stream": 0,
+        "request_sha": "x",
+        "t_send": 0.1 + 0.2,
+        "n_deltas": 0,
+        "finish_reason": "",
+        "fingerprint": "f",
+        "status": 200,
+        "error": "line\nbreak",
+    }
     assert R.from_csv(R.to_csv([row])) == [row] == R.from_json(R.to_json([row]))
 
 
 def test_ratios_are_per_order_and_geometric():
     """Arm b is 2x slower than a in order 0 and 8x in order 1 (say, drift): balanced 4x."""
+
     def row(arm, order, ttft):
-        r = dict.fromkeys(R.FIELDS) | {"arm": arm, "order": order, "slot": 0,
-                                           "prompt_id": "p", "phase": "cold", "streams": 1,
-                                           "rep": 0, "stream": 0, "request_sha": "s",
-                                           "t_send": 0.0, "t_first": ttft, "t_done": ttft,
-                                           "n_deltas": 1, "fingerprint": "f", "error": ""}
+        r = dict.fromkeys(R.FIELDS) | {
+            "arm": arm,
+            "order": order,
+            "slot": 0,
+            "prompt_id": "p",
+            "phase": "cold",
+            "streams": 1,
+            "rep": 0,
+            "stream": 0,
+            "request_sha": "s",
+            "t_send": 0.0,
+            "t_first": ttft,
+            "t_done": ttft,
+            "n_deltas": 1,
+            "fingerprint": "f",
+            "error": "",
+        }
         return r | R.derive(r)
 
     rows = [row("a", 0, 1.0), row("b", 0, 2.0), row("a", 1, 1.0), row("b", 1, 8.0)]
@@ -339,11 +459,24 @@ def test_prompt_files(tmp_path):
     )
 
     f = tmp_path / "p.json"
-    f.write_text(json.dumps({"prompts": [
-        "just a string", [{"role": "user", "content": "a list"}],
-        {"id": "conv", "messages": [{"role": "system", "content": "s"},
-                                    {"role": "user", "content": "u"}]},
-        {"id": "text", "prompt": "def f("}]}))
+    f.write_text(
+        json.dumps(
+            {
+                "prompts": [
+                    "just a string",
+                    [{"role": "user", "content": "a list"}],
+                    {
+                        "id": "conv",
+                        "messages": [
+                            {"role": "system", "content": "s"},
+                            {"role": "user", "content": "u"},
+                        ],
+                    },
+                    {"id": "text", "prompt": "def f("},
+                ]
+            }
+        )
+    )
     ps = load_prompt_file(f)
     assert [p.id for p in ps] == ["p-0", "p-1", "conv", "text"]
     assert [p.endpoint for p in ps] == [CHAT, CHAT, CHAT, COMPLETIONS]

@@ -6,12 +6,12 @@ import json
 import shutil
 
 import pytest
+import tiny
 import torch
 from safetensors.torch import load_file, save_file
 
-import tiny
 from headstart.errors import CheckpointError
-from headstart.model import Qwen35Model
+from headstart.models.qwen35.model import Qwen35Model
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_sharded_checkpoint_with_index(good, tmp_path):
     for i, part in enumerate((names[:half], names[half:])):
         fname = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file({n: tensors[n] for n in part}, d / fname)
-        weight_map.update({n: fname for n in part})
+        weight_map.update(dict.fromkeys(part, fname))
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     sharded = Qwen35Model.load(d)
     single = Qwen35Model.load(good)

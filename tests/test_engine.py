@@ -7,7 +7,6 @@ from engine_helpers import Collector
 
 from headstart.engine.config import EngineConfig, GraphConfig, SchedulingConfig
 from headstart.engine.engine import (
-    Engine,
     EngineRequest,
     Failed,
     Finish,
@@ -26,30 +25,46 @@ def loaded():
 
 
 @pytest.fixture
-def engine(loaded):
-    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids,
-               EngineConfig(4, 256, max_queue=32, scheduling=SchedulingConfig(16, 40)))
-    e.start()
-    yield e
-    e.stop()
+def engine(loaded, engines):
+    return engines(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        EngineConfig(4, 256, max_queue=32, scheduling=SchedulingConfig(16, 40)),
+    )
 
 
 def alone(loaded, ids, params):
-    return [e.token_id for e in generate(loaded.model, loaded.tokenizer, ids, params,
-                                         loaded.eos_token_ids) if isinstance(e, Piece)]
+    return [
+        e.token_id
+        for e in generate(loaded.model, loaded.tokenizer, ids, params, loaded.eos_token_ids)
+        if isinstance(e, Piece)
+    ]
 
 
-PROMPTS = ["def f(x):", "import sys\nprint(", "class A:\n    pass\n" * 3, "x", "# a comment",
-           "for i in range(10):", "while True:", "return None" * 5]
+PROMPTS = [
+    "def f(x):",
+    "import sys\nprint(",
+    "class A:\n    pass\n" * 3,
+    "x",
+    "# a comment",
+    "for i in range(10):",
+    "while True:",
+    "return None" * 5,
+]
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_alone(loaded, engine):
     """More requests than slots, mixed prompt lengths, greedy and seeded sampling."""
     cases = []
     for i in range(12):
         ids = loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + str(i))
-        params = (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True) if i % 2 else
-                  SamplingParams(temperature=0.9, top_k=50, seed=i, max_tokens=8, ignore_eos=True))
+        params = (
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+            if i % 2
+            else SamplingParams(temperature=0.9, top_k=50, seed=i, max_tokens=8, ignore_eos=True)
+        )
         cases.append((ids, params, Collector()))
     for i, (ids, params, c) in enumerate(cases):
         engine.submit(EngineRequest(f"r{i}", ids, params, params.max_tokens, c))
@@ -60,6 +75,7 @@ def test_concurrent_requests_equal_alone(loaded, engine):
     assert wait_idle(engine) and engine.stats()["free_slots"] == 4
 
 
+@pytest.mark.slow  # ~15 s on an idle 2-core machine: its busy-wait starves the engine of the GIL
 def test_abort_frees_the_slot_and_sends_nothing_more(loaded, engine):
     ids = loaded.tokenizer.encode("def g():")
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -71,7 +87,9 @@ def test_abort_frees_the_slot_and_sends_nothing_more(loaded, engine):
     for i in range(4):
         engine.abort(f"hog{i}")
     quick = Collector()
-    engine.submit(EngineRequest("quick", ids, SamplingParams(temperature=0, max_tokens=3), 3, quick))
+    engine.submit(
+        EngineRequest("quick", ids, SamplingParams(temperature=0, max_tokens=3), 3, quick)
+    )
     assert quick.done.wait(30)
     assert wait_idle(engine)
     assert engine.stats()["free_slots"] == 4
@@ -129,21 +147,24 @@ def test_a_request_that_cannot_start_fails_alone(loaded, engine, monkeypatch):
     assert wait_idle(engine) and engine.stats()["free_slots"] == 4
 
 
-def test_warm_up_paths_run_and_leave_no_trace(loaded):
+@pytest.mark.slow
+def test_warm_up_paths_run_and_leave_no_trace(loaded, engines):
     """The GPU start-up warm-up (eager paths on a scratch slot) runs on any device, and a
     request afterwards answers exactly as on a fresh engine."""
-    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids,
-               EngineConfig(2, 256, graphs=GraphConfig(enabled=False)))
+    e = engines(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        EngineConfig(2, 256, graphs=GraphConfig(enabled=False)),
+        start=False,
+    )
     e.runner.warm_eager(scratch=1)
     e.start()
-    try:
-        ids = loaded.tokenizer.encode("def warm():")
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        c = Collector()
-        e.submit(EngineRequest("w", ids, params, 6, c))
-        assert c.done.wait(30) and c.tokens == alone(loaded, ids, params)
-    finally:
-        e.stop()
+    ids = loaded.tokenizer.encode("def warm():")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    c = Collector()
+    e.submit(EngineRequest("w", ids, params, 6, c))
+    assert c.done.wait(30) and c.tokens == alone(loaded, ids, params)
 
 
 def test_queued_drafter_features_keep_the_newest_window():
@@ -215,14 +236,17 @@ def test_a_row_whose_output_breaks_mid_stream_fails_alone(loaded, engine, monkey
     assert wait_idle(engine) and engine.stats()["free_slots"] == 4
 
 
+@pytest.mark.slow
 def test_tiny_temperatures_and_huge_top_k_are_taken(loaded, engine):
     """Values the wire allows: a temperature that rounds to 0 in float32 decodes greedily,
     a top_k past the vocabulary keeps every token."""
     ids = loaded.tokenizer.encode("def k():")
     greedy = alone(loaded, ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for params in (SamplingParams(temperature=1e-46, max_tokens=8, ignore_eos=True),
-                   SamplingParams(temperature=9.55e-201, seed=3, max_tokens=8, ignore_eos=True),
-                   SamplingParams(temperature=0, top_k=2**63, max_tokens=8, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=1e-46, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=9.55e-201, seed=3, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, top_k=2**63, max_tokens=8, ignore_eos=True),
+    ):
         c = Collector()
         engine.submit(EngineRequest("t", ids, params, 8, c))
         assert c.done.wait(60) and isinstance(c.finish, Finish), c.events[-1]

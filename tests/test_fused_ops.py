@@ -119,11 +119,15 @@ def test_gdn_decode_gates_reads_rows_and_updates_states(with_norm, monkeypatch):
     states[0] = float("nan")
     want_states = states.clone()
     proj = rand(T, Hv * D + 3, seed=21, scale=2)
-    norm = (proj[:, 3:].view(T, Hv, D), rand(D, seed=22, dtype=torch.float32), 1e-6) \
-        if with_norm else None
+    norm = (
+        (proj[:, 3:].view(T, Hv, D), rand(D, seed=22, dtype=torch.float32), 1e-6)
+        if with_norm
+        else None
+    )
     got = gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states, norm=norm)
-    want = _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, want_states,
-                                 norm=norm)
+    want = _ref_gdn_decode_gates(
+        q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, want_states, norm=norm
+    )
     close(got, want)
     tol = 1e-4 if EXACT else 1.6e-2  # beta rounds toward zero under the interpreter
     torch.testing.assert_close(states, want_states, rtol=tol, atol=tol)
@@ -142,20 +146,27 @@ def test_attn_decode_inputs_writes_kv_and_returns_q():
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, rd, 2, device=DEV).float() / rd))
     pools = [rand(3, nkv, 16, hd, seed=24 + i) for i in range(2)]
     pools += [t.clone() for t in pools]
-    got = gpu_fused.attn_decode_inputs(qkv, rows, nh, nkv, q_scale, k_scale, 1e-6, inv_freq,
-                                       pools[0], pools[1], slots, positions)
-    want = pointwise.attn_decode_inputs(qkv, rows, nh, nkv, q_scale, k_scale, 1e-6, inv_freq,
-                                        pools[2], pools[3], slots, positions)
+    got = gpu_fused.attn_decode_inputs(
+        qkv, rows, nh, nkv, q_scale, k_scale, 1e-6, inv_freq, pools[0], pools[1], slots, positions
+    )
+    want = pointwise.attn_decode_inputs(
+        qkv, rows, nh, nkv, q_scale, k_scale, 1e-6, inv_freq, pools[2], pools[3], slots, positions
+    )
     close(got, want)
     close(pools[0], pools[2])
     assert torch.equal(pools[1], pools[3])  # values are copied, not computed
 
 
-FUSED = replace(REFERENCE, gdn_decode_gates=gdn_decode_gates,
-                add_rms_norm=gpu_fused.add_rms_norm, gated_rms_norm=gpu_fused.gated_rms_norm,
-                silu_mul=gpu_fused.silu_mul, sigmoid_mul=gpu_fused.sigmoid_mul,
-                conv_step_rows=gpu_fused.conv_step_rows,
-                attn_decode_inputs=gpu_fused.attn_decode_inputs)
+FUSED = replace(
+    REFERENCE,
+    gdn_decode_gates=gdn_decode_gates,
+    add_rms_norm=gpu_fused.add_rms_norm,
+    gated_rms_norm=gpu_fused.gated_rms_norm,
+    silu_mul=gpu_fused.silu_mul,
+    sigmoid_mul=gpu_fused.sigmoid_mul,
+    conv_step_rows=gpu_fused.conv_step_rows,
+    attn_decode_inputs=gpu_fused.attn_decode_inputs,
+)
 
 
 def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
@@ -166,10 +177,9 @@ def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
     import tiny
 
     from headstart.batch import ForwardBatch, SeqChunk
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
 
-    ckpt = tiny.save_text_only(tiny.causal_lm(seed=5, linear_value_head_dim=16),
-                               tmp_path / "ckpt")
+    ckpt = tiny.save_text_only(tiny.causal_lm(seed=5, linear_value_head_dim=16), tmp_path / "ckpt")
     exact = Qwen35Model.load(ckpt, dtype=torch.float32, device=DEV, kernels=REFERENCE)
     ref = Qwen35Model.load(ckpt, dtype=BF, device=DEV, kernels=REFERENCE)
     fused = Qwen35Model(ref.cfg, dict(ref.w), BF, DEV, kernels=FUSED)  # consumes its dict
@@ -178,10 +188,13 @@ def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
     pools = [m.new_state_pool(3, 64) for m in models]
     prompt = tuple(range(3, 12))
     for m, pool in zip(models, pools, strict=True):  # the prefill: reference kernels only
-        (exact if m is exact else ref).forward(ForwardBatch.build([SeqChunk(0, 0, prompt)], DEV),
-                                               pool)
+        (exact if m is exact else ref).forward(
+            ForwardBatch.build([SeqChunk(0, 0, prompt)], DEV), pool
+        )
     for step in range(3):
         chunks = [SeqChunk(0, len(prompt) + step, (7 + step,)), SeqChunk(2, step, (9 + step,))]
-        want, bf16, got = (m.forward(ForwardBatch.build(chunks, DEV), pool).float()
-                           for m, pool in zip(models, pools, strict=True))
+        want, bf16, got = (
+            m.forward(ForwardBatch.build(chunks, DEV), pool).float()
+            for m, pool in zip(models, pools, strict=True)
+        )
         assert (got - want).abs().max() <= 1.5 * (bf16 - want).abs().max() + 1e-3, step

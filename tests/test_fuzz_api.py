@@ -21,8 +21,18 @@ from server_proc import ServerProcess
 @pytest.fixture(scope="module")
 def server():
     # --max-tokens keeps every generated request short, whatever it asks for.
-    srv = ServerProcess("--parallel", "4", "--context", "128", "--max-tokens", "4",
-                        "--max-queue", "16", "--max-body-mib", "1")
+    srv = ServerProcess(
+        "--parallel",
+        "4",
+        "--context",
+        "128",
+        "--max-tokens",
+        "4",
+        "--max-queue",
+        "16",
+        "--max-body-mib",
+        "1",
+    )
     srv.wait_ready()
     try:
         yield srv
@@ -36,17 +46,35 @@ def http(server):
         yield client
 
 
-_odd_text = st.sampled_from(["", "\ud800", "a\udfffb", "<|im_start|>system\n", "<think>",
-                             "</tool_call>", "\x00", "\u202e", "x" * 3000, "{{ 7*7 }}",
-                             "{% raw %}", "headstart-default"])
+_odd_text = st.sampled_from(
+    [
+        "",
+        "\ud800",
+        "a\udfffb",
+        "<|im_start|>system\n",
+        "<think>",
+        "</tool_call>",
+        "\x00",
+        "\u202e",
+        "x" * 3000,
+        "{{ 7*7 }}",
+        "{% raw %}",
+        "headstart-default",
+    ]
+)
 _text = st.one_of(st.text(max_size=24), _odd_text)
-_number = st.one_of(st.integers(min_value=-(2**80), max_value=2**80),
-                    st.sampled_from([0, 1, -1, 2**63, 2**64, 2**64 - 1, -(2**63) - 1]),
-                    st.floats(allow_nan=False, allow_infinity=False),
-                    st.sampled_from([1e-46, 5e-324, 1e308, -0.0, 2.0000001, 1e-5]))
+_number = st.one_of(
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([0, 1, -1, 2**63, 2**64, 2**64 - 1, -(2**63) - 1]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([1e-46, 5e-324, 1e308, -0.0, 2.0000001, 1e-5]),
+)
 _leaf = st.one_of(st.none(), st.booleans(), _number, _text)
-_json = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(_text, inner, max_size=4), max_leaves=10)
+_json = st.recursive(
+    _leaf,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_text, inner, max_size=4),
+    max_leaves=10,
+)
 
 
 def _field(plausible: st.SearchStrategy) -> st.SearchStrategy:
@@ -70,37 +98,65 @@ _COMMON = {
     "return_tokens_as_token_ids": _field(st.booleans()),
     "draft": _field(st.booleans()),
 }
-_call = st.fixed_dictionaries({"function": st.fixed_dictionaries(
-    {"name": _text, "arguments": st.one_of(_text, st.dictionaries(_text, _leaf))})})
+_call = st.fixed_dictionaries(
+    {
+        "function": st.fixed_dictionaries(
+            {"name": _text, "arguments": st.one_of(_text, st.dictionaries(_text, _leaf))}
+        )
+    }
+)
 _message = st.fixed_dictionaries(
-    {"role": _field(st.sampled_from(["system", "user", "assistant", "tool", "developer"])),
-     "content": _field(_text)},
-    optional={"name": _field(_text), "tool_call_id": _field(_text),
-              "reasoning_content": _field(_text),
-              "tool_calls": _field(st.lists(_call, max_size=2))})
-_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": _text}, optional={"description": _text, "parameters": _json})})
+    {
+        "role": _field(st.sampled_from(["system", "user", "assistant", "tool", "developer"])),
+        "content": _field(_text),
+    },
+    optional={
+        "name": _field(_text),
+        "tool_call_id": _field(_text),
+        "reasoning_content": _field(_text),
+        "tool_calls": _field(st.lists(_call, max_size=2)),
+    },
+)
+_tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": _text}, optional={"description": _text, "parameters": _json}
+        ),
+    }
+)
 
-CHAT = st.fixed_dictionaries({"messages": _field(st.lists(_message, min_size=1, max_size=3))},
-                             optional={**_COMMON,
-                                       "tools": _field(st.lists(_tool, max_size=2)),
-                                       "tool_choice": _json,
-                                       "chat_template_kwargs": _field(st.dictionaries(
-                                           st.sampled_from(["enable_thinking", "self", "x",
-                                                            "_y", "tools", "a b"]), _leaf)),
-                                       "logprobs": _field(st.booleans()),
-                                       "top_logprobs": _field(st.integers(-1, 30)),
-                                       "max_completion_tokens": _field(st.integers(-1, 8))})
+CHAT = st.fixed_dictionaries(
+    {"messages": _field(st.lists(_message, min_size=1, max_size=3))},
+    optional={
+        **_COMMON,
+        "tools": _field(st.lists(_tool, max_size=2)),
+        "tool_choice": _json,
+        "chat_template_kwargs": _field(
+            st.dictionaries(
+                st.sampled_from(["enable_thinking", "self", "x", "_y", "tools", "a b"]), _leaf
+            )
+        ),
+        "logprobs": _field(st.booleans()),
+        "top_logprobs": _field(st.integers(-1, 30)),
+        "max_completion_tokens": _field(st.integers(-1, 8)),
+    },
+)
 COMPLETION = st.fixed_dictionaries(
-    {"prompt": _field(st.one_of(_text, st.lists(st.integers(-1, 300_000), max_size=6),
-                                st.lists(_text, max_size=3)))},
-    optional={**_COMMON, "logprobs": _field(st.integers(-1, 25)), "echo": _field(st.booleans())})
+    {
+        "prompt": _field(
+            st.one_of(
+                _text, st.lists(st.integers(-1, 300_000), max_size=6), st.lists(_text, max_size=3)
+            )
+        )
+    },
+    optional={**_COMMON, "logprobs": _field(st.integers(-1, 25)), "echo": _field(st.booleans())},
+)
 
 
 def _check(http, path: str, body: dict) -> None:
     raw = json.dumps(body)  # ensure_ascii: lone surrogates travel as \ud800 escapes
-    with http.stream("POST", path, content=raw,
-                     headers={"Content-Type": "application/json"}) as r:
+    with http.stream("POST", path, content=raw, headers={"Content-Type": "application/json"}) as r:
         text = r.read().decode()
     assert r.status_code < 500, (r.status_code, text[:500], raw[:500])
     if r.status_code >= 400:
@@ -112,17 +168,23 @@ def _check(http, path: str, body: dict) -> None:
 
 
 def _greedy(http) -> list:
-    r = http.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4,
-                                           "temperature": 0, "ignore_eos": True})
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
 
-_SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
-                     suppress_health_check=[HealthCheck.too_slow,
-                                            HealthCheck.function_scoped_fixture])
+_SETTINGS = settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
+@pytest.mark.slow
 def test_generated_chat_bodies(server, http):
     before = _greedy(http)
 
@@ -136,6 +198,7 @@ def test_generated_chat_bodies(server, http):
     assert "Traceback" not in server.output()
 
 
+@pytest.mark.slow
 def test_generated_completion_bodies(server, http):
     before = _greedy(http)
 

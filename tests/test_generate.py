@@ -27,12 +27,14 @@ def run_all(loaded, prompt_ids, params):
 
 def test_default_model_is_a_real_checkpoint(default):
     assert (default_model_dir() / "model.safetensors").exists()
-    text = default.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                 enable_thinking=False)
+    text = default.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], enable_thinking=False
+    )
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert default.eos_token_ids  # from generation_config.json
 
 
+@pytest.mark.slow
 def test_greedy_text_matches_tokens_and_max_tokens(default):
     ids = default.tokenizer.encode("def add(a, b):")
     pieces, finish = run_all(default, ids, SamplingParams(temperature=0, max_tokens=12))
@@ -43,6 +45,7 @@ def test_greedy_text_matches_tokens_and_max_tokens(default):
     assert text == default.tokenizer.decode(tokens)
 
 
+@pytest.mark.slow
 def test_seed_reproducible(default):
     ids = default.tokenizer.encode("import os")
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=123, max_tokens=10)
@@ -55,9 +58,10 @@ def test_stop_string_truncates(default):
     ids = default.tokenizer.encode("class Foo:")
     pieces, finish = run_all(default, ids, SamplingParams(temperature=0, max_tokens=16))
     full = "".join(p.text for p in pieces) + finish.text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
-    pieces, finish = run_all(default, ids, SamplingParams(temperature=0, max_tokens=16,
-                                                          stop=[stop]))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    pieces, finish = run_all(
+        default, ids, SamplingParams(temperature=0, max_tokens=16, stop=[stop])
+    )
     text = "".join(p.text for p in pieces) + finish.text
     assert finish.reason == "stop" and text == full[: full.index(stop)]
 
@@ -65,8 +69,9 @@ def test_stop_string_truncates(default):
 def test_stop_token_ends_without_emitting_it(default):
     ids = default.tokenizer.encode("x = 1")
     first = greedy_tokens(default.model, ids, 3)
-    pieces, finish = run_all(default, ids, SamplingParams(temperature=0, max_tokens=10,
-                                                          stop_token_ids=[first[2]]))
+    pieces, finish = run_all(
+        default, ids, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first[2]])
+    )
     assert [p.token_id for p in pieces] == first[:2] and finish.reason == "stop"
 
 
@@ -80,22 +85,46 @@ def test_logprobs(default):
 
 def test_prompt_over_context_is_refused(default):
     with pytest.raises(ValueError, match="context"):
-        list(generate(default.model, default.tokenizer, [1] * 10, SamplingParams(), (),
-                      max_context=10))
+        list(
+            generate(
+                default.model, default.tokenizer, [1] * 10, SamplingParams(), (), max_context=10
+            )
+        )
     with pytest.raises(ValueError, match="empty"):
         list(generate(default.model, default.tokenizer, [], SamplingParams(), ()))
 
 
+@pytest.mark.slow
 def test_cli_run_streams_a_reply():
-    out = subprocess.run([sys.executable, "-m", "headstart", "run", "Say hi", "--max-tokens", "8",
-                          "--seed", "1", "--no-think"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "headstart",
+            "run",
+            "Say hi",
+            "--max-tokens",
+            "8",
+            "--seed",
+            "1",
+            "--no-think",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "[finish:" in out.stderr
 
 
+@pytest.mark.slow
 def test_cli_bad_model_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "headstart", "run", "--model", str(tmp_path), "x"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "headstart", "run", "--model", str(tmp_path), "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "tokenizer.json" in out.stderr or "config.json" in out.stderr
 

@@ -47,14 +47,23 @@ def gen(seed: int) -> torch.Generator:
 
 # ----------------------------------------------------------------------------- quant_matmul
 
-def make_weight(n: int, k: int, bits: int, group: int, seed: int,
-                scale_dtype: torch.dtype = torch.bfloat16):
+
+def make_weight(
+    n: int, k: int, bits: int, group: int, seed: int, scale_dtype: torch.dtype = torch.bfloat16
+):
     w = torch.randn(n, k, generator=gen(seed), device=DEV) * 0.05
     return quantize(w, bits=bits, group_size=group, scale_dtype=scale_dtype)
 
 
-def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None, block_n: int | None = None,
-              layout: str = "auto", x_dtype: torch.dtype = torch.bfloat16) -> None:
+def check_qmm(
+    qt,
+    m: int,
+    seed: int,
+    config: QmmConfig | None = None,
+    block_n: int | None = None,
+    layout: str = "auto",
+    x_dtype: torch.dtype = torch.bfloat16,
+) -> None:
     p = prepare(qt, config, block_n=block_n, layout=layout)
     n, k = qt.shape
     x = torch.randn(m, k, generator=gen(seed + 1), device=DEV).to(x_dtype)
@@ -70,8 +79,9 @@ def check_qmm(qt, m: int, seed: int, config: QmmConfig | None = None, block_n: i
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n,k,group", [(96, 256, 32), (200, 512, 64), (130, 1024, 128),
-                                       (64, 320, 64)])  # 320: K not a multiple of 8 groups
+@pytest.mark.parametrize(
+    "n,k,group", [(96, 256, 32), (200, 512, 64), (130, 1024, 128), (64, 320, 64)]
+)  # 320: K not a multiple of 8 groups
 def test_quant_matmul_small(n, k, group, m):
     check_qmm(make_weight(n, k, 4, group, seed=n + k + group), m, seed=m)
 
@@ -88,15 +98,16 @@ def test_quant_matmul_more_rows_and_configs(m):
     qt = make_weight(384, 2048, 4, 64, seed=m)
     check_qmm(qt, m, seed=m)
     for layout, bn, cfg in (
-            ("mma", 128, QmmConfig(num_warps=8)),
-            ("mma", 64, QmmConfig(prefetch=False)),
-            ("mma", 256, QmmConfig(num_stages=3)),  # Triton's pipeliner instead of prefetch
-            ("mma", 128, QmmConfig(ctas_per_sm=1)),  # no split-K
-            ("tiled", 32, QmmConfig()),
-            ("tiled", 16, QmmConfig(prefetch=False, num_warps=2)),
-            ("tiled", 64, QmmConfig(num_warps=8, ctas_per_sm=8)),
-            ("tiled", 128, QmmConfig(num_warps=8, prefetch=False)),
-            ("tiled", 32, QmmConfig(use_dot=True))):  # M == 1 through the tensor-core path too
+        ("mma", 128, QmmConfig(num_warps=8)),
+        ("mma", 64, QmmConfig(prefetch=False)),
+        ("mma", 256, QmmConfig(num_stages=3)),  # Triton's pipeliner instead of prefetch
+        ("mma", 128, QmmConfig(ctas_per_sm=1)),  # no split-K
+        ("tiled", 32, QmmConfig()),
+        ("tiled", 16, QmmConfig(prefetch=False, num_warps=2)),
+        ("tiled", 64, QmmConfig(num_warps=8, ctas_per_sm=8)),
+        ("tiled", 128, QmmConfig(num_warps=8, prefetch=False)),
+        ("tiled", 32, QmmConfig(use_dot=True)),
+    ):  # M == 1 through the tensor-core path too
         check_qmm(qt, m, seed=m + 1, config=cfg, block_n=bn, layout=layout)
 
 
@@ -138,6 +149,7 @@ def test_dequantize_prepared_matches_reference(layout):
 
 # ----------------------------------------------------------------------------- GDN decode
 
+
 def gdn_step_inputs(n, Hk, Hv, Dk, Dv, seed):
     g = gen(seed)
     q = torch.randn(n, Hk, Dk, generator=g, device=DEV).to(torch.bfloat16)
@@ -148,8 +160,10 @@ def gdn_step_inputs(n, Hk, Hv, Dk, Dv, seed):
     return q, k, v, decay, beta
 
 
-@pytest.mark.parametrize("n,Hk,Hv,Dk,Dv", [(3, 2, 4, 32, 64), (1, 16, 48, 128, 128),
-                                           (16, 16, 48, 128, 128), (5, 16, 16, 128, 128)])
+@pytest.mark.parametrize(
+    "n,Hk,Hv,Dk,Dv",
+    [(3, 2, 4, 32, 64), (1, 16, 48, 128, 128), (16, 16, 48, 128, 128), (5, 16, 16, 128, 128)],
+)
 def test_gdn_decode(n, Hk, Hv, Dk, Dv):
     slots_total = n + 3
     pool = torch.randn(slots_total, Hv, Dk, Dv, generator=gen(n), device=DEV)
@@ -173,8 +187,9 @@ def test_gdn_decode(n, Hk, Hv, Dk, Dv):
     mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1)
     qv, kv, vv = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=1)
     pool2 = before.clone()
-    o16 = gdn_decode(qv.view(n, Hk, Dk), kv.view(n, Hk, Dk), vv.view(n, Hv, Dv), decay, beta,
-                     slots, fresh, pool2)
+    o16 = gdn_decode(
+        qv.view(n, Hk, Dk), kv.view(n, Hk, Dk), vv.view(n, Hv, Dv), decay, beta, slots, fresh, pool2
+    )
     assert o16.dtype == torch.bfloat16
     assert rel_err(o16, o_ref) <= 5e-3
     assert rel_err(pool2[slots], s_ref) <= 1e-4
@@ -182,10 +197,16 @@ def test_gdn_decode(n, Hk, Hv, Dk, Dv):
 
 # ----------------------------------------------------------------------------- GDN prefill
 
-@pytest.mark.parametrize("lens,Hk,Hv,D,first_fresh", [([1, 37, 64, 130], 2, 4, 64, True),
-                                                      ([5, 200], 16, 48, 128, True),
-                                                      ([300], 16, 16, 128, True),
-                                                      ([31], 2, 4, 64, False)])
+
+@pytest.mark.parametrize(
+    "lens,Hk,Hv,D,first_fresh",
+    [
+        ([1, 37, 64, 130], 2, 4, 64, True),
+        ([5, 200], 16, 48, 128, True),
+        ([300], 16, 16, 128, True),
+        ([31], 2, 4, 64, False),
+    ],
+)
 def test_gdn_prefill_varlen(lens, Hk, Hv, D, first_fresh):
     """Several spans (FLA's varlen form) and one span (its plain form), fresh or continued."""
     pytest.importorskip("fla")
@@ -218,26 +239,31 @@ def test_gdn_prefill_varlen(lens, Hk, Hv, D, first_fresh):
 
 # ----------------------------------------------------------------------------- attention
 
-@pytest.mark.parametrize("nh,nkv,hd,max_tokens,lens", [
-    (8, 2, 64, 300, [1, 77, 300]),
-    (24, 4, 256, 32768, [1, 5000, 32768]),
-    (16, 4, 128, 4096, [63, 64, 65, 4095]),
-])
+
+@pytest.mark.parametrize(
+    "nh,nkv,hd,max_tokens,lens",
+    [
+        (8, 2, 64, 300, [1, 77, 300]),
+        (24, 4, 256, 32768, [1, 5000, 32768]),
+        (16, 4, 128, 4096, [63, 64, 65, 4095]),
+    ],
+)
 @pytest.mark.parametrize("splits", [None, 1, 64])
 def test_decode_attention(nh, nkv, hd, max_tokens, lens, splits):
     n = len(lens)
     g = gen(hd + n)
     slots_total = n + 1
     keys = torch.randn(slots_total, nkv, max_tokens, hd, generator=g, device=DEV).to(torch.bfloat16)
-    values = torch.randn(slots_total, nkv, max_tokens, hd, generator=g,
-                         device=DEV).to(torch.bfloat16)
+    values = torch.randn(slots_total, nkv, max_tokens, hd, generator=g, device=DEV).to(
+        torch.bfloat16
+    )
     q = torch.randn(n, nh, hd, generator=g, device=DEV).to(torch.bfloat16)
     slots = torch.arange(n, device=DEV).flip(0) + 1
     lengths = torch.tensor(lens, device=DEV, dtype=torch.int32)
     ref = attend_decode(q.float(), keys[slots].float(), values[slots].float(), lengths)
     for i, s in enumerate(slots.tolist()):  # rows past the length must never be read
-        keys[s, :, lens[i]:] = float("nan")
-        values[s, :, lens[i]:] = float("nan")
+        keys[s, :, lens[i] :] = float("nan")
+        values[s, :, lens[i] :] = float("nan")
     out = decode_attention(q, keys, values, slots, lengths, num_splits=splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
@@ -256,8 +282,9 @@ def test_masked_prompt_attention(nh, nkv, hd, lens):
     q = torch.randn(T, nh, hd, generator=g, device=DEV).to(torch.bfloat16)
     k = torch.randn(T, nkv, hd, generator=g, device=DEV).to(torch.bfloat16)
     v = torch.randn(T, nkv, hd, generator=g, device=DEV).to(torch.bfloat16)
-    seg = torch.repeat_interleave(torch.arange(len(lens), device=DEV),
-                                  torch.tensor(lens, device=DEV))
+    seg = torch.repeat_interleave(
+        torch.arange(len(lens), device=DEV), torch.tensor(lens, device=DEV)
+    )
     pos = torch.cat([torch.arange(n, device=DEV) for n in lens])
     mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
     out = gpu_kernels().attn_masked(q, k, v, mask)

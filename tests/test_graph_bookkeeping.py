@@ -5,13 +5,15 @@ the graphs would capture, eagerly; the capture itself is checked on the GPU
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import pytest
 import tiny
 import torch
 from engine_helpers import Collector
 
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -20,7 +22,8 @@ from headstart.engine.config import (
     SpecConfig,
 )
 from headstart.engine.cuda_graph import PrefillGraphs
-from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
+from headstart.engine.engine import EngineRequest, Finish, wait_idle
+from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.sampling import SamplingParams
 
 
@@ -48,8 +51,9 @@ def test_prefill_graph_leaves_the_slot_as_an_eager_prefill(target):
     for n, slot in ((24, 1), (7, 0), (2, 2)):
         tokens = torch.randint(5, 150, (n,), generator=gen).tolist()
         out = graphs.run(tokens, slot)
-        ref = target.forward_ex(ForwardBatch.build([SeqChunk(slot, 0, tokens, 1)]), eager_pool,
-                                (0, 2))
+        ref = target.forward_ex(
+            ForwardBatch.build([SeqChunk(slot, 0, tokens, 1)]), eager_pool, (0, 2)
+        )
         assert torch.equal(out.logits, ref.logits) and torch.equal(out.taps, ref.taps)
         assert torch.equal(graph_pool.conv[:, slot], eager_pool.conv[:, slot])
         assert torch.equal(graph_pool.recurrent[:, slot], eager_pool.recurrent[:, slot])
@@ -59,8 +63,10 @@ def test_prefill_graph_leaves_the_slot_as_an_eager_prefill(target):
     assert torch.equal(graph_pool.recurrent[:, :3].isnan(), eager_pool.recurrent[:, :3].isnan())
 
 
-PROMPTS = [[(11 * i + 5 * j) % 150 + 5 for j in range(n)] for i, n in
-           enumerate([3, 9, 17, 30, 5, 41, 12, 2, 1, 24])]
+PROMPTS = [
+    [(11 * i + 5 * j) % 150 + 5 for j in range(n)]
+    for i, n in enumerate([3, 9, 17, 30, 5, 41, 12, 2, 1, 24])
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -78,8 +84,10 @@ def run_all(engine, prompts=PROMPTS):
 
 def counting(engine):
     counts = {"prefill": 0, "decode": 0}
-    for name, obj in (("prefill", engine.runner.prefill_graphs),
-                      ("decode", engine.runner.decode_graphs)):
+    for name, obj in (
+        ("prefill", engine.runner.prefill_graphs),
+        ("decode", engine.runner.decode_graphs),
+    ):
         real = obj.run
 
         def run(*a, _real=real, _name=name, **k):
@@ -90,52 +98,62 @@ def counting(engine):
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_drafter", [False, True])
 @pytest.mark.parametrize("cache", [0, 1 << 24])
-def test_engine_with_graph_paths_equals_eager(target, tokenizer, with_drafter, cache):
+def test_engine_with_graph_paths_equals_eager(target, tokenizer, engines, with_drafter, cache):
     """The same requests, greedy, through an engine that replays (emulated) graphs for decode
     steps and fresh prefills, and through one that never does: the same tokens. Prompts of 1
     to 41 tokens (chunks of 16) cover fresh chunks inside and outside the captured lengths,
     several fresh prefills in one step, and prefills next to decode rows."""
+
     def make(graphs):
         drafter = DFlashDrafter.load(target.drafter_dir, target) if with_drafter else None
-        config = EngineConfig(4, 128, scheduling=SchedulingConfig(16, 48),
-                              cache=CacheConfig(bytes=cache),
-                              graphs=GraphConfig(enabled=graphs, capture=False, prefill_tokens=20))
-        e = Engine(target, tokenizer, (), config, drafter=drafter)
-        e.start()
-        return e
+        config = EngineConfig(
+            4,
+            128,
+            scheduling=SchedulingConfig(16, 48),
+            cache=CacheConfig(bytes=cache),
+            graphs=GraphConfig(enabled=graphs, capture=False, prefill_tokens=20),
+        )
+        return engines(target, tokenizer, (), config, drafter=drafter)
 
     plain = make(False)
-    try:
-        expected = run_all(plain)
-    finally:
-        plain.stop()
+    expected = run_all(plain)
     e = make(True)
     counts = counting(e)
-    try:
-        assert run_all(e) == expected
-        assert e.stats()["free_slots"] == 4
-        if cache:  # the second time every prompt is a cache hit
-            assert run_all(e) == expected and e.stats()["cache_hits"] >= len(PROMPTS)
-    finally:
-        e.stop()
+    assert run_all(e) == expected
+    assert e.stats()["free_slots"] == 4
+    if cache:  # the second time every prompt is a cache hit
+        assert run_all(e) == expected and e.stats()["cache_hits"] >= len(PROMPTS)
     assert counts["prefill"] > 0
     if not with_drafter:  # with a drafter, decode steps are verify windows (eager)
         assert counts["decode"] > 0
 
 
-def emulated(target, tokenizer, drafter=None, *, num_slots: int = 4, context: int = 128,
-             spec: SpecConfig | None = None, cache: CacheConfig | None = None, **graphs):
-    """A started engine whose graphs run with capture off (prefill graphs up to 20 tokens);
-    ``graphs``: further GraphConfig fields."""
-    config = EngineConfig(num_slots, context, scheduling=SchedulingConfig(16, 48),
-                          cache=cache or CacheConfig(), spec=spec or SpecConfig(),
-                          graphs=GraphConfig(enabled=True, capture=False, prefill_tokens=20,
-                                             **graphs))
-    e = Engine(target, tokenizer, (), config, drafter=drafter)
-    e.start()
-    return e
+def emulated(
+    engines,
+    target,
+    tokenizer,
+    drafter=None,
+    *,
+    num_slots: int = 4,
+    context: int = 128,
+    spec: SpecConfig | None = None,
+    cache: CacheConfig | None = None,
+    **graphs,
+):
+    """A started engine from the ``engines`` fixture whose graphs run with capture off (prefill
+    graphs up to 20 tokens); ``graphs``: further GraphConfig fields."""
+    config = EngineConfig(
+        num_slots,
+        context,
+        scheduling=SchedulingConfig(16, 48),
+        cache=cache or CacheConfig(),
+        spec=spec or SpecConfig(),
+        graphs=GraphConfig(enabled=True, capture=False, prefill_tokens=20, **graphs),
+    )
+    return engines(target, tokenizer, (), config, drafter=drafter)
 
 
 def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
@@ -146,16 +164,23 @@ def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
     prompts = [torch.randint(5, 150, (n,), generator=gen).tolist() for n in (5, 9, 13)]
     pools = [target.new_state_pool(4, 64) for _ in range(2)]
     for pool in pools:
-        target.forward(ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]),
-                       pool)
+        target.forward(ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]), pool)
     W = 4
     windows = [torch.randint(5, 150, (W,), generator=gen).tolist() for _ in prompts]
     starts = [len(p) for p in prompts]
-    spans = target.forward_ex(ForwardBatch.build(
-        [SeqChunk(s, starts[s], w, W, record=True) for s, w in enumerate(windows)]),
-        pools[0], (0, 2))
-    batch = ForwardBatch.windows_of(torch.tensor(sum(windows, [])), torch.tensor([0, 1, 2]),
-                                    torch.tensor(starts), W)
+    spans = target.forward_ex(
+        ForwardBatch.build(
+            [SeqChunk(s, starts[s], w, W, record=True) for s, w in enumerate(windows)]
+        ),
+        pools[0],
+        (0, 2),
+    )
+    batch = ForwardBatch.windows_of(
+        torch.tensor(functools.reduce(operator.iadd, windows, [])),
+        torch.tensor([0, 1, 2]),
+        torch.tensor(starts),
+        W,
+    )
     win = target.forward_ex(batch, pools[1], (0, 2))
     torch.testing.assert_close(win.logits, spans.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(win.taps, spans.taps, atol=1e-4, rtol=1e-4)
@@ -165,8 +190,10 @@ def test_window_batch_equals_recorded_spans_and_rolls_back_the_same(target):
             target.rollback(pools[1], s, win.records[s], keep)
         for a, b in ((pools[0].recurrent, pools[1].recurrent), (pools[0].conv, pools[1].conv)):
             torch.testing.assert_close(b[:, s], a[:, s], atol=1e-5, rtol=1e-4)
-        steps = [target.forward(ForwardBatch.build([SeqChunk(s, starts[s] + keep, (7,))]), p)
-                 for p in pools]
+        steps = [
+            target.forward(ForwardBatch.build([SeqChunk(s, starts[s] + keep, (7,))]), p)
+            for p in pools
+        ]
         torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=1e-4)
 
 
@@ -181,38 +208,47 @@ def count_runs(graphs, calls: dict, key: str) -> None:
     graphs.run = run
 
 
-def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer):
+@pytest.mark.slow
+def test_engine_with_window_graphs_equals_plain_greedy(target, tokenizer, engines):
     """Proposals, chain verify windows and rollbacks replayed from (emulated) graphs, several
     streams at once and windows of different widths padded to one: greedy output equals
     decoding without a drafter, and every graph path was taken."""
+
     def make(drafter, **kw):
-        return emulated(target, tokenizer, drafter, spec=SpecConfig(mode="chain"), **kw)
+        return emulated(engines, target, tokenizer, drafter, spec=SpecConfig(mode="chain"), **kw)
 
     plain = make(None)
-    try:
-        expected = run_all(plain)
-    finally:
-        plain.stop()
+    expected = run_all(plain)
     e = make(DFlashDrafter.load(target.drafter_dir, target), windows=True)
     calls = {"windows": 0, "drafts": 0, "rollbacks": 0}
-    for key, graphs in (("windows", e.runner.window_graphs), ("drafts", e.spec.graphs),
-                        ("rollbacks", e.runner.rollback_graphs)):
+    for key, graphs in (
+        ("windows", e.runner.window_graphs),
+        ("drafts", e.spec.graphs),
+        ("rollbacks", e.runner.rollback_graphs),
+    ):
         count_runs(graphs, calls, key)
-    try:
-        assert run_all(e) == expected
-        assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
-    finally:
-        e.stop()
+    assert run_all(e) == expected
+    assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
     assert calls["windows"] > 0 and calls["drafts"] > 0 and calls["rollbacks"] > 0
 
 
-def test_window_graphs_at_the_context_edge(target, tokenizer):
+@pytest.mark.slow
+def test_window_graphs_at_the_context_edge(target, tokenizer, engines):
     """A stream whose last windows end at the context's end, next to a stream with wider
     windows: padding it to their width would write past the pool, so that step runs eagerly;
     greedy output still equals decoding without a drafter."""
+
     def make(drafter, **kw):
-        return emulated(target, tokenizer, drafter, num_slots=2, context=40,
-                        spec=SpecConfig(mode="chain"), **kw)
+        return emulated(
+            engines,
+            target,
+            tokenizer,
+            drafter,
+            num_slots=2,
+            context=40,
+            spec=SpecConfig(mode="chain"),
+            **kw,
+        )
 
     cases = [(PROMPTS[5][:24], 16), (PROMPTS[1][:6], 30)]  # ends at 40 (the context), and 36
 
@@ -228,15 +264,9 @@ def test_window_graphs_at_the_context_edge(target, tokenizer):
         return [c.tokens for c in cs]
 
     plain = make(None)
-    try:
-        expected = run(plain)
-    finally:
-        plain.stop()
+    expected = run(plain)
     e = make(DFlashDrafter.load(target.drafter_dir, target), windows=True)
-    try:
-        assert run(e) == expected
-    finally:
-        e.stop()
+    assert run(e) == expected
 
 
 def test_span_batch_equals_a_continued_chunk(target):
@@ -249,19 +279,24 @@ def test_span_batch_equals_a_continued_chunk(target):
     for pool in pools:
         target.forward(ForwardBatch.build([SeqChunk(1, 0, prompt)]), pool)
     ref = target.forward_ex(ForwardBatch.build([SeqChunk(1, 19, chunk)]), pools[0], (0, 2))
-    got = target.forward_ex(ForwardBatch.windows_of(
-        torch.tensor(chunk), torch.tensor([1]), torch.tensor([19]), 11, span=True),
-        pools[1], (0, 2))
+    got = target.forward_ex(
+        ForwardBatch.windows_of(
+            torch.tensor(chunk), torch.tensor([1]), torch.tensor([19]), 11, span=True
+        ),
+        pools[1],
+        (0, 2),
+    )
     assert got.records == {}
     torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.taps, ref.taps, atol=1e-4, rtol=1e-4)
     for name in ("conv", "recurrent"):
-        torch.testing.assert_close(getattr(pools[1], name)[:, 1], getattr(pools[0], name)[:, 1],
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            getattr(pools[1], name)[:, 1], getattr(pools[0], name)[:, 1], atol=1e-5, rtol=1e-4
+        )
     torch.testing.assert_close(pools[1].keys[:, 1, :, :30], pools[0].keys[:, 1, :, :30])
 
 
-def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
+def test_engine_with_continuation_graphs_equals_eager(target, tokenizer, engines):
     """Long prompts in chunks of 16 and growing conversations served from the prompt cache
     (a hit, then the new turn as a continued chunk), through an engine that replays continued
     chunks from (emulated) graphs and one that does not: the same greedy tokens."""
@@ -270,13 +305,21 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
 
     def make(graphs):
         if graphs:
-            return emulated(target, tokenizer, continuations=True,
-                            cache=CacheConfig(bytes=1 << 24))
-        e = Engine(target, tokenizer, (), EngineConfig(
-            4, 128, scheduling=SchedulingConfig(16, 48), cache=CacheConfig(bytes=1 << 24),
-            graphs=GraphConfig(enabled=False)))
-        e.start()
-        return e
+            return emulated(
+                engines, target, tokenizer, continuations=True, cache=CacheConfig(bytes=1 << 24)
+            )
+        return engines(
+            target,
+            tokenizer,
+            (),
+            EngineConfig(
+                4,
+                128,
+                scheduling=SchedulingConfig(16, 48),
+                cache=CacheConfig(bytes=1 << 24),
+                graphs=GraphConfig(enabled=False),
+            ),
+        )
 
     outputs = []
     counts = None
@@ -291,10 +334,7 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer):
                 return _real(*a)
 
             e.runner.continuation_graphs.run = run
-        try:
-            outputs.append((run_all(e, first), run_all(e, grown)))
-            assert e.stats()["cache_hits"] >= len(grown)
-        finally:
-            e.stop()
+        outputs.append((run_all(e, first), run_all(e, grown)))
+        assert e.stats()["cache_hits"] >= len(grown)
     assert outputs[1] == outputs[0]
     assert counts["n"] > 0

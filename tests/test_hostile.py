@@ -31,9 +31,22 @@ def server(tmp_path_factory):
     keys.write_text(KEY + "\n")
     os.chmod(keys, 0o600)
     log = tmp / "requests.jsonl"
-    srv = ServerProcess("--parallel", str(SLOTS), "--context", str(CONTEXT), "--max-queue",
-                        str(QUEUE), "--request-log", str(log), "--api-key-file", str(keys),
-                        "--max-body-mib", str(BODY_MIB), "--body-timeout", "2")
+    srv = ServerProcess(
+        "--parallel",
+        str(SLOTS),
+        "--context",
+        str(CONTEXT),
+        "--max-queue",
+        str(QUEUE),
+        "--request-log",
+        str(log),
+        "--api-key-file",
+        str(keys),
+        "--max-body-mib",
+        str(BODY_MIB),
+        "--body-timeout",
+        "2",
+    )
     srv.request_log = log
     srv.wait_ready()
     try:
@@ -68,19 +81,29 @@ NEIGHBOUR_PROMPTS = ["def read_lines(filename):", "class Stack:\n    def push(se
 
 
 def _stream(url: str, prompt: str, max_tokens: int, out: dict, started: threading.Event):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     tokens, finish = [], None
     try:
-        with httpx.Client(timeout=120, headers=AUTH) as c, \
-                c.stream("POST", url + "/v1/completions", json=body) as r:
+        with (
+            httpx.Client(timeout=120, headers=AUTH) as c,
+            c.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
             out["status"] = r.status_code
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 choice = json.loads(line[6:])["choices"][0]
-                tokens += [int(t.split(":")[1]) for t in (choice["logprobs"] or {}).get(
-                    "tokens", [])]
+                tokens += [
+                    int(t.split(":")[1]) for t in (choice["logprobs"] or {}).get("tokens", [])
+                ]
                 started.set()
                 finish = choice["finish_reason"] or finish
     finally:
@@ -99,6 +122,7 @@ def alone(server):
             _stream(server.url, prompt, max_tokens, out, threading.Event())
             memo[prompt, max_tokens] = out["tokens"]
         return memo[prompt, max_tokens]
+
     return get
 
 
@@ -115,8 +139,11 @@ class Beside:
         self.threads = []
         for prompt, out in zip(NEIGHBOUR_PROMPTS, self.outs, strict=True):
             started = threading.Event()
-            t = threading.Thread(target=_stream, args=(self.server.url, prompt, self.max_tokens,
-                                                       out, started), daemon=True)
+            t = threading.Thread(
+                target=_stream,
+                args=(self.server.url, prompt, self.max_tokens, out, started),
+                daemon=True,
+            )
             t.start()
             assert started.wait(60)
             self.threads.append(t)
@@ -139,15 +166,31 @@ def log_lines(server) -> list[dict]:
 # ---------------------------------------------------------------- 1. one row fails its step
 
 
-@pytest.mark.parametrize("extra", [{"temperature": 1e-46}, {"temperature": 9.55e-201},
-                                   {"top_k": 9223372036854775808, "temperature": 0}])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 1e-46},
+        {"temperature": 9.55e-201},
+        {"top_k": 9223372036854775808, "temperature": 0},
+    ],
+)
 def test_values_the_kernels_cannot_take_are_mapped_into_range(server, http, alone, extra):
     """A temperature that rounds to 0 in float32 decodes greedily; a top_k past the vocabulary
     keeps every token. Both answer 200, with the greedy tokens, beside the neighbours."""
     with Beside(server, alone):
-        r = post(http, "/v1/completions", {"prompt": NEIGHBOUR_PROMPTS[0], "max_tokens": 16,
-                                           "ignore_eos": True, "logprobs": 0,
-                                           "return_tokens_as_token_ids": True, **extra})
+        r = post(
+            http,
+            "/v1/completions",
+            {
+                "prompt": NEIGHBOUR_PROMPTS[0],
+                "max_tokens": 16,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                **extra,
+            },
+        )
     assert r.status_code == 200, r.text
     got = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
     assert got == alone(NEIGHBOUR_PROMPTS[0], 96)[:16]
@@ -156,10 +199,14 @@ def test_values_the_kernels_cannot_take_are_mapped_into_range(server, http, alon
 # ---------------------------------------------------------------- 2. overflow and encoding
 
 
+@pytest.mark.slow
 def test_largest_seed_with_several_choices(server, http, alone):
     with Beside(server, alone):
-        r = post(http, "/v1/completions", {"prompt": "x = ", "max_tokens": 4, "n": 2,
-                                           "seed": 18446744073709551615})
+        r = post(
+            http,
+            "/v1/completions",
+            {"prompt": "x = ", "max_tokens": 4, "n": 2, "seed": 18446744073709551615},
+        )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
     assert_error(post(http, "/v1/completions", {"prompt": "x", "seed": 2**64}), 400, "seed")
@@ -168,15 +215,27 @@ def test_largest_seed_with_several_choices(server, http, alone):
 LONE = '"\\ud800"'  # a JSON escape that decodes to a lone surrogate
 
 
-@pytest.mark.parametrize("path,raw,param", [
-    ("/v1/completions", '{"prompt": LONE, "max_tokens": 2}', "prompt"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": LONE}]}',
-     "messages[0].content"),
-    ("/v1/chat/completions", ('{"messages": [{"role": "user", "content": "hi"}], "tools": '
-                              '[{"type": "function", "function": {"name": LONE}}]}'),
-     "tools[0].function.name"),
-    ("/v1/completions", '{"prompt": "x", "model": LONE}', "model"),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        ("/v1/completions", '{"prompt": LONE, "max_tokens": 2}', "prompt"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": LONE}]}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            (
+                '{"messages": [{"role": "user", "content": "hi"}], "tools": '
+                '[{"type": "function", "function": {"name": LONE}}]}'
+            ),
+            "tools[0].function.name",
+        ),
+        ("/v1/completions", '{"prompt": "x", "model": LONE}', "model"),
+    ],
+)
 def test_lone_surrogates_are_a_400(server, http, alone, path, raw, param):
     with Beside(server, alone):
         assert_error(post(http, path, raw.replace("LONE", LONE)), 400, param)
@@ -184,18 +243,32 @@ def test_lone_surrogates_are_a_400(server, http, alone, path, raw, param):
         assert http.get("/v1/models").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_pair_of_surrogate_escapes_is_text(http):
     r = post(http, "/v1/completions", '{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("kwargs", [{"self": 1}, {"template_kwargs": 1}, {"_private": 1},
-                                    {"not a name": 1}, {"messages": []}])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"self": 1}, {"template_kwargs": 1}, {"_private": 1}, {"not a name": 1}, {"messages": []}],
+)
 def test_template_kwargs_that_are_not_variables_are_a_400(server, http, alone, kwargs):
     with Beside(server, alone, max_tokens=48):
-        assert_error(post(http, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "chat_template_kwargs": kwargs}), 400, "chat_template_kwargs")
+        assert_error(
+            post(
+                http,
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "chat_template_kwargs": kwargs,
+                },
+            ),
+            400,
+            "chat_template_kwargs",
+        )
 
 
 # ---------------------------------------------------------------- 3. abandoned requests
@@ -210,6 +283,7 @@ def wait_for(predicate, timeout=10.0) -> bool:
     return predicate()
 
 
+@pytest.mark.slow
 def test_an_abandoned_request_frees_its_slot_at_once(server, http, alone):
     """A non-streaming client that gives up after 0.5 s: its request stops (not at max_tokens
     a minute later), queued or running, and is logged as a 499."""
@@ -217,8 +291,12 @@ def test_an_abandoned_request_frees_its_slot_at_once(server, http, alone):
     with Beside(server, alone, max_tokens=160):
         for _ in range(2):  # the first runs in the free slot; the second waits in the queue
             with pytest.raises(httpx.TimeoutException):
-                post(http, "/v1/completions", {"prompt": "def f(", "max_tokens": 400,
-                                               "ignore_eos": True}, timeout=0.5)
+                post(
+                    http,
+                    "/v1/completions",
+                    {"prompt": "def f(", "max_tokens": 400, "ignore_eos": True},
+                    timeout=0.5,
+                )
         h = http.get("/health").json()
         assert wait_for(lambda: http.get("/health").json()["running"] <= 2), h
     assert wait_for(lambda: http.get("/health").json()["running"] == 0)
@@ -226,16 +304,21 @@ def test_an_abandoned_request_frees_its_slot_at_once(server, http, alone):
     assert len(abandoned) == 2 and all(a["completion_tokens"] < 400 for a in abandoned)
 
 
+@pytest.mark.slow
 def test_an_abandoned_stream_while_queued_frees_its_place(server, http, alone):
     with Beside(server, alone, max_tokens=160):
         fill: dict = {}
-        t = threading.Thread(target=_stream, args=(server.url, "y = ", 120, fill,
-                                                   threading.Event()), daemon=True)
+        t = threading.Thread(
+            target=_stream, args=(server.url, "y = ", 120, fill, threading.Event()), daemon=True
+        )
         t.start()
         assert wait_for(lambda: http.get("/health").json()["running"] == SLOTS)
         body = {"prompt": "z = ", "max_tokens": 50, "stream": True}
-        with pytest.raises(httpx.TimeoutException), httpx.Client(timeout=0.5, headers=AUTH) as c, \
-                c.stream("POST", server.url + "/v1/completions", json=body) as r:
+        with (
+            pytest.raises(httpx.TimeoutException),
+            httpx.Client(timeout=0.5, headers=AUTH) as c,
+            c.stream("POST", server.url + "/v1/completions", json=body) as r,
+        ):
             for _ in r.iter_lines():
                 pass
         assert wait_for(lambda: http.get("/health").json()["waiting"] == 0, 5)
@@ -245,6 +328,7 @@ def test_an_abandoned_stream_while_queued_frees_its_place(server, http, alone):
 # ---------------------------------------------------------------- 4. big bodies
 
 
+@pytest.mark.slow
 def test_a_body_over_the_limit_is_a_413(server, http, alone):
     big = json.dumps({"prompt": "x" * (BODY_MIB << 20), "max_tokens": 1})
     with Beside(server, alone, max_tokens=48):
@@ -253,15 +337,47 @@ def test_a_body_over_the_limit_is_a_413(server, http, alone):
         def chunks():  # no Content-Length: counted as it arrives
             for _ in range(BODY_MIB * 8 + 1):
                 yield b"x" * (128 << 10)
+
         assert_error(http.post("/v1/completions", content=chunks()), 413)
 
 
+@pytest.mark.slow
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server, http, alone):
+    """Megabytes of prompt text cannot fit a 512-token context, whatever their tokens: a 400
+    at once (tokenizing them first took 20 s for 8 MiB)."""
+    text = "x = [1, 2, 3]\n" * ((BODY_MIB << 20) // 20)
+    with Beside(server, alone, max_tokens=48):
+        t0 = time.perf_counter()
+        assert_error(
+            post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+            400,
+            "messages",
+            "context_length_exceeded",
+        )
+        assert_error(
+            post(http, "/v1/completions", {"prompt": text}),
+            400,
+            "prompt",
+            "context_length_exceeded",
+        )
+        assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.slow
 def test_health_answers_fast_while_big_bodies_are_parsed_and_tokenized(server, http):
-    """Just under the limit: one chat message of ~1 MiB, and 16 prompts tokenized at once."""
+    """Just under the body limit: one chat message of ~1 MiB (parsed, then refused before
+    tokenizing: it cannot fit the context), and 16 prompts each small enough to be tokenized
+    (then refused: too many tokens), both sent again and again."""
     text = "def f(x):\n    return x + 1\n" * ((BODY_MIB << 20) // 30)
     chat = json.dumps({"messages": [{"role": "user", "content": text}]})
     assert len(chat) < BODY_MIB << 20
-    prompts = json.dumps({"prompt": [text[: (BODY_MIB << 20) // 20]] * 8, "max_tokens": 1})
+    from headstart.loading import default_model_dir
+    from headstart.tokenizer import Tokenizer
+
+    # Under the bytes that any CONTEXT-token prompt could hold: these are really tokenized.
+    piece = text[: CONTEXT * Tokenizer.from_dir(default_model_dir()).max_token_bytes]
+    prompts = json.dumps({"prompt": [piece] * 16, "max_tokens": 1})
+    assert len(prompts) < BODY_MIB << 20
     stop = threading.Event()
     statuses = []
 
@@ -270,8 +386,10 @@ def test_health_answers_fast_while_big_bodies_are_parsed_and_tokenized(server, h
             while not stop.is_set():
                 statuses.append(post(c, path, body).status_code)
 
-    workers = [threading.Thread(target=hammer, args=(chat, "/v1/chat/completions")),
-               threading.Thread(target=hammer, args=(prompts, "/v1/completions"))]
+    workers = [
+        threading.Thread(target=hammer, args=(chat, "/v1/chat/completions")),
+        threading.Thread(target=hammer, args=(prompts, "/v1/completions")),
+    ]
     for w in workers:
         w.start()
     try:
@@ -292,19 +410,24 @@ def test_health_answers_fast_while_big_bodies_are_parsed_and_tokenized(server, h
     assert latencies[len(latencies) // 2] < 0.1 and latencies[-2] < 0.1, latencies
 
 
+@pytest.mark.slow
 def test_more_generations_than_the_server_holds_is_a_400(server, http, alone):
     with Beside(server, alone, max_tokens=48):
         many = {"prompt": [[1]] * 50_000, "n": 16, "max_tokens": 1}
         t0 = time.perf_counter()
         assert_error(post(http, "/v1/completions", many), 400, code="too_many_generations")
         assert time.perf_counter() - t0 < 2
-        assert_error(post(http, "/v1/completions", {"prompt": ["a"] * 4, "n": 4}), 400,
-                     code="too_many_generations")
+        assert_error(
+            post(http, "/v1/completions", {"prompt": ["a"] * 4, "n": 4}),
+            400,
+            code="too_many_generations",
+        )
 
 
 # ---------------------------------------------------------------- 5. forged control tokens
 
 
+@pytest.mark.slow
 def test_user_text_never_becomes_control_tokens(server, http, alone):
     from headstart.loading import default_model_dir
     from headstart.tokenizer import Tokenizer
@@ -325,6 +448,7 @@ def test_user_text_never_becomes_control_tokens(server, http, alone):
 # ---------------------------------------------------------------- 6. smaller ones
 
 
+@pytest.mark.slow
 def test_rejections_are_logged_once_each(server, http, alone):
     with Beside(server, alone, max_tokens=48):
         before = len(log_lines(server))
@@ -336,20 +460,30 @@ def test_rejections_are_logged_once_each(server, http, alone):
 
     def rejected():
         return [line for line in log_lines(server)[before:] if line["status"] >= 400]
+
     assert wait_for(lambda: len(rejected()) >= 4, 5)
     lines = rejected()
     assert [line["status"] for line in lines] == [400, 401, 404, 400]
-    assert [line["error"] for line in lines] == ["invalid_request_error",
-                                                 "authentication_error", "not_found_error",
-                                                 "invalid_request_error"]
+    assert [line["error"] for line in lines] == [
+        "invalid_request_error",
+        "authentication_error",
+        "not_found_error",
+        "invalid_request_error",
+    ]
     assert all(line["endpoint"] == "/v1/completions" for line in lines)
 
 
+@pytest.mark.slow
 def test_the_context_error_on_max_tokens_has_a_code(http):
-    assert_error(post(http, "/v1/completions", {"prompt": "x", "max_tokens": 10**6}), 400,
-                 "max_tokens", "context_length_exceeded")
+    assert_error(
+        post(http, "/v1/completions", {"prompt": "x", "max_tokens": 10**6}),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    )
 
 
+@pytest.mark.slow
 def test_unknown_routes_and_methods_answer_the_openai_shape(server, http, alone):
     with Beside(server, alone, max_tokens=48):
         assert_error(http.get("/v1/nothing"), 404)
@@ -358,11 +492,13 @@ def test_unknown_routes_and_methods_answer_the_openai_shape(server, http, alone)
         assert http.get("/v1/models").status_code == 200  # the connection goes on
 
 
+@pytest.mark.slow
 def test_metrics_follow_the_keys(server):
     assert httpx.get(server.url + "/metrics").status_code == 401
     assert httpx.get(server.url + "/metrics", headers=AUTH).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_mid_upload_costs_one_quiet_line(server, http, alone):
     logged = len(server.output())
     errors_before = _server_errors(http)
@@ -370,8 +506,11 @@ def test_a_client_that_leaves_mid_upload_costs_one_quiet_line(server, http, alon
     with Beside(server, alone, max_tokens=48):
         for _ in range(5):
             with socket.create_connection(("127.0.0.1", server.port)) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                          + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    + KEY.encode()
+                    + b'\r\nContent-Length: 1000\r\n\r\n{"prompt": '
+                )
     assert wait_for(lambda: _server_errors(http) == errors_before, 2)
     time.sleep(0.3)
     assert _server_errors(http) == errors_before
@@ -379,6 +518,7 @@ def test_a_client_that_leaves_mid_upload_costs_one_quiet_line(server, http, alon
 
     def gone():
         return [line for line in log_lines(server)[before:] if line["status"] == 499]
+
     assert wait_for(lambda: len(gone()) == 5)
     assert all(line["error"] == "client_disconnected" for line in gone())
 
@@ -390,11 +530,16 @@ def _server_errors(http) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_the_official_client_sees_a_clean_error(server, alone):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with Beside(server, alone, max_tokens=48), pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="headstart-default", prompt="x",
-                                  extra_body={"chat_template_kwargs": 1}, max_tokens=10**6)
+        client.completions.create(
+            model="headstart-default",
+            prompt="x",
+            extra_body={"chat_template_kwargs": 1},
+            max_tokens=10**6,
+        )
     assert info.value.status_code == 400
 
 
@@ -410,9 +555,15 @@ def test_an_unhandled_error_is_a_500_that_keeps_the_connection(tmp_path):
     from headstart.server.request_log import RequestLog
 
     log = tmp_path / "log.jsonl"
-    state = ServerState(engine=None, tokenizer=None, model_name="m", context=8,
-                        generation_defaults={}, metrics=Metrics(slots=1),
-                        request_log=RequestLog(str(log)))
+    state = ServerState(
+        engine=None,
+        tokenizer=None,
+        model_name="m",
+        context=8,
+        generation_defaults={},
+        metrics=Metrics(slots=1),
+        request_log=RequestLog(str(log)),
+    )
     app = create_app(state)
 
     @app.get("/v1/boom")
@@ -433,15 +584,21 @@ def test_an_unhandled_error_is_a_500_that_keeps_the_connection(tmp_path):
                 while b"\r\n\r\n" not in head:
                     head += s.recv(4096)
                 header, body = head.split(b"\r\n\r\n", 1)
-                length = int(next(line.split(b":")[1] for line in header.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))
+                length = int(
+                    next(
+                        line.split(b":")[1]
+                        for line in header.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    )
+                )
                 while len(body) < length:
                     body += s.recv(4096)
                 replies.append((header.split(b" ")[1], json.loads(body)))
         for status, body in replies:
             assert status == b"500"
-            assert body["error"]["type"] == "server_error" and "TypeError" in body["error"][
-                "message"]
+            assert (
+                body["error"]["type"] == "server_error" and "TypeError" in body["error"]["message"]
+            )
         # Written after the response went out: wait for the second line.
         assert wait_for(lambda: len(log.read_text().splitlines()) == 2, 5)
         lines = [json.loads(line) for line in log.read_text().splitlines()]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 
-import tiny
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.model import Qwen35Model
+from headstart.models.qwen35.model import Qwen35Model
 from headstart.state import StatePool
 
 TOL = 5e-5  # logits (BLAS sums in another order for another row count)
@@ -25,8 +25,12 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def slot_state(pool: StatePool, slot: int, length: int) -> list[torch.Tensor]:
-    return [pool.conv[:, slot], pool.recurrent[:, slot], pool.keys[:, slot, :, :length],
-            pool.values[:, slot, :, :length]]
+    return [
+        pool.conv[:, slot],
+        pool.recurrent[:, slot],
+        pool.keys[:, slot, :, :length],
+        pool.values[:, slot, :, :length],
+    ]
 
 
 def assert_states_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -37,11 +41,12 @@ def assert_states_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 def prefill(model, pool, slot, ids, chunk):
     """Feed ids in pieces of ``chunk``; return the logits of the last row."""
     for begin in range(0, len(ids), chunk):
-        piece = ids[begin:begin + chunk]
+        piece = ids[begin : begin + chunk]
         logits = model.forward(ForwardBatch.build([SeqChunk(slot, begin, piece)]), pool)
     return logits[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_equals_one_shot(model, chunk):
     ids = tokens(150, seed=1)
@@ -53,6 +58,7 @@ def test_chunked_prefill_equals_one_shot(model, chunk):
     assert_states_close(slot_state(many, 1, 150), slot_state(one, 0, 150))
 
 
+@pytest.mark.slow
 def test_stream_batched_with_others_equals_alone(model):
     a, b, c = tokens(30, 2), tokens(12, 3), tokens(40, 4)
     # Alone: each stream prefilled, then three decode steps, in its own pool.
@@ -61,8 +67,9 @@ def test_stream_batched_with_others_equals_alone(model):
         pool = model.new_state_pool(1, 128)
         rows = [prefill(model, pool, 0, ids[:-3], 64)]
         for i, t in enumerate(ids[-3:]):
-            rows.append(model.forward(ForwardBatch.build([SeqChunk(0, len(ids) - 3 + i, (t,))]),
-                                      pool)[0])
+            rows.append(
+                model.forward(ForwardBatch.build([SeqChunk(0, len(ids) - 3 + i, (t,))]), pool)[0]
+            )
         alone_logits.append(torch.stack(rows))
     # Together: prefills and decode rows of different streams mixed in the same forwards, in
     # slots that held another stream's state before (reuse must not leak it).
@@ -73,23 +80,42 @@ def test_stream_batched_with_others_equals_alone(model):
     slots = {0: 3, 1: 0, 2: 2}
     streams = [a, b, c]
     # Step 1: a's whole prefill + b's prefill in one batch.
-    out = model.forward(ForwardBatch.build([
-        SeqChunk(slots[0], 0, a[:-3]), SeqChunk(slots[1], 0, b[:-3])]), pool)
-    rows[0].append(out[0]); rows[1].append(out[1])
+    out = model.forward(
+        ForwardBatch.build([SeqChunk(slots[0], 0, a[:-3]), SeqChunk(slots[1], 0, b[:-3])]), pool
+    )
+    rows[0].append(out[0])
+    rows[1].append(out[1])
     # Step 2: c's prefill (in two pieces over two steps) mixed with decode rows of a and b.
     pre = c[:-3]
-    out = model.forward(ForwardBatch.build([
-        SeqChunk(slots[0], len(a) - 3, (a[-3],)), SeqChunk(slots[2], 0, pre[:20], logit_rows=0),
-        SeqChunk(slots[1], len(b) - 3, (b[-3],))]), pool)
-    rows[0].append(out[0]); rows[1].append(out[1])
-    out = model.forward(ForwardBatch.build([
-        SeqChunk(slots[2], 20, pre[20:]), SeqChunk(slots[1], len(b) - 2, (b[-2],)),
-        SeqChunk(slots[0], len(a) - 2, (a[-2],))]), pool)
-    rows[2].append(out[0]); rows[1].append(out[1]); rows[0].append(out[2])
+    out = model.forward(
+        ForwardBatch.build(
+            [
+                SeqChunk(slots[0], len(a) - 3, (a[-3],)),
+                SeqChunk(slots[2], 0, pre[:20], logit_rows=0),
+                SeqChunk(slots[1], len(b) - 3, (b[-3],)),
+            ]
+        ),
+        pool,
+    )
+    rows[0].append(out[0])
+    rows[1].append(out[1])
+    out = model.forward(
+        ForwardBatch.build(
+            [
+                SeqChunk(slots[2], 20, pre[20:]),
+                SeqChunk(slots[1], len(b) - 2, (b[-2],)),
+                SeqChunk(slots[0], len(a) - 2, (a[-2],)),
+            ]
+        ),
+        pool,
+    )
+    rows[2].append(out[0])
+    rows[1].append(out[1])
+    rows[0].append(out[2])
     for i in range(3):
         n = len(streams[i])
         done = len(rows[i]) - 1  # decode rows already fed
-        for t in streams[i][-3 + done:]:
+        for t in streams[i][-3 + done :]:
             out = model.forward(ForwardBatch.build([SeqChunk(slots[i], n - 3 + done, (t,))]), pool)
             rows[i].append(out[0])
             done += 1
@@ -97,6 +123,7 @@ def test_stream_batched_with_others_equals_alone(model):
         assert (torch.stack(rows[i]) - alone_logits[i]).abs().max() <= TOL
 
 
+@pytest.mark.slow
 def test_prefills_of_several_streams_in_one_forward_equal_each_alone(model):
     """Three new prompts (one shorter than the conv tail) and a continued one in one forward,
     beside a decode row: every row's logits and each stream's state as when it runs alone."""
@@ -117,10 +144,18 @@ def test_prefills_of_several_streams_in_one_forward_equal_each_alone(model):
     pool = model.new_state_pool(6, 64)
     prefill(model, pool, 4, cont[:25], 64)
     prefill(model, pool, 5, tokens(9, 15), 64)
-    out = model.forward(ForwardBatch.build([
-        SeqChunk(0, 0, new[0], logit_rows=17), SeqChunk(5, 9, (3,)),
-        SeqChunk(1, 0, new[1], logit_rows=2), SeqChunk(4, 25, cont[25:], logit_rows=15),
-        SeqChunk(2, 0, new[2], logit_rows=33)]), pool)
+    out = model.forward(
+        ForwardBatch.build(
+            [
+                SeqChunk(0, 0, new[0], logit_rows=17),
+                SeqChunk(5, 9, (3,)),
+                SeqChunk(1, 0, new[1], logit_rows=2),
+                SeqChunk(4, 25, cont[25:], logit_rows=15),
+                SeqChunk(2, 0, new[2], logit_rows=33),
+            ]
+        ),
+        pool,
+    )
     got = {0: out[:17], 1: out[18:20], 4: out[20:35], 2: out[35:]}
     for (want, state), slot, n in zip(alone, (0, 1, 2, 4), (17, 2, 33, 40), strict=True):
         assert (got[slot] - want).abs().max() <= TOL
@@ -159,4 +194,6 @@ def test_pool_size_is_known_before_allocating(model):
 
     for slots, tokens in ((1, 8), (3, 100)):
         pool = model.new_state_pool(slots, tokens)
-        assert StatePool.bytes_for(model.state_groups(), slots, tokens, model.dtype) == pool.nbytes()
+        assert (
+            StatePool.bytes_for(model.state_groups(), slots, tokens, model.dtype) == pool.nbytes()
+        )

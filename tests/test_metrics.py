@@ -21,12 +21,19 @@ def test_render_lists_all_metrics():
     body, content_type = m.render()
     assert content_type.startswith("text/plain")
     text = body.decode()
-    for name in ("headstart_requests_running", "headstart_requests_queued",
-                 "headstart_time_to_first_token_seconds", "headstart_inter_token_latency_seconds",
-                 "headstart_e2e_request_latency_seconds", "headstart_prompt_tokens_total",
-                 "headstart_cached_prompt_tokens_total", "headstart_generation_tokens_total",
-                 "headstart_requests_total", "headstart_request_errors_total",
-                 "headstart_slots_total"):
+    for name in (
+        "headstart_requests_running",
+        "headstart_requests_queued",
+        "headstart_time_to_first_token_seconds",
+        "headstart_inter_token_latency_seconds",
+        "headstart_e2e_request_latency_seconds",
+        "headstart_prompt_tokens_total",
+        "headstart_cached_prompt_tokens_total",
+        "headstart_generation_tokens_total",
+        "headstart_requests_total",
+        "headstart_request_errors_total",
+        "headstart_slots_total",
+    ):
         assert name in text, name
     assert samples(m)[("headstart_slots_total", ())] == 8
 
@@ -34,8 +41,9 @@ def test_render_lists_all_metrics():
 def test_separate_registries_do_not_collide():
     a, b = Metrics(), Metrics()
     a.error("invalid_request_error")
-    assert ("headstart_request_errors_total",
-            (("type", "invalid_request_error"),)) not in samples(b)
+    assert ("headstart_request_errors_total", (("type", "invalid_request_error"),)) not in samples(
+        b
+    )
 
 
 def test_request_lifecycle_updates_counts():
@@ -51,8 +59,14 @@ def test_request_lifecycle_updates_counts():
     m.first_token(0.003)
     m.token(0.02)
     m.token(0.03)
-    m.request_finished(status=200, finish_reason="stop", prompt_tokens=100,
-                       completion_tokens=3, cached_tokens=64, duration_s=0.1)
+    m.request_finished(
+        status=200,
+        finish_reason="stop",
+        prompt_tokens=100,
+        completion_tokens=3,
+        cached_tokens=64,
+        duration_s=0.1,
+    )
     s = samples(m)
     assert s[("headstart_requests_running", ())] == 0
     assert s[("headstart_time_to_first_token_seconds_count", ())] == 1

@@ -26,8 +26,9 @@ TESTS = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     tok = Tokenizer.from_dir(default_model_dir())
-    return toy_family.write_checkpoint(tmp_path_factory.mktemp("toy"), default_model_dir(),
-                                       tok.vocab_size)
+    return toy_family.write_checkpoint(
+        tmp_path_factory.mktemp("toy"), default_model_dir(), tok.vocab_size
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +38,21 @@ def toy(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    env = {"HEADSTART_MODEL_FAMILIES": "toy_family",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    srv = ServerProcess("--model", str(checkpoint), "--parallel", "4", "--context", "256",
-                        "--prompt-cache-interval", "16", env=env)
+    env = {
+        "HEADSTART_MODEL_FAMILIES": "toy_family",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    srv = ServerProcess(
+        "--model",
+        str(checkpoint),
+        "--parallel",
+        "4",
+        "--context",
+        "256",
+        "--prompt-cache-interval",
+        "16",
+        env=env,
+    )
     srv.wait_ready()
     try:
         yield srv
@@ -59,10 +71,14 @@ def test_the_registry_finds_each_family(checkpoint):
 
 
 def _greedy(client, ids, n=12):
-    r = client.completions.create(model="x", prompt=ids, max_tokens=n, temperature=0,
-                                  logprobs=0, extra_body={"ignore_eos": True,
-                                                          "return_tokens_as_token_ids": True,
-                                                          "model": None})
+    r = client.completions.create(
+        model="x",
+        prompt=ids,
+        max_tokens=n,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, "model": None},
+    )
     choice = r.choices[0]
     return [int(t.split(":")[1]) for t in choice.logprobs.tokens], r.usage
 
@@ -70,12 +86,14 @@ def _greedy(client, ids, n=12):
 PROMPTS = [[5 + i * 7 % 300 for i in range(n)] for n in (3, 20, 41)]
 
 
+@pytest.mark.slow
 def test_served_greedy_tokens_equal_the_model_alone(toy, client):
     for ids in PROMPTS:
         got, _ = _greedy(client, ids)
         assert got == greedy_tokens(toy.model, ids, 12)
 
 
+@pytest.mark.slow
 def test_concurrent_streams_equal_alone(toy, client):
     results: dict[int, list[int]] = {}
 
@@ -91,6 +109,7 @@ def test_concurrent_streams_equal_alone(toy, client):
         assert results[i] == greedy_tokens(toy.model, PROMPTS[i % 3] + [i], 16)
 
 
+@pytest.mark.slow
 def test_prompt_cache_hits_equal_misses(toy, client):
     ids = [9 + (i * 13) % 400 for i in range(50)]
     cold, usage = _greedy(client, ids)
@@ -103,10 +122,15 @@ def test_prompt_cache_hits_equal_misses(toy, client):
     assert got == greedy_tokens(toy.model, longer, 12)
 
 
+@pytest.mark.slow
 def test_chat_is_served(client):
-    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=5, temperature=0,
-                                       extra_body={"ignore_eos": True, "model": None})
+    r = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True, "model": None},
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
     assert r.choices[0].message.content  # no reasoning split for a family that does not think
 

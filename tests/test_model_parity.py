@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 
-import tiny
 from headstart.batch import ForwardBatch, SeqChunk
-from headstart.model import Qwen35Model
+from headstart.models.qwen35.model import Qwen35Model
 
 PROMPT_LEN = 45
 STEPS = 20
@@ -56,10 +56,18 @@ CASES = {
     "r2-untied": dict(linear_num_value_heads=4, linear_value_head_dim=24),
     # 3x value heads, an irregular layer_types list, GQA 3:1
     "r3-irregular": dict(
-        linear_num_value_heads=6, linear_value_head_dim=8, num_hidden_layers=5,
-        num_attention_heads=6, num_key_value_heads=2,
-        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
-                     "linear_attention"],
+        linear_num_value_heads=6,
+        linear_value_head_dim=8,
+        num_hidden_layers=5,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        layer_types=[
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+        ],
     ),
 }
 
@@ -82,6 +90,7 @@ def test_matches_transformers(tmp_path, case, placement):
     assert (got_steps - want_steps).abs().max() <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("unpack", [False, True])
@@ -105,6 +114,7 @@ def test_mlx_layout_matches_dequantized_reference(tmp_path, bits, group, tied, u
     assert (got_steps - want_steps).abs().max() <= TOL
 
 
+@pytest.mark.slow
 def test_bf16_error_no_worse_than_transformers_bf16(tmp_path):
     """bf16 has no exact reference; our bf16 logits must be as close to the fp32 truth as HF's."""
     ref = tiny.causal_lm(seed=9)
@@ -131,8 +141,8 @@ def test_loading_consumes_the_weight_dict(tmp_path, arena):
     import gc
     import weakref
 
-    from headstart.config import load_config
-    from headstart.weights import load_weights
+    from headstart.models.qwen35.config import load_config
+    from headstart.models.qwen35.weights import load_weights
 
     ckpt = tiny.save_text_only(tiny.causal_lm(seed=3), tmp_path / "ckpt")
     cfg = load_config(ckpt)

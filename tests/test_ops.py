@@ -40,8 +40,9 @@ def test_recurrent_matches_closed_form():
         kt = k[t, 0].double() / k[t, 0].double().norm()
         qt = q[t, 0].double() / q[t, 0].double().norm() / 2.0  # Dk^-0.5 with Dk = 4
         b = beta[t, 0].double()
-        S = decay[t, 0].double().exp() * (torch.eye(4, dtype=torch.float64) - b * torch.outer(kt, kt)) @ S \
-            + b * torch.outer(kt, v[t, 0].double())
+        S = decay[t, 0].double().exp() * (
+            torch.eye(4, dtype=torch.float64) - b * torch.outer(kt, kt)
+        ) @ S + b * torch.outer(kt, v[t, 0].double())
         assert torch.allclose(o[t, 0].double(), S.T @ qt, atol=1e-5)
     assert torch.allclose(s[0].double(), S, atol=1e-5)
 
@@ -59,7 +60,7 @@ def test_causal_conv_in_pieces_equals_whole():
     assert torch.allclose(torch.cat(parts), whole, atol=1e-6)
     assert torch.equal(t, whole_tail)
     # Direct formula at one position: y[t, c] = silu(sum_j w[c, j] * x[t - 3 + j, c]).
-    direct = torch.nn.functional.silu((w[:, :] * x[5 - 3:6].T).sum(-1))
+    direct = torch.nn.functional.silu((w[:, :] * x[5 - 3 : 6].T).sum(-1))
     assert torch.allclose(whole[5], direct, atol=1e-6)
 
 
@@ -76,8 +77,8 @@ def test_causal_conv_spans_equals_each_span_alone(lengths):
     got, got_tails = causal_conv_spans(x, tails, w, conv_spans_plan(lengths, K - 1))
     begin = 0
     for j, n in enumerate(lengths):
-        want, want_tail = causal_conv(x[begin:begin + n], tails[j], w)
-        assert torch.allclose(got[begin:begin + n], want, atol=1e-6)
+        want, want_tail = causal_conv(x[begin : begin + n], tails[j], w)
+        assert torch.allclose(got[begin : begin + n], want, atol=1e-6)
         assert torch.equal(got_tails[j], want_tail)
         begin += n
 
@@ -140,8 +141,12 @@ def test_batched_step_equals_per_stream_recurrence():
     from headstart.ops.gated_delta.reference import gated_delta_step
 
     streams = [gdn_inputs(1, 2, 6, 8, 12, seed=s) for s in range(5)]
-    o, s = gated_delta_step(*(torch.cat([x[i] for x in streams]) if i < 5 else
-                              torch.stack([x[5] for x in streams]) for i in range(6)))
+    o, s = gated_delta_step(
+        *(
+            torch.cat([x[i] for x in streams]) if i < 5 else torch.stack([x[5] for x in streams])
+            for i in range(6)
+        )
+    )
     for n, inputs in enumerate(streams):
         o_ref, s_ref = recurrent_gated_delta(*inputs)
         assert torch.allclose(o[n], o_ref[0], atol=1e-5)
@@ -152,11 +157,14 @@ def test_conv_step_equals_conv():
     from headstart.ops.conv.reference import causal_conv_step
 
     g = torch.Generator().manual_seed(4)
-    x, tails, w = torch.randn(3, 6, generator=g), torch.randn(3, 6, 3, generator=g), \
-        torch.randn(6, 4, generator=g)
+    x, tails, w = (
+        torch.randn(3, 6, generator=g),
+        torch.randn(3, 6, 3, generator=g),
+        torch.randn(6, 4, generator=g),
+    )
     y, new = causal_conv_step(x, tails, w)
     for n in range(3):
-        y_ref, t_ref = causal_conv(x[n:n + 1], tails[n], w)
+        y_ref, t_ref = causal_conv(x[n : n + 1], tails[n], w)
         assert torch.allclose(y[n], y_ref[0], atol=1e-6) and torch.equal(new[n], t_ref)
 
 
@@ -172,5 +180,5 @@ def test_attend_decode_equals_attend():
     out = attend_decode(q, k, v, lengths)
     for i in range(n):
         m = int(lengths[i])
-        ref = attend(q[i:i + 1], k[i, :, :m], v[i, :, :m], m - 1)
+        ref = attend(q[i : i + 1], k[i, :, :m], v[i, :, :m], m - 1)
         assert torch.allclose(out[i], ref[0], atol=1e-5)

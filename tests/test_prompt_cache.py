@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from engine_helpers import Collector
+
 from headstart.engine.config import CacheConfig, EngineConfig, SchedulingConfig
-from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
+from headstart.engine.engine import EngineRequest, Finish, wait_idle
 from headstart.engine.prompt_cache import PromptCacheIndex
 from headstart.loading import load
 from headstart.sampling import SamplingParams
@@ -67,14 +67,14 @@ def loaded():
     return load()
 
 
-def make_engine(loaded, cache_mib=64, cache_bytes=None, **cache):
-    """A started engine; ``cache``: CacheConfig fields besides the budget."""
+def make_engine(engines, loaded, cache_mib=64, cache_bytes=None, **cache):
+    """A started engine from the ``engines`` fixture; ``cache``: CacheConfig fields besides the
+    budget."""
     budget = cache_mib << 20 if cache_bytes is None else cache_bytes
-    config = EngineConfig(4, 512, scheduling=SchedulingConfig(32, 64),
-                          cache=CacheConfig(bytes=budget, **cache))
-    e = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config)
-    e.start()
-    return e
+    config = EngineConfig(
+        4, 512, scheduling=SchedulingConfig(32, 64), cache=CacheConfig(bytes=budget, **cache)
+    )
+    return engines(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config)
 
 
 def ask(engine, ids, params, rid, snapshot_at=()):
@@ -92,180 +92,142 @@ def prompt(loaded, text):
     return loaded.tokenizer.encode(text)
 
 
-def test_exact_repeat_restores_everything_and_skips_the_forward(loaded):
+def test_exact_repeat_restores_everything_and_skips_the_forward(loaded, engines):
     ids = prompt(loaded, "def fibonacci(n):\n    '''Return the n-th number.'''\n")
-    cold = make_engine(loaded, cache_mib=0)
-    try:
-        want = ask(cold, ids, GREEDY, "cold").tokens
-    finally:
-        cold.stop()
-    e = make_engine(loaded)
-    try:
-        first = ask(e, ids, GREEDY, "a")
-        assert first.tokens == want and first.finish.cached_tokens == 0
-        steps = e.steps
-        one = ask(e, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), "b")
-        assert one.finish.cached_tokens == len(ids) and one.tokens == want[:1]
-        assert e.steps == steps  # the first token came from cached logits: no forward
-        again = ask(e, ids, GREEDY, "c")
-        assert again.tokens == want and again.finish.cached_tokens == len(ids)
-    finally:
-        e.stop()
+    cold = make_engine(engines, loaded, cache_mib=0)
+    want = ask(cold, ids, GREEDY, "cold").tokens
+    e = make_engine(engines, loaded)
+    first = ask(e, ids, GREEDY, "a")
+    assert first.tokens == want and first.finish.cached_tokens == 0
+    steps = e.steps
+    one = ask(e, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), "b")
+    assert one.finish.cached_tokens == len(ids) and one.tokens == want[:1]
+    assert e.steps == steps  # the first token came from cached logits: no forward
+    again = ask(e, ids, GREEDY, "c")
+    assert again.tokens == want and again.finish.cached_tokens == len(ids)
 
 
-def test_partial_hit_from_a_boundary_snapshot(loaded):
+def test_partial_hit_from_a_boundary_snapshot(loaded, engines):
     head = prompt(loaded, "<|im_start|>user\nWrite a sort.<|im_end|>\n<|im_start|>assistant\n")
     ids = head + prompt(loaded, "<think>\n")
     other = head + prompt(loaded, "Sure, here it is")
-    cold = make_engine(loaded, cache_mib=0)
-    try:
-        want = ask(cold, other, GREEDY, "cold").tokens
-    finally:
-        cold.stop()
-    e = make_engine(loaded)
-    try:
-        ask(e, ids, GREEDY, "turn1", snapshot_at=(len(head),))
-        got = ask(e, other, GREEDY, "turn2")
-        assert got.finish.cached_tokens == len(head) and got.tokens == want
-    finally:
-        e.stop()
+    cold = make_engine(engines, loaded, cache_mib=0)
+    want = ask(cold, other, GREEDY, "cold").tokens
+    e = make_engine(engines, loaded)
+    ask(e, ids, GREEDY, "turn1", snapshot_at=(len(head),))
+    got = ask(e, other, GREEDY, "turn2")
+    assert got.finish.cached_tokens == len(head) and got.tokens == want
 
 
-def test_long_prompt_snapshots_at_fixed_interval(loaded):
+def test_long_prompt_snapshots_at_fixed_interval(loaded, engines):
     ids = prompt(loaded, "x = [i * i for i in range(10)]\n" * 20)
     assert len(ids) > 100
-    e = make_engine(loaded, interval=40)
-    try:
-        ask(e, ids, GREEDY, "long")
-        lengths = sorted(len(k) for k in e.cache.device.entries)
-        assert lengths == [n for n in range(40, len(ids), 40)] + [len(ids)]
-        variant = ids[:-3] + prompt(loaded, "pass")
-        cold = make_engine(loaded, cache_mib=0)
-        try:
-            want = ask(cold, variant, GREEDY, "cold").tokens
-        finally:
-            cold.stop()
-        got = ask(e, variant, GREEDY, "variant")
-        assert got.finish.cached_tokens == (len(ids) - 3) // 40 * 40 and got.tokens == want
-    finally:
-        e.stop()
+    e = make_engine(engines, loaded, interval=40)
+    ask(e, ids, GREEDY, "long")
+    lengths = sorted(len(k) for k in e.cache.device.entries)
+    assert lengths == list(range(40, len(ids), 40)) + [len(ids)]
+    variant = ids[:-3] + prompt(loaded, "pass")
+    cold = make_engine(engines, loaded, cache_mib=0)
+    want = ask(cold, variant, GREEDY, "cold").tokens
+    got = ask(e, variant, GREEDY, "variant")
+    assert got.finish.cached_tokens == (len(ids) - 3) // 40 * 40 and got.tokens == want
 
 
-def test_concurrent_restores_leave_the_snapshot_unchanged(loaded):
+def test_concurrent_restores_leave_the_snapshot_unchanged(loaded, engines):
     ids = prompt(loaded, "import json\n\ndef load(path):\n")
-    e = make_engine(loaded)
-    try:
-        ask(e, ids, GREEDY, "seed")
-        (entry,) = [v for k, v in e.cache.device.entries.items() if len(k) == len(ids)]
-        before = entry.payload.fingerprint()
-        cs = []
-        for i, params in enumerate([
-                SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=20, ignore_eos=True),
-                SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=20, ignore_eos=True)]):
-            c = Collector()
-            e.submit(EngineRequest(f"r{i}", ids, params, 20, c))
-            cs.append(c)
-        for c in cs:
-            assert c.done.wait(60) and c.finish.cached_tokens == len(ids)
-        assert entry.payload.fingerprint() == before
-    finally:
-        e.stop()
+    e = make_engine(engines, loaded)
+    ask(e, ids, GREEDY, "seed")
+    (entry,) = [v for k, v in e.cache.device.entries.items() if len(k) == len(ids)]
+    before = entry.payload.fingerprint()
+    cs = []
+    for i, params in enumerate(
+        [
+            SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=20, ignore_eos=True),
+        ]
+    ):
+        c = Collector()
+        e.submit(EngineRequest(f"r{i}", ids, params, 20, c))
+        cs.append(c)
+    for c in cs:
+        assert c.done.wait(60) and c.finish.cached_tokens == len(ids)
+    assert entry.payload.fingerprint() == before
 
 
-def test_restore_overwrites_poisoned_buffers(loaded):
+def test_restore_overwrites_poisoned_buffers(loaded, engines):
     ids = prompt(loaded, "class Stack:\n    def push(self, x):\n")
-    e = make_engine(loaded)
-    try:
-        want = ask(e, ids, GREEDY, "warm").tokens
-        assert wait_idle(e)
-        pool = e.runner.pool
-        for t in (pool.conv, pool.recurrent, pool.keys, pool.values):
-            t.fill_(math.nan)
-        got = ask(e, ids, GREEDY, "poisoned")
-        assert got.finish.cached_tokens == len(ids) and got.tokens == want
-    finally:
-        e.stop()
+    e = make_engine(engines, loaded)
+    want = ask(e, ids, GREEDY, "warm").tokens
+    assert wait_idle(e)
+    pool = e.runner.pool
+    for t in (pool.conv, pool.recurrent, pool.keys, pool.values):
+        t.fill_(math.nan)
+    got = ask(e, ids, GREEDY, "poisoned")
+    assert got.finish.cached_tokens == len(ids) and got.tokens == want
 
 
-def test_failed_restore_falls_back_to_prefill(loaded):
+def test_failed_restore_falls_back_to_prefill(loaded, engines):
     ids = prompt(loaded, "for item in items:\n    print(item)\n")
-    e = make_engine(loaded)
-    try:
-        want = ask(e, ids, GREEDY, "warm").tokens
-        pool = e.runner.pool
-        for t in (pool.conv, pool.recurrent, pool.keys, pool.values):
-            t.fill_(math.nan)
-        e.cache.fail_restores = 1
-        got = ask(e, ids, GREEDY, "failing")
-        assert got.tokens == want and got.finish.cached_tokens == 0
-        assert e.cache.device.stats.failed_restores == 1
-    finally:
-        e.stop()
+    e = make_engine(engines, loaded)
+    want = ask(e, ids, GREEDY, "warm").tokens
+    pool = e.runner.pool
+    for t in (pool.conv, pool.recurrent, pool.keys, pool.values):
+        t.fill_(math.nan)
+    e.cache.fail_restores = 1
+    got = ask(e, ids, GREEDY, "failing")
+    assert got.tokens == want and got.finish.cached_tokens == 0
+    assert e.cache.device.stats.failed_restores == 1
 
 
-def test_filling_past_the_budget_keeps_bytes_within_it(loaded):
+def test_filling_past_the_budget_keeps_bytes_within_it(loaded, engines):
     prompts = [prompt(loaded, f"value_{i} = compute({i})\n") for i in range(10)]
-    probe = make_engine(loaded, interval=0)
-    try:
-        ask(probe, prompts[0], SamplingParams(temperature=0, max_tokens=1), "probe")
-        one = probe.cache.device.bytes_held
-    finally:
-        probe.stop()
-    e = make_engine(loaded, cache_bytes=int(3.5 * one), interval=0)
-    try:
-        for i, ids in enumerate(prompts):
-            ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"r{i}")
-            assert e.cache.device.bytes_held <= e.cache.device.budget_bytes
-            if i == 2:  # touch the first prompt: it becomes the most recently used
-                assert ask(e, prompts[0], SamplingParams(temperature=0, max_tokens=1),
-                           "touch").finish.cached_tokens == len(prompts[0])
-            if i == 3:  # least recently used went first: prompt 1, not the older prompt 0
-                device = e.cache.device
-                assert device.contains(prompts[0]) and not device.contains(prompts[1])
-        assert len(e.cache.device.entries) == 3 and e.cache.device.stats.evictions == 7
-        assert [e.cache.device.contains(p) for p in prompts] == [False] * 7 + [True] * 3
-    finally:
-        e.stop()
+    probe = make_engine(engines, loaded, interval=0)
+    ask(probe, prompts[0], SamplingParams(temperature=0, max_tokens=1), "probe")
+    one = probe.cache.device.bytes_held
+    e = make_engine(engines, loaded, cache_bytes=int(3.5 * one), interval=0)
+    for i, ids in enumerate(prompts):
+        ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"r{i}")
+        assert e.cache.device.bytes_held <= e.cache.device.budget_bytes
+        if i == 2:  # touch the first prompt: it becomes the most recently used
+            assert ask(
+                e, prompts[0], SamplingParams(temperature=0, max_tokens=1), "touch"
+            ).finish.cached_tokens == len(prompts[0])
+        if i == 3:  # least recently used went first: prompt 1, not the older prompt 0
+            device = e.cache.device
+            assert device.contains(prompts[0]) and not device.contains(prompts[1])
+    assert len(e.cache.device.entries) == 3 and e.cache.device.stats.evictions == 7
+    assert [e.cache.device.contains(p) for p in prompts] == [False] * 7 + [True] * 3
 
 
-def test_snapshot_rows_are_reused_from_a_fixed_store(loaded):
+def test_snapshot_rows_are_reused_from_a_fixed_store(loaded, engines):
     """The GDN part of snapshots lives in preallocated rows: filling past the row count evicts
     the least recently used and recycles its row, without new storage."""
-    e = make_engine(loaded, interval=0, max_snapshots=3)
-    try:
-        store = e.cache.store
-        assert store is not None and store.capacity == 3
-        ptr = store.fixed["recurrent"].data_ptr()
-        prompts = [prompt(loaded, f"item_{i} = [{i}] * {i}\n") for i in range(7)]
-        for i, ids in enumerate(prompts):
-            ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"s{i}")
-            assert len(e.cache.device.entries) == min(i + 1, 3)
-            assert len(store.free) == 3 - len(e.cache.device.entries)
-        assert store.fixed["recurrent"].data_ptr() == ptr
-        rows = sorted(entry.payload.row for entry in e.cache.device.entries.values())
-        assert rows == [0, 1, 2]
-        assert [e.cache.device.contains(p) for p in prompts] == [False] * 4 + [True] * 3
-        # A recycled row holds the new snapshot: an exact hit still answers like a miss.
-        again = ask(e, prompts[-1], GREEDY, "again")
-        cold = make_engine(loaded, cache_mib=0)
-        try:
-            assert again.tokens == ask(cold, prompts[-1], GREEDY, "cold").tokens
-        finally:
-            cold.stop()
-    finally:
-        e.stop()
+    e = make_engine(engines, loaded, interval=0, max_snapshots=3)
+    store = e.cache.store
+    assert store is not None and store.capacity == 3
+    ptr = store.fixed["recurrent"].data_ptr()
+    prompts = [prompt(loaded, f"item_{i} = [{i}] * {i}\n") for i in range(7)]
+    for i, ids in enumerate(prompts):
+        ask(e, ids, SamplingParams(temperature=0, max_tokens=1), f"s{i}")
+        assert len(e.cache.device.entries) == min(i + 1, 3)
+        assert len(store.free) == 3 - len(e.cache.device.entries)
+    assert store.fixed["recurrent"].data_ptr() == ptr
+    rows = sorted(entry.payload.row for entry in e.cache.device.entries.values())
+    assert rows == [0, 1, 2]
+    assert [e.cache.device.contains(p) for p in prompts] == [False] * 4 + [True] * 3
+    # A recycled row holds the new snapshot: an exact hit still answers like a miss.
+    again = ask(e, prompts[-1], GREEDY, "again")
+    cold = make_engine(engines, loaded, cache_mib=0)
+    assert again.tokens == ask(cold, prompts[-1], GREEDY, "cold").tokens
 
 
-def test_host_tier_keeps_what_the_device_tier_evicts(loaded):
+def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines):
     """With one device row, older prompts move to the host tier and still hit from there."""
-    e = make_engine(loaded, interval=0, max_snapshots=1, host_bytes=64 << 20)
-    try:
-        prompts = [prompt(loaded, f"config_{i} = load({i!r})\n") for i in range(3)]
-        first = [ask(e, ids, GREEDY, f"p{i}").tokens for i, ids in enumerate(prompts)]
-        assert len(e.cache.device.entries) == 1 and len(e.cache.host.entries) == 2
-        assert e.cache.host.contains(prompts[0]) and e.cache.device.contains(prompts[2])
-        again = ask(e, prompts[0], GREEDY, "again")
-        assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
-        assert e.stats()["cache_host_hits"] == 1
-    finally:
-        e.stop()
+    e = make_engine(engines, loaded, interval=0, max_snapshots=1, host_bytes=64 << 20)
+    prompts = [prompt(loaded, f"config_{i} = load({i!r})\n") for i in range(3)]
+    first = [ask(e, ids, GREEDY, f"p{i}").tokens for i, ids in enumerate(prompts)]
+    assert len(e.cache.device.entries) == 1 and len(e.cache.host.entries) == 2
+    assert e.cache.host.contains(prompts[0]) and e.cache.device.contains(prompts[2])
+    again = ask(e, prompts[0], GREEDY, "again")
+    assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
+    assert e.stats()["cache_host_hits"] == 1

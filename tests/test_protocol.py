@@ -62,8 +62,14 @@ def error_of(fn, *args, **kwargs) -> APIError:
 
 def test_api_error_body_and_defaults():
     err = APIError(400, "bad thing", param="temperature")
-    assert err.body() == {"error": {"message": "bad thing", "type": "invalid_request_error",
-                                    "param": "temperature", "code": None}}
+    assert err.body() == {
+        "error": {
+            "message": "bad thing",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": None,
+        }
+    }
     assert APIError(401, "no").type == "authentication_error"
     assert APIError(404, "no").type == "not_found_error"
     limited = APIError(429, "busy", headers={"Retry-After": "1"})
@@ -75,8 +81,18 @@ def test_api_error_body_and_defaults():
 # ------------------------------------------------------------------------ bad bodies
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"{'a': 1}", b"\xff\xfe\xfa", b'{"n": NaN}',
-                                 b'{"temperature": Infinity}', b"[" * 100_000])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{",
+        b"{'a': 1}",
+        b"\xff\xfe\xfa",
+        b'{"n": NaN}',
+        b'{"temperature": Infinity}',
+        b"[" * 100_000,
+    ],
+)
 def test_malformed_json_is_400(raw):
     for parse in (parse_chat_request, parse_completion_request):
         err = error_of(parse, raw)
@@ -89,21 +105,49 @@ def test_body_must_be_object(raw):
     assert err.status == 400 and "object" in err.message
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", 2.5), ("temperature", "hot"), ("temperature", True),
-    ("top_p", 0), ("top_p", 1.5), ("top_p", "1"),
-    ("top_k", -2), ("top_k", 1.5),
-    ("min_p", -0.1), ("min_p", 2),
-    ("n", 0), ("n", 17), ("n", "2"), ("n", 1.0),
-    ("max_tokens", 0), ("max_tokens", "10"), ("max_completion_tokens", -1),
-    ("seed", 1.5), ("seed", "7"),
-    ("stream", "yes"), ("stream", 1),
-    ("stop", 5), ("stop", ["ok", 3]), ("stop", [""]), ("stop", ["s"] * (MAX_STOP + 1)),
-    ("logprobs", 1), ("top_logprobs", 21), ("top_logprobs", -1),
-    ("model", 5), ("messages", "hello"), ("messages", []),
-    ("tools", "x"), ("chat_template_kwargs", [1]), ("stop_token_ids", [-1]),
-    ("ignore_eos", "false"), ("return_tokens_as_token_ids", 0), ("draft", "no"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_p", "1"),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("min_p", -0.1),
+        ("min_p", 2),
+        ("n", 0),
+        ("n", 17),
+        ("n", "2"),
+        ("n", 1.0),
+        ("max_tokens", 0),
+        ("max_tokens", "10"),
+        ("max_completion_tokens", -1),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("stream", "yes"),
+        ("stream", 1),
+        ("stop", 5),
+        ("stop", ["ok", 3]),
+        ("stop", [""]),
+        ("stop", ["s"] * (MAX_STOP + 1)),
+        ("logprobs", 1),
+        ("top_logprobs", 21),
+        ("top_logprobs", -1),
+        ("model", 5),
+        ("messages", "hello"),
+        ("messages", []),
+        ("tools", "x"),
+        ("chat_template_kwargs", [1]),
+        ("stop_token_ids", [-1]),
+        ("ignore_eos", "false"),
+        ("return_tokens_as_token_ids", 0),
+        ("draft", "no"),
+    ],
+)
 def test_chat_wrong_type_or_range(field, value):
     err = error_of(chat, **{field: value})
     assert err.status == 400
@@ -120,10 +164,18 @@ def test_top_logprobs_needs_logprobs():
     assert chat(top_logprobs=0).num_logprobs is None
 
 
-@pytest.mark.parametrize("field, value", [
-    ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("echo", True), ("echo", "no"),
-    ("temperature", 3), ("n", 100),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("echo", True),
+        ("echo", "no"),
+        ("temperature", 3),
+        ("n", 100),
+    ],
+)
 def test_completion_wrong_type_or_range(field, value):
     err = error_of(completion, prompt="x", **{field: value})
     assert err.status == 400 and err.param == field
@@ -135,24 +187,40 @@ def test_missing_required_fields():
     assert err.param == "prompt" and "required" in err.message
 
 
-@pytest.mark.parametrize("messages, param", [
-    ([{"role": "robot", "content": "x"}], "messages[0].role"),
-    ([{"content": "x"}], "messages[0].role"),
-    ([{"role": "user"}], "messages[0].content"),
-    ([{"role": "user", "content": None}], "messages[0].content"),
-    ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-     "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content"),
-    (["hello"], "messages[0]"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b", "name": 3}],
-     "messages[1].name"),
-    ([{"role": "assistant", "content": None,
-       "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}],
-     "messages[0].tool_calls[0].function.arguments"),
-    ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
-     "messages[0].tool_calls[0].function.name"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"content": "x"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": None}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content",
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content"),
+        (["hello"], "messages[0]"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "b", "name": 3}],
+            "messages[1].name",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}],
+                }
+            ],
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+            "messages[0].tool_calls[0].function.name",
+        ),
+    ],
+)
 def test_bad_messages(messages, param):
     err = error_of(chat, messages=messages)
     assert err.status == 400 and err.param == param
@@ -167,8 +235,13 @@ def test_error_message_does_not_echo_input():
 
 
 def test_unknown_fields_ignored_and_defaults():
-    req = chat(frequency_penalty=0.5, logit_bias={"1": 2}, user="u", response_format={},
-               stream_options={"include_usage": True, "unknown": 1})
+    req = chat(
+        frequency_penalty=0.5,
+        logit_bias={"1": 2},
+        user="u",
+        response_format={},
+        stream_options={"include_usage": True, "unknown": 1},
+    )
     assert req.n == 1 and req.stream is False and req.stop == []
     assert req.include_usage is False  # only meaningful when streaming
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
@@ -177,15 +250,26 @@ def test_unknown_fields_ignored_and_defaults():
 
 
 def test_null_means_default():
-    req = chat(n=None, stream=None, logprobs=None, temperature=None, stop=None,
-               stream_options=None, tools=None, max_tokens=None,
-               messages=[{"role": "assistant", "content": None, "name": None},
-                         {"role": "user", "content": "hi", "tool_calls": None}])
+    req = chat(
+        n=None,
+        stream=None,
+        logprobs=None,
+        temperature=None,
+        stop=None,
+        stream_options=None,
+        tools=None,
+        max_tokens=None,
+        messages=[
+            {"role": "assistant", "content": None, "name": None},
+            {"role": "user", "content": "hi", "tool_calls": None},
+        ],
+    )
     assert req.n == 1 and req.stream is False and req.logprobs is False
     assert req.stop == [] and req.chat_template_kwargs == {}
     assert error_of(chat, messages=None).param == "messages"
-    assert error_of(chat, messages=[{"role": "tool", "content": None}]).param == \
-        "messages[0].content"
+    assert (
+        error_of(chat, messages=[{"role": "tool", "content": None}]).param == "messages[0].content"
+    )
     assert completion(prompt="x", logprobs=None, echo=None).num_logprobs is None
 
 
@@ -219,15 +303,17 @@ def test_empty_prompt_is_400(tok, prompt):
     assert err.status == 400 and err.param == "prompt"
 
 
-@pytest.mark.parametrize("prompt", [5, None, {"a": 1}, [1, "a"], [[1], "a"], [[1, "a"]],
-                                    [True, 1], [1.5], [[1], [2.0]]])
+@pytest.mark.parametrize(
+    "prompt", [5, None, {"a": 1}, [1, "a"], [[1], "a"], [[1, "a"]], [True, 1], [1.5], [[1], [2.0]]]
+)
 def test_prompt_of_wrong_shape_is_400(prompt):
     err = error_of(completion, prompt=prompt)
     assert err.status == 400 and err.param == "prompt"
 
 
-@pytest.mark.parametrize("prompt, bad", [([1, 4105], 4105), ([[1], [99999999]], 99999999),
-                                         ([-1], -1)])
+@pytest.mark.parametrize(
+    "prompt, bad", [([1, 4105], 4105), ([[1], [99999999]], 99999999), ([-1], -1)]
+)
 def test_token_id_outside_vocab_is_400(tok, prompt, bad):
     assert tok.vocab_size == 4105
     err = error_of(completion_prompts, tok, completion(prompt=prompt))
@@ -237,12 +323,19 @@ def test_token_id_outside_vocab_is_400(tok, prompt, bad):
 
 
 def test_chat_prompt_text_renders_template(tok):
-    req = chat(messages=[{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Hel"},
-                                                      {"type": "text", "text": "lo"}]}])
+    req = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+            },
+        ]
+    )
     text = chat_prompt_text(tok, req)
-    assert text == tok.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "Hello"}])
+    assert text == tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    )
     assert text.endswith("<|im_start|>assistant\n<think>\n")
 
 
@@ -258,10 +351,18 @@ def test_chat_history_with_reasoning_and_tool_calls(tok):
     messages = [
         {"role": "developer", "content": "sys"},
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "reasoning": "need a tool",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather",
-                                      "arguments": json.dumps({"city": "Paris"})}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": "need a tool",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     text = chat_prompt_text(tok, chat(messages=messages))
@@ -271,10 +372,13 @@ def test_chat_history_with_reasoning_and_tool_calls(tok):
     assert "<tool_response>\nsunny\n</tool_response>" in text
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "assistant", "content": "only an assistant"}],  # no user query
-    [{"role": "user", "content": "a"}, {"role": "system", "content": "late system"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "assistant", "content": "only an assistant"}],  # no user query
+        [{"role": "user", "content": "a"}, {"role": "system", "content": "late system"}],
+    ],
+)
 def test_template_error_is_400(tok, messages):
     err = error_of(chat_prompt_text, tok, chat(messages=messages))
     assert err.status == 400 and err.param == "messages"
@@ -298,8 +402,9 @@ def test_sampling_precedence():
     p = sampling_params(chat(), defaults=DEFAULTS, max_new_tokens=100)
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 0.9, 20, 0.0)
     assert p.max_tokens == 100
-    p = sampling_params(chat(temperature=0, top_k=5, min_p=0.1), defaults=DEFAULTS,
-                        max_new_tokens=100)
+    p = sampling_params(
+        chat(temperature=0, top_k=5, min_p=0.1), defaults=DEFAULTS, max_new_tokens=100
+    )
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.9, 5, 0.1)
     assert p.greedy
     p = sampling_params(chat(), defaults={}, max_new_tokens=10)
@@ -309,11 +414,27 @@ def test_sampling_precedence():
 
 
 def test_sampling_carries_request_fields():
-    req = chat(seed=7, stop=["x"], stop_token_ids=[3], ignore_eos=True, logprobs=True,
-               top_logprobs=4, max_tokens=50)
+    req = chat(
+        seed=7,
+        stop=["x"],
+        stop_token_ids=[3],
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=4,
+        max_tokens=50,
+    )
     p = sampling_params(req, defaults=DEFAULTS, max_new_tokens=100, eos_ids=[4098])
-    assert p == SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=7, max_tokens=50,
-                               stop=("x",), stop_token_ids=(3,), ignore_eos=True, logprobs=4)
+    assert p == SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        seed=7,
+        max_tokens=50,
+        stop=("x",),
+        stop_token_ids=(3,),
+        ignore_eos=True,
+        logprobs=4,
+    )
     p = sampling_params(completion(prompt="x", logprobs=3), defaults={}, max_new_tokens=5)
     assert p.logprobs == 3
 
@@ -326,8 +447,9 @@ def test_max_completion_tokens_wins():
 
 
 def test_max_tokens_over_limit_is_400():
-    err = error_of(sampling_params, completion(prompt="x", max_tokens=101), defaults={},
-                   max_new_tokens=100)
+    err = error_of(
+        sampling_params, completion(prompt="x", max_tokens=101), defaults={}, max_new_tokens=100
+    )
     assert err.status == 400 and err.param == "max_tokens" and "100" in err.message
 
 
@@ -345,31 +467,60 @@ def test_chat_response_shape():
     rid = new_request_id("chat")
     assert rid.startswith("chatcmpl-")
     resp = chat_completion_response(
-        request_id=rid, model="m", created=123,
+        request_id=rid,
+        model="m",
+        created=123,
         choices=[chat_choice(0, content="42", reasoning="6*7", finish_reason="stop")],
-        usage=usage_info(10, 3, cached_tokens=8))
+        usage=usage_info(10, 3, cached_tokens=8),
+    )
     assert resp == {
-        "id": rid, "object": "chat.completion", "created": 123, "model": "m",
+        "id": rid,
+        "object": "chat.completion",
+        "created": 123,
+        "model": "m",
         "system_fingerprint": None,
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": "42",
-                                 "reasoning_content": "6*7", "reasoning": "6*7"},
-                     "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                  "prompt_tokens_details": {"cached_tokens": 8}},
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "42",
+                    "reasoning_content": "6*7",
+                    "reasoning": "6*7",
+                },
+                "logprobs": None,
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 3,
+            "total_tokens": 13,
+            "prompt_tokens_details": {"cached_tokens": 8},
+        },
     }
 
 
 def test_chat_chunks():
     first = chat_chunk(request_id="c", model="m", index=0, role=True, created=1)
     assert first["object"] == "chat.completion.chunk"
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]
+    assert first["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
     think = chat_chunk(request_id="c", model="m", index=1, reasoning="hmm")
     assert think["choices"][0]["delta"] == {"reasoning_content": "hmm", "reasoning": "hmm"}
     both = chat_chunk(request_id="c", model="m", index=0, content="a", reasoning="b")
-    assert both["choices"][0]["delta"] == {"content": "a", "reasoning_content": "b",
-                                           "reasoning": "b"}
+    assert both["choices"][0]["delta"] == {
+        "content": "a",
+        "reasoning_content": "b",
+        "reasoning": "b",
+    }
     last = chat_chunk(request_id="c", model="m", index=0, finish_reason="length")
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
     assert isinstance(last["created"], int)
@@ -378,28 +529,40 @@ def test_chat_chunks():
 def test_completion_response_and_chunks():
     rid = new_request_id("completion")
     assert rid.startswith("cmpl-")
-    resp = completion_response(request_id=rid, model="m", created=5,
-                               choices=[completion_choice(0, text="hi", finish_reason="stop"),
-                                        completion_choice(1, text="yo", finish_reason="length")],
-                               usage=usage_info(2, 4))
+    resp = completion_response(
+        request_id=rid,
+        model="m",
+        created=5,
+        choices=[
+            completion_choice(0, text="hi", finish_reason="stop"),
+            completion_choice(1, text="yo", finish_reason="length"),
+        ],
+        usage=usage_info(2, 4),
+    )
     assert resp["object"] == "text_completion"
     assert [c["text"] for c in resp["choices"]] == ["hi", "yo"]
     assert resp["usage"]["total_tokens"] == 6
     assert resp["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     chunk = completion_chunk(request_id=rid, model="m", index=1, text="x")
     assert chunk["object"] == "text_completion"
-    assert chunk["choices"] == [{"index": 1, "text": "x", "logprobs": None,
-                                 "finish_reason": None, "stop_reason": None}]
+    assert chunk["choices"] == [
+        {"index": 1, "text": "x", "logprobs": None, "finish_reason": None, "stop_reason": None}
+    ]
 
 
 def test_usage_chunk_and_sse():
-    u = usage_chunk(request_id="c", model="m", object_type="chat.completion.chunk",
-                    usage=usage_info(1, 2), created=9)
+    u = usage_chunk(
+        request_id="c",
+        model="m",
+        object_type="chat.completion.chunk",
+        usage=usage_info(1, 2),
+        created=9,
+    )
     assert u["choices"] == [] and u["usage"]["total_tokens"] == 3
     frame = sse(u)
     assert frame.startswith(b"data: {") and frame.endswith(b"}\n\n")
     assert frame.count(b"\n") == 2
-    assert json.loads(frame[len(b"data: "):]) == u
+    assert json.loads(frame[len(b"data: ") :]) == u
     assert sse({"t": "é\nx"}) == 'data: {"t":"é\\nx"}\n\n'.encode()
     assert SSE_DONE == b"data: [DONE]\n\n"
 
@@ -408,15 +571,28 @@ def test_openai_client_types_accept_shapes():
     from openai.types import Completion
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-    ChatCompletion.model_validate(chat_completion_response(
-        request_id="c", model="m", choices=[chat_choice(0, content="x", finish_reason="stop")],
-        usage=usage_info(1, 1)))
+    ChatCompletion.model_validate(
+        chat_completion_response(
+            request_id="c",
+            model="m",
+            choices=[chat_choice(0, content="x", finish_reason="stop")],
+            usage=usage_info(1, 1),
+        )
+    )
     ChatCompletionChunk.model_validate(chat_chunk(request_id="c", model="m", index=0, role=True))
-    ChatCompletionChunk.model_validate(usage_chunk(
-        request_id="c", model="m", object_type="chat.completion.chunk", usage=usage_info(1, 1)))
-    Completion.model_validate(completion_response(
-        request_id="c", model="m", choices=[completion_choice(0, text="x", finish_reason="stop")],
-        usage=usage_info(1, 1)))
+    ChatCompletionChunk.model_validate(
+        usage_chunk(
+            request_id="c", model="m", object_type="chat.completion.chunk", usage=usage_info(1, 1)
+        )
+    )
+    Completion.model_validate(
+        completion_response(
+            request_id="c",
+            model="m",
+            choices=[completion_choice(0, text="x", finish_reason="stop")],
+            usage=usage_info(1, 1),
+        )
+    )
 
 
 # ------------------------------------------------------------------------- logprobs

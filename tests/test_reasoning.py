@@ -24,16 +24,16 @@ def oracle(text: str, start_in_reasoning: bool) -> tuple[str, str]:
     strip = 0
     pos = 0
     for m in re.finditer(r"<think>|</think>", text):
-        chunk = text[pos:m.start()]
+        chunk = text[pos : m.start()]
         lead = len(chunk) - len(chunk.lstrip("\n"))
-        chunk = chunk[min(lead, strip):]
+        chunk = chunk[min(lead, strip) :]
         (reasoning if in_reasoning else content).append(chunk)
         in_reasoning = m.group() == "<think>"
         strip = 1 if in_reasoning else 2
         pos = m.end()
     chunk = text[pos:]
     lead = len(chunk) - len(chunk.lstrip("\n"))
-    (reasoning if in_reasoning else content).append(chunk[min(lead, strip):])
+    (reasoning if in_reasoning else content).append(chunk[min(lead, strip) :])
     return "".join(reasoning), "".join(content)
 
 
@@ -70,8 +70,7 @@ def test_no_tags_is_content_unless_started_in_reasoning():
 
 def test_unclosed_block_stays_reasoning():
     assert split_full("<think>\nhalf a thought", False) == ("half a thought", "")
-    assert stream(["<think>", "\nhalf", " a thought", "</th"], False) == \
-        ("half a thought</th", "")
+    assert stream(["<think>", "\nhalf", " a thought", "</th"], False) == ("half a thought</th", "")
 
 
 def test_tags_split_across_deltas():
@@ -101,8 +100,10 @@ def test_separator_strip_is_bounded():
 def test_strip_newlines_false_matches_vllm_verbatim():
     text = "<think>\nabc\n</think>\n\nanswer"
     assert split_full(text, False, strip_newlines=False) == ("\nabc\n", "\n\nanswer")
-    assert stream(["<think>\nab", "c\n</thi", "nk>\n\nanswer"], False, strip_newlines=False) \
-        == ("\nabc\n", "\n\nanswer")
+    assert stream(["<think>\nab", "c\n</thi", "nk>\n\nanswer"], False, strip_newlines=False) == (
+        "\nabc\n",
+        "\n\nanswer",
+    )
 
 
 def test_prompt_opens_reasoning():
@@ -136,8 +137,25 @@ def test_push_after_flush_raises():
 
 # Text drawn from an alphabet rich in tag fragments and newlines, so that random cuts
 # often land inside tags and separators.
-_pieces = st.sampled_from(["<think>", "</think>", "<", "</", "th", "ink", ">", "\n", "\n\n",
-                           "a", "b c", "é", "<t", "</think", "x>"])
+_pieces = st.sampled_from(
+    [
+        "<think>",
+        "</think>",
+        "<",
+        "</",
+        "th",
+        "ink",
+        ">",
+        "\n",
+        "\n\n",
+        "a",
+        "b c",
+        "é",
+        "<t",
+        "</think",
+        "x>",
+    ]
+)
 _texts = st.lists(_pieces, max_size=25).map("".join)
 
 

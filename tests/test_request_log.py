@@ -13,15 +13,34 @@ import pytest
 
 from headstart.server.request_log import RECORD_FIELDS, RequestLog, request_record
 
-_FORBIDDEN = {"prompt", "messages", "text", "content", "output", "key", "api_key",
-              "authorization", "reasoning"}
+_FORBIDDEN = {
+    "prompt",
+    "messages",
+    "text",
+    "content",
+    "output",
+    "key",
+    "api_key",
+    "authorization",
+    "reasoning",
+}
 
 
 def _record(i: int, **kw) -> dict:
-    return request_record(id=f"chatcmpl-{i}", endpoint="/v1/chat/completions", status=200,
-                          prompt_tokens=i, completion_tokens=2 * i, cached_tokens=1,
-                          ttft_s=0.012345678, duration_s=1.5, finish_reason="stop", n=1,
-                          stream=bool(i % 2), **kw)
+    return request_record(
+        id=f"chatcmpl-{i}",
+        endpoint="/v1/chat/completions",
+        status=200,
+        prompt_tokens=i,
+        completion_tokens=2 * i,
+        cached_tokens=1,
+        ttft_s=0.012345678,
+        duration_s=1.5,
+        finish_reason="stop",
+        n=1,
+        stream=bool(i % 2),
+        **kw,
+    )
 
 
 def test_record_fields_and_format():
@@ -31,11 +50,13 @@ def test_record_fields_and_format():
     assert datetime.fromisoformat(rec["time"]).utcoffset().total_seconds() == 0
     assert rec["ttft_s"] == 0.0123
     assert rec["error"] is None
-    failed = request_record(id="x", endpoint="/v1/completions", status=400,
-                            error="invalid_request_error")
+    failed = request_record(
+        id="x", endpoint="/v1/completions", status=400, error="invalid_request_error"
+    )
     assert failed["finish_reason"] is None and failed["error"] == "invalid_request_error"
-    multi = request_record(id="x", endpoint="/v1/completions", status=200, n=2,
-                           finish_reason=("stop", "length"))
+    multi = request_record(
+        id="x", endpoint="/v1/completions", status=200, n=2, finish_reason=("stop", "length")
+    )
     assert multi["finish_reason"] == ["stop", "length"]
 
 

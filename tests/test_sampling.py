@@ -128,16 +128,24 @@ _bad_float = st.sampled_from([math.nan, math.inf, -math.inf, "1.0", None, True])
 
 BAD_VALUES = {
     "temperature": st.one_of(st.floats(max_value=-1e-12), _bad_float),
-    "top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True),
-                       _bad_float),
+    "top_p": st.one_of(
+        st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True), _bad_float
+    ),
     "top_k": st.one_of(st.integers(max_value=-2), st.sampled_from([1.5, 2.0, "3", True, None])),
-    "min_p": st.one_of(st.floats(max_value=-1e-12), st.floats(min_value=1.0, exclude_min=True),
-                       _bad_float),
-    "seed": st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**64),
-                      st.sampled_from([1.0, "7", True])),
+    "min_p": st.one_of(
+        st.floats(max_value=-1e-12), st.floats(min_value=1.0, exclude_min=True), _bad_float
+    ),
+    "seed": st.one_of(
+        st.integers(max_value=-(2**63) - 1),
+        st.integers(min_value=2**64),
+        st.sampled_from([1.0, "7", True]),
+    ),
     "max_tokens": st.one_of(st.integers(max_value=0), st.sampled_from([1.0, "5", True])),
-    "logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_LOGPROBS + 1),
-                          st.sampled_from([1.0, "5", False])),
+    "logprobs": st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=MAX_LOGPROBS + 1),
+        st.sampled_from([1.0, "5", False]),
+    ),
     "stop": st.one_of(
         st.lists(st.text(max_size=3), max_size=3).map(lambda xs: [*xs, ""]),
         st.sampled_from([[1], ["a", None], 5, None]),
@@ -168,8 +176,9 @@ def test_invalid_params_raise_value_error_naming_the_parameter(data):
     logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
 )
 def test_valid_params_accepted(temperature, top_p, top_k, min_p, logprobs):
-    p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                       logprobs=logprobs)
+    p = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, logprobs=logprobs
+    )
     assert p.temperature == temperature and p.logprobs == logprobs
 
 
@@ -193,13 +202,15 @@ def test_apply_temperature_handles_tiny_temperature():
 
 
 def test_apply_top_k_keeps_k_and_ties_and_skips_disabled_rows():
-    logits = torch.tensor([
-        [0.0, 5.0, 3.0, 4.0, 1.0],
-        [0.0, 5.0, 3.0, 3.0, 1.0],  # tie at the 2nd value: both kept
-        [0.0, 5.0, 3.0, 4.0, 1.0],  # k = 0: off
-        [0.0, 5.0, 3.0, 4.0, 1.0],  # k = -1: off
-        [0.0, 5.0, 3.0, 4.0, 1.0],  # k >= V: off
-    ])
+    logits = torch.tensor(
+        [
+            [0.0, 5.0, 3.0, 4.0, 1.0],
+            [0.0, 5.0, 3.0, 3.0, 1.0],  # tie at the 2nd value: both kept
+            [0.0, 5.0, 3.0, 4.0, 1.0],  # k = 0: off
+            [0.0, 5.0, 3.0, 4.0, 1.0],  # k = -1: off
+            [0.0, 5.0, 3.0, 4.0, 1.0],  # k >= V: off
+        ]
+    )
     before = logits.clone()
     out = apply_top_k(logits, [2, 2, 0, -1, 9])
     assert torch.equal(logits, before)  # input untouched
@@ -239,12 +250,14 @@ def test_combined_filters_match_reference_on_random_rows():
     for _ in range(200):
         vocab = int(rng.integers(2, 40))
         rows.append(rng.normal(0, 3, size=vocab).astype(np.float32))
-        params.append(SamplingParams(
-            temperature=float(rng.choice([0.0, 0.3, 1.0, 1.7])),
-            top_k=int(rng.choice([0, -1, 1, 2, 5, 50])),
-            top_p=float(rng.choice([1.0, 0.95, 0.7, 0.3, 0.01])),
-            min_p=float(rng.choice([0.0, 0.05, 0.3])),
-        ))
+        params.append(
+            SamplingParams(
+                temperature=float(rng.choice([0.0, 0.3, 1.0, 1.7])),
+                top_k=int(rng.choice([0, -1, 1, 2, 5, 50])),
+                top_p=float(rng.choice([1.0, 0.95, 0.7, 0.3, 0.01])),
+                min_p=float(rng.choice([0.0, 0.05, 0.3])),
+            )
+        )
     for logits, p in zip(rows, params, strict=True):
         got = sampling_probs(torch.from_numpy(logits)[None], [p])[0].numpy()
         want = reference_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
@@ -289,8 +302,15 @@ def test_greedy_rows_consume_no_randomness():
     gen = make_generator(123)
     state = gen.get_state()
     logits = torch.randn(3, 50)
-    SAMPLER.sample(logits, [SamplingParams(temperature=0), SamplingParams(top_k=1),
-                            SamplingParams(temperature=0, top_p=0.5)], [gen, gen, gen])
+    SAMPLER.sample(
+        logits,
+        [
+            SamplingParams(temperature=0),
+            SamplingParams(top_k=1),
+            SamplingParams(temperature=0, top_p=0.5),
+        ],
+        [gen, gen, gen],
+    )
     assert torch.equal(gen.get_state(), state)
     SAMPLER.sample(logits[:1], [SamplingParams()], [gen])
     assert not torch.equal(gen.get_state(), state)
@@ -305,9 +325,13 @@ def test_degenerate_settings_equal_greedy(dtype):
     # use rows without a tie at the top for the stochastic settings.
     top2 = logits.float().topk(2, dim=-1).values
     untied = [i for i in range(64) if top2[i, 0] > top2[i, 1]]
-    for params in [SamplingParams(temperature=1e-4), SamplingParams(top_k=1),
-                   SamplingParams(top_k=1, temperature=3.0), SamplingParams(top_p=1e-6),
-                   SamplingParams(min_p=1.0, temperature=2.0)]:
+    for params in [
+        SamplingParams(temperature=1e-4),
+        SamplingParams(top_k=1),
+        SamplingParams(top_k=1, temperature=3.0),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(min_p=1.0, temperature=2.0),
+    ]:
         for seed in range(3):
             gens = [make_generator(seed * 1000 + i) for i in range(64)]
             out = SAMPLER.sample(logits, [params] * 64, gens).token_ids
@@ -320,9 +344,12 @@ def test_degenerate_settings_equal_greedy(dtype):
 def test_masked_tokens_are_never_sampled():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(1, 32, generator=gen) * 2
-    cases = [SamplingParams(top_k=4, temperature=5.0), SamplingParams(top_p=0.5, temperature=3.0),
-             SamplingParams(min_p=0.2, temperature=4.0),
-             SamplingParams(top_k=10, top_p=0.8, min_p=0.05, temperature=2.0)]
+    cases = [
+        SamplingParams(top_k=4, temperature=5.0),
+        SamplingParams(top_p=0.5, temperature=3.0),
+        SamplingParams(min_p=0.2, temperature=4.0),
+        SamplingParams(top_k=10, top_p=0.8, min_p=0.05, temperature=2.0),
+    ]
     n = 4000
     for params in cases:
         allowed = sampling_probs(logits, [params])[0] > 0
@@ -338,27 +365,42 @@ def test_masked_tokens_are_never_sampled():
     ("params", "wrong"),
     [
         # Plain temperature; the classic bug is to forget it or invert it.
-        (SamplingParams(temperature=0.7),
-         [reference_probs(SMALL_LOGITS, 1.0), reference_probs(SMALL_LOGITS, 1 / 0.7)]),
+        (
+            SamplingParams(temperature=0.7),
+            [reference_probs(SMALL_LOGITS, 1.0), reference_probs(SMALL_LOGITS, 1 / 0.7)],
+        ),
         # Top-k must renormalise the *temperature-scaled* probabilities of the kept set.
-        (SamplingParams(temperature=1.5, top_k=4),
-         [reference_probs(SMALL_LOGITS, 1.0, top_k=4), reference_probs(SMALL_LOGITS, 1.5)]),
+        (
+            SamplingParams(temperature=1.5, top_k=4),
+            [reference_probs(SMALL_LOGITS, 1.0, top_k=4), reference_probs(SMALL_LOGITS, 1.5)],
+        ),
         # At T=2, top-p 0.8 keeps 4 tokens; applying top-p before temperature (on the
         # T=1 distribution) keeps only 3, so token 3 would never be drawn. Ignoring top-p
         # altogether is the other bug.
-        (SamplingParams(temperature=2.0, top_p=0.8),
-         [_renormalised(reference_probs(SMALL_LOGITS, 2.0),
-                        reference_probs(SMALL_LOGITS, 1.0, top_p=0.8) > 0),
-          reference_probs(SMALL_LOGITS, 2.0)]),
+        (
+            SamplingParams(temperature=2.0, top_p=0.8),
+            [
+                _renormalised(
+                    reference_probs(SMALL_LOGITS, 2.0),
+                    reference_probs(SMALL_LOGITS, 1.0, top_p=0.8) > 0,
+                ),
+                reference_probs(SMALL_LOGITS, 2.0),
+            ],
+        ),
         # All filters together; min-p bites after top-k and top-p.
-        (SamplingParams(temperature=1.2, top_k=5, top_p=0.95, min_p=0.25),
-         [reference_probs(SMALL_LOGITS, 1.2, top_k=5, top_p=0.95),
-          reference_probs(SMALL_LOGITS, 1.0, top_k=5, top_p=0.95, min_p=0.25)]),
+        (
+            SamplingParams(temperature=1.2, top_k=5, top_p=0.95, min_p=0.25),
+            [
+                reference_probs(SMALL_LOGITS, 1.2, top_k=5, top_p=0.95),
+                reference_probs(SMALL_LOGITS, 1.0, top_k=5, top_p=0.95, min_p=0.25),
+            ],
+        ),
     ],
 )
 def test_chi_square_goodness_of_fit(params, wrong):
-    expected = reference_probs(SMALL_LOGITS, params.temperature, params.top_k, params.top_p,
-                               params.min_p)
+    expected = reference_probs(
+        SMALL_LOGITS, params.temperature, params.top_k, params.top_p, params.min_p
+    )
     counts = draw_counts(SMALL_LOGITS, params, n=20_000, seed=2024)
     assert counts.sum() == 20_000
     assert counts[expected == 0].sum() == 0, "drew a filtered-out token"
@@ -399,16 +441,15 @@ def test_same_seed_same_sequence():
 
     def run(seed: int) -> list[int]:
         gen = make_generator(seed)
-        return [SAMPLER.sample(_step_logits(s, 1), [params], [gen]).token_ids[0]
-                for s in range(40)]
+        return [SAMPLER.sample(_step_logits(s, 1), [params], [gen]).token_ids[0] for s in range(40)]
 
     assert run(77) == run(77)
     assert run(77) != run(78)
 
 
+@pytest.mark.slow
 def test_request_tokens_do_not_depend_on_batch_composition():
-    target = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=1234,
-                            logprobs=3)
+    target = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=1234, logprobs=3)
     others = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=1.3, seed=5),
@@ -420,8 +461,9 @@ def test_request_tokens_do_not_depend_on_batch_composition():
     target_logits = [_step_logits(s, 1)[0] for s in range(steps)]
 
     gen = make_generator(target.seed)
-    alone = [SAMPLER.sample(target_logits[s][None], [target], [gen]).token_ids[0]
-             for s in range(steps)]
+    alone = [
+        SAMPLER.sample(target_logits[s][None], [target], [gen]).token_ids[0] for s in range(steps)
+    ]
 
     rng = np.random.default_rng(3)
     for _trial in range(3):

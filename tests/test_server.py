@@ -15,6 +15,8 @@ import openai
 import pytest
 from server_proc import ServerProcess
 
+pytestmark = pytest.mark.slow  # every test here talks to a real `headstart serve`
+
 MODEL = "headstart-default"
 
 
@@ -39,9 +41,13 @@ def token_ids(choice_logprobs) -> list[int]:
 
 def greedy_chat(client, text, max_tokens=12, **extra):
     return client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-        temperature=0, logprobs=True, extra_body={"return_tokens_as_token_ids": True,
-                                                  "ignore_eos": True, **extra})
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True, **extra},
+    )
 
 
 def test_models_and_health(server, client):
@@ -71,15 +77,21 @@ def test_chat_thinking_off_goes_to_content(client):
 def test_chat_stream_matches_non_stream(client):
     full = greedy_chat(client, "stream me", chat_template_kwargs={"enable_thinking": False})
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "stream me"}], max_tokens=12,
-        temperature=0, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream me"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and
-              c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
@@ -88,15 +100,28 @@ def test_completions_prompt_shapes(client, server):
     tok_prompt = [10, 20, 30, 40]
     a = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, temperature=0)
     assert a.choices[0].finish_reason in ("length", "stop") and a.usage.prompt_tokens > 0
-    b = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=3,
-                                  temperature=0, n=2, seed=3)
+    b = client.completions.create(
+        model=MODEL, prompt=["one", "two"], max_tokens=3, temperature=0, n=2, seed=3
+    )
     assert sorted(c.index for c in b.choices) == [0, 1, 2, 3]
-    c = client.completions.create(model=MODEL, prompt=tok_prompt, max_tokens=3, temperature=0,
-                                  logprobs=2, extra_body={"ignore_eos": True})
+    c = client.completions.create(
+        model=MODEL,
+        prompt=tok_prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert c.usage.prompt_tokens == 4 and len(c.choices[0].logprobs.tokens) == 3
     assert all(len(t) == 2 for t in c.choices[0].logprobs.top_logprobs)
-    s = client.completions.create(model=MODEL, prompt=tok_prompt, max_tokens=3, temperature=0,
-                                  stream=True, extra_body={"ignore_eos": True})
+    s = client.completions.create(
+        model=MODEL,
+        prompt=tok_prompt,
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(x.choices[0].text for x in s) == c.choices[0].text
 
 
@@ -106,9 +131,13 @@ def test_sixteen_concurrent_greedy_equal_alone(server):
 
         async def one(i):
             r = await aclient.completions.create(
-                model=MODEL, prompt=f"item {i}: " + "x = y + 1\n" * (i % 5), max_tokens=16,
-                temperature=0, logprobs=0,
-                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+                model=MODEL,
+                prompt=f"item {i}: " + "x = y + 1\n" * (i % 5),
+                max_tokens=16,
+                temperature=0,
+                logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+            )
             return r.choices[0].logprobs.tokens
 
         together = await asyncio.gather(*(one(i) for i in range(16)))
@@ -122,23 +151,34 @@ def test_sixteen_concurrent_greedy_equal_alone(server):
 def test_disconnects_free_slots(server):
     """Fill all slots with long streams, drop them mid-stream, then get served promptly;
     then 200 random disconnects leave no slot held and memory flat."""
-    body = {"model": MODEL, "prompt": "go", "max_tokens": 400, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": "go",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     def open_and_drop(n_chunks: int):
-        with httpx.Client(timeout=30) as c, \
-                c.stream("POST", server.url + "/v1/completions", json=body) as r:
-                for i, _ in enumerate(r.iter_lines()):
-                    if i >= n_chunks:
-                        break
+        with (
+            httpx.Client(timeout=30) as c,
+            c.stream("POST", server.url + "/v1/completions", json=body) as r,
+        ):
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= n_chunks:
+                    break
 
     async def fill_and_drop():
         await asyncio.gather(*(asyncio.to_thread(open_and_drop, 3) for _ in range(16)))
 
     asyncio.run(fill_and_drop())
     t0 = time.monotonic()
-    r = httpx.post(server.url + "/v1/completions",
-                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
     assert r.status_code == 200 and time.monotonic() - t0 < 10
 
     def rss_kb() -> int:
@@ -172,19 +212,33 @@ def test_disconnects_free_slots(server):
 BAD = [
     ("malformed json", "/v1/completions", b'{"prompt": "x", ', 400, None),
     ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
-    ("temperature range", "/v1/completions", {"prompt": "x", "temperature": 9}, 400,
-     "temperature"),
-    ("top_p range", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("temperature range", "/v1/completions", {"prompt": "x", "temperature": 9}, 400, "temperature"),
+    (
+        "top_p range",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_p": 0},
+        400,
+        "top_p",
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
     ("prompt over context", "/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),
-    ("max_tokens over context", "/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400,
-     "max_tokens"),
+    (
+        "max_tokens over context",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 5000},
+        400,
+        "max_tokens",
+    ),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 999999]}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
-     None),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        400,
+        None,
+    ),
     ("n range", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
 ]
 
@@ -199,8 +253,9 @@ def test_bad_input_gets_openai_error(server, name, path, body, status, param):
     if param is not None:
         assert err["param"] == param
     # The engine is unharmed.
-    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                    timeout=30)
+    ok = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30
+    )
     assert ok.status_code == 200
 
 
@@ -209,9 +264,15 @@ def test_burst_with_request_log(server):
 
     async def burst():
         async with httpx.AsyncClient(timeout=60) as c:
-            rs = await asyncio.gather(*(c.post(server.url + "/v1/completions", json={
-                "prompt": f"burst {i}", "max_tokens": 3, "stream": i % 2 == 0})
-                for i in range(64)))
+            rs = await asyncio.gather(
+                *(
+                    c.post(
+                        server.url + "/v1/completions",
+                        json={"prompt": f"burst {i}", "max_tokens": 3, "stream": i % 2 == 0},
+                    )
+                    for i in range(64)
+                )
+            )
         return [r.status_code for r in rs]
 
     assert asyncio.run(burst()) == [200] * 64
@@ -230,65 +291,69 @@ def test_burst_with_request_log(server):
 
 def test_metrics_exposed(server):
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    for name in ("headstart_requests_running", "headstart_requests_queued",
-                 "headstart_time_to_first_token_seconds", "headstart_generation_tokens_total"):
+    for name in (
+        "headstart_requests_running",
+        "headstart_requests_queued",
+        "headstart_time_to_first_token_seconds",
+        "headstart_generation_tokens_total",
+    ):
         assert name in text
 
 
-def test_full_queue_gets_429():
-    srv = ServerProcess("--parallel", "1", "--max-queue", "0", "--context", "1024").wait_ready()
-    try:
-        body = {"prompt": "hold", "max_tokens": 900, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=30) as c, c.stream("POST", srv.url + "/v1/completions",
-                                                    json=body) as r:
-            lines = r.iter_lines()  # keep a reference: a collected iterator closes the stream
-            next(lines)
-            busy = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
-            assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
-            assert busy.json()["error"]["type"] == "rate_limit_exceeded"
-    finally:
-        assert srv.stop() == 0
+def test_full_queue_gets_429(servers):
+    srv = servers("--parallel", "1", "--max-queue", "0", "--context", "1024").wait_ready()
+    body = {"prompt": "hold", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream("POST", srv.url + "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()  # keep a reference: a collected iterator closes the stream
+        next(lines)
+        busy = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["type"] == "rate_limit_exceeded"
+    assert srv.stop() == 0
 
 
-def test_api_keys_mode_401_and_sighup(tmp_path):
+def test_api_keys_mode_401_and_sighup(tmp_path, servers):
     keyfile = tmp_path / "keys"
     keyfile.write_text("first-key\n")
     os.chmod(keyfile, 0o644)
-    refused = ServerProcess("--api-key-file", str(keyfile))
+    refused = servers("--api-key-file", str(keyfile))
     assert refused.proc.wait(60) == 2 and "644" in refused.output()
     os.chmod(keyfile, stat.S_IRUSR | stat.S_IWUSR)
-    srv = ServerProcess("--api-key-file", str(keyfile)).wait_ready()
-    try:
-        url = srv.url + "/v1/models"
-        assert httpx.get(url).status_code == 401
-        assert httpx.get(url, headers={"Authorization": "Bearer nope"}).status_code == 401
-        assert httpx.get(url, headers={"Authorization": "Bearer first-key"}).status_code == 200
-        assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
-        keyfile.write_text("second-key\n")
-        srv.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if httpx.get(url, headers={"Authorization": "Bearer second-key"}).status_code == 200:
-                break
-            time.sleep(0.1)
-        assert httpx.get(url, headers={"Authorization": "Bearer second-key"}).status_code == 200
-        assert httpx.get(url, headers={"Authorization": "Bearer first-key"}).status_code == 401
-    finally:
-        assert srv.stop() == 0
+    srv = servers("--api-key-file", str(keyfile)).wait_ready()
+    url = srv.url + "/v1/models"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer first-key"}).status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
+    keyfile.write_text("second-key\n")
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if httpx.get(url, headers={"Authorization": "Bearer second-key"}).status_code == 200:
+            break
+        time.sleep(0.1)
+    assert httpx.get(url, headers={"Authorization": "Bearer second-key"}).status_code == 200
+    assert httpx.get(url, headers={"Authorization": "Bearer first-key"}).status_code == 401
+    assert srv.stop() == 0
 
 
-def test_sigterm_ends_streams_with_a_final_chunk_and_exits_0():
-    srv = ServerProcess("--shutdown-timeout", "1", "--context", "4096").wait_ready()
+def test_sigterm_ends_streams_with_a_final_chunk_and_exits_0(servers):
+    srv = servers("--shutdown-timeout", "1", "--context", "4096").wait_ready()
     body = {"prompt": "long", "max_tokens": 4000, "stream": True, "ignore_eos": True}
     lines = []
-    with httpx.Client(timeout=60) as c, c.stream("POST", srv.url + "/v1/completions",
-                                                json=body) as r:
+    with (
+        httpx.Client(timeout=60) as c,
+        c.stream("POST", srv.url + "/v1/completions", json=body) as r,
+    ):
         for i, line in enumerate(r.iter_lines()):
             if i == 2:
                 srv.proc.send_signal(signal.SIGTERM)
             if line:
                 lines.append(line)
     assert lines[-1] == "data: [DONE]"
-    last = json.loads(lines[-2][len("data: "):])
+    last = json.loads(lines[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] == "abort"
     assert srv.stop() == 0

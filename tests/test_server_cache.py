@@ -5,9 +5,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from server_proc import ServerProcess
 
 from headstart.loading import load
-from server_proc import ServerProcess
+
+pytestmark = pytest.mark.slow  # every test here talks to a real `headstart serve`
 
 MODEL = "headstart-default"
 
@@ -24,8 +26,12 @@ def servers():
 def chat(url, messages, **extra):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     return client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=16, temperature=0,
-        extra_body={"ignore_eos": True, **extra})
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, **extra},
+    )
 
 
 def test_exact_repeat_reports_the_whole_prompt_cached(servers):
@@ -43,17 +49,21 @@ def test_exact_repeat_reports_the_whole_prompt_cached(servers):
 def test_second_turn_reuses_the_first_turn_up_to_its_assistant_header(servers, thinking):
     cached, fresh = servers
     kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}}
-    turn1 = [{"role": "system", "content": f"You write Python. thinking={thinking}"},
-             {"role": "user", "content": "A function that reverses a list?"}]
+    turn1 = [
+        {"role": "system", "content": f"You write Python. thinking={thinking}"},
+        {"role": "user", "content": "A function that reverses a list?"},
+    ]
     r1 = chat(cached.url, turn1, **kwargs)
     answer = r1.choices[0].message.content or "def rev(xs): return xs[::-1]"
-    turn2 = turn1 + [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": "Now for a string."}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Now for a string."},
+    ]
     r2 = chat(cached.url, turn2, **kwargs)
     # Where the first turn's prompt and the second's part: right after the assistant header.
     tok = load().tokenizer
     text1 = tok.apply_chat_template(turn1, add_generation_prompt=True, enable_thinking=thinking)
-    header = text1[:text1.rfind("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")]
+    header = text1[: text1.rfind("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")]
     assert r2.usage.prompt_tokens_details.cached_tokens == len(tok.encode(header))
     want = chat(fresh.url, turn2, **kwargs)
     assert want.usage.prompt_tokens_details.cached_tokens == 0
@@ -63,10 +73,15 @@ def test_second_turn_reuses_the_first_turn_up_to_its_assistant_header(servers, t
 def test_cache_metrics(servers):
     cached, _ = servers
     text = httpx.get(cached.url + "/metrics").text
-    for name in ("headstart_prompt_cache_hits_total", "headstart_prompt_cache_misses_total",
-                 "headstart_prompt_cache_bytes", "headstart_prompt_cache_evictions_total",
-                 "headstart_prompt_cache_restored_tokens_total"):
+    for name in (
+        "headstart_prompt_cache_hits_total",
+        "headstart_prompt_cache_misses_total",
+        "headstart_prompt_cache_bytes",
+        "headstart_prompt_cache_evictions_total",
+        "headstart_prompt_cache_restored_tokens_total",
+    ):
         assert name in text
-    hits = [line for line in text.splitlines()
-            if line.startswith("headstart_prompt_cache_hits_total")]
+    hits = [
+        line for line in text.splitlines() if line.startswith("headstart_prompt_cache_hits_total")
+    ]
     assert float(hits[0].split()[-1]) >= 1

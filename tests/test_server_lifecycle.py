@@ -29,9 +29,16 @@ LONG_STREAM = {"prompt": "def f(", "max_tokens": 400, "ignore_eos": True, "strea
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--parallel", "2", "--context", "256",
-                        "--header-timeout", str(HEADER_TIMEOUT),
-                        "--keep-alive-timeout", str(KEEP_ALIVE))
+    srv = ServerProcess(
+        "--parallel",
+        "2",
+        "--context",
+        "256",
+        "--header-timeout",
+        str(HEADER_TIMEOUT),
+        "--keep-alive-timeout",
+        str(KEEP_ALIVE),
+    )
     try:
         yield srv.wait_ready()
     finally:
@@ -62,8 +69,11 @@ def read_response(s: socket.socket) -> bytes:
         assert chunk, f"closed mid-response: {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         chunk = s.recv(65536)
         assert chunk, "closed mid-body"
@@ -73,7 +83,7 @@ def read_response(s: socket.socket) -> bytes:
 
 
 def get_health(port: int, extra: bytes = b"") -> bytes:
-    return (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%s\r\n" % (port, extra))
+    return b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%s\r\n" % (port, extra)
 
 
 def closed_after(s: socket.socket, start: float) -> tuple[float, bytes]:
@@ -81,6 +91,7 @@ def closed_after(s: socket.socket, start: float) -> tuple[float, bytes]:
     return time.monotonic() - start, data
 
 
+@pytest.mark.slow
 def test_keep_alive_client_works_and_idle_kept_alive_connection_closes(server):
     with httpx.Client(base_url=server.url) as c:  # a pooled, kept-alive client
         assert [c.get("/health").status_code for _ in range(3)] == [200] * 3
@@ -93,6 +104,7 @@ def test_keep_alive_client_works_and_idle_kept_alive_connection_closes(server):
     assert KEEP_ALIVE * 0.7 <= idle <= KEEP_ALIVE + SLACK, idle
 
 
+@pytest.mark.slow
 def test_connection_that_sends_nothing_is_closed(server):
     with connect(server) as s:
         waited, data = closed_after(s, time.monotonic())
@@ -100,6 +112,7 @@ def test_connection_that_sends_nothing_is_closed(server):
     assert HEADER_TIMEOUT * 0.8 <= waited <= HEADER_TIMEOUT + SLACK, waited
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial", [b"GET /hea", b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: "])
 def test_stalled_request_head_gets_408_and_is_closed(server, partial):
     with connect(server) as s:
@@ -110,6 +123,7 @@ def test_stalled_request_head_gets_408_and_is_closed(server, partial):
     assert HEADER_TIMEOUT * 0.8 <= waited <= HEADER_TIMEOUT + SLACK, waited
 
 
+@pytest.mark.slow
 def test_trickled_request_head_is_closed(server):
     """A client sending a byte now and then (slowloris) gets no longer than the header timeout."""
     with connect(server) as s:
@@ -136,6 +150,7 @@ def test_trickled_request_head_is_closed(server):
     assert HEADER_TIMEOUT * 0.8 <= waited <= HEADER_TIMEOUT + SLACK, waited
 
 
+@pytest.mark.slow
 def test_stall_after_a_kept_alive_response_is_timed_from_its_first_byte(server):
     with connect(server) as s:
         s.sendall(get_health(server.port))
@@ -150,14 +165,15 @@ def test_stall_after_a_kept_alive_response_is_timed_from_its_first_byte(server):
         assert c.get("/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_header_size_bound(server):
     # Above h11's 16 KiB default, below the 64 KiB bound: served. Sent in two parts, because
     # h11 checks its bound only on an incomplete head (a whole one in one read always passes).
     with connect(server) as s:
         head = get_health(server.port, b"X-Big: " + b"a" * (40 << 10) + b"\r\n")
-        s.sendall(head[:30 << 10])
+        s.sendall(head[: 30 << 10])
         time.sleep(0.3)
-        s.sendall(head[30 << 10:])
+        s.sendall(head[30 << 10 :])
         assert read_response(s).startswith(b"HTTP/1.1 200")
     # 1 MiB of headers: refused once the buffered head passes the bound.
     with connect(server) as s:
@@ -169,67 +185,73 @@ def test_header_size_bound(server):
     assert data.startswith(b"HTTP/1.1 400 "), data[:200]
 
 
-def test_drain_keeps_serving_503_until_streams_finish_then_exits_0():
-    srv = ServerProcess("--parallel", "2", "--context", "512", "--shutdown-timeout", "60")
-    try:
-        srv.wait_ready()
-        lines: list[str] = []
-        with httpx.Client(base_url=srv.url, timeout=60) as c, \
-                c.stream("POST", "/v1/completions", json=LONG_STREAM) as r:
-            assert r.status_code == 200
-            checked = False
-            for i, line in enumerate(r.iter_lines()):
-                if line:
-                    lines.append(line)
-                if i == 2:
-                    srv.proc.send_signal(signal.SIGTERM)
-                    deadline = time.monotonic() + 5
-                    while (h := httpx.get(srv.url + "/health", timeout=5)).status_code == 200:
-                        assert time.monotonic() < deadline, "/health never turned 503"
-                        time.sleep(0.05)
-                    assert h.status_code == 503
-                    assert h.json()["status"] == "draining"
-                    refused = httpx.post(srv.url + "/v1/completions", timeout=5,
-                                         json={"prompt": "x", "max_tokens": 2})
-                    assert refused.status_code == 503, refused.text
-                    assert srv.proc.poll() is None  # still serving while the stream runs
-                    checked = True
-        assert checked
-        assert lines[-1] == "data: [DONE]"
-        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # whole, not aborted
-        assert sum(1 for ch in chunks if ch["choices"] and ch["choices"][0]["text"]) > 300
-        srv.proc.wait(15)  # exits by itself once drained
-        assert srv.proc.returncode == 0, srv.output()
-    finally:
-        srv.stop()
+@pytest.mark.slow
+def test_drain_keeps_serving_503_until_streams_finish_then_exits_0(servers):
+    srv = servers("--parallel", "2", "--context", "512", "--shutdown-timeout", "60")
+    srv.wait_ready()
+    lines: list[str] = []
+    with (
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=LONG_STREAM) as r,
+    ):
+        assert r.status_code == 200
+        checked = False
+        for i, line in enumerate(r.iter_lines()):
+            if line:
+                lines.append(line)
+            if i == 2:
+                srv.proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 5
+                while (h := httpx.get(srv.url + "/health", timeout=5)).status_code == 200:
+                    assert time.monotonic() < deadline, "/health never turned 503"
+                    time.sleep(0.05)
+                assert h.status_code == 503
+                assert h.json()["status"] == "draining"
+                refused = httpx.post(
+                    srv.url + "/v1/completions", timeout=5, json={"prompt": "x", "max_tokens": 2}
+                )
+                assert refused.status_code == 503, refused.text
+                assert srv.proc.poll() is None  # still serving while the stream runs
+                checked = True
+    assert checked
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # whole, not aborted
+    assert sum(1 for ch in chunks if ch["choices"] and ch["choices"][0]["text"]) > 300
+    srv.proc.wait(15)  # exits by itself once drained
+    assert srv.proc.returncode == 0, srv.output()
 
 
-def test_second_signal_exits_at_once():
-    srv = ServerProcess("--parallel", "2", "--context", "2048", "--shutdown-timeout", "60")
+@pytest.mark.slow
+def test_second_signal_exits_at_once(servers):
+    srv = servers("--parallel", "2", "--context", "2048", "--shutdown-timeout", "60")
     longer = {**LONG_STREAM, "max_tokens": 1500}  # 15 s or so: far longer than the wait below
-    try:
-        srv.wait_ready()
-        with httpx.Client(base_url=srv.url, timeout=60) as c, \
-                c.stream("POST", "/v1/completions", json=longer) as r:
-            lines = r.iter_lines()
-            for _ in range(3):
-                next(lines)
-            srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            assert srv.proc.poll() is None  # draining: the stream has 60 s
-            start = time.monotonic()
-            srv.proc.send_signal(signal.SIGTERM)
-            srv.proc.wait(5)
-        assert time.monotonic() - start < 5
-        assert srv.proc.returncode == 0, srv.output()
-    finally:
-        srv.stop()
+    srv.wait_ready()
+    with (
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=longer) as r,
+    ):
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None  # draining: the stream has 60 s
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(5)
+    assert time.monotonic() - start < 5
+    assert srv.proc.returncode == 0, srv.output()
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headstart", "serve", *args],
-                          check=False, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "headstart", "serve", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_refusal(done: subprocess.CompletedProcess, port: int) -> None:
@@ -254,15 +276,29 @@ def test_busy_port_is_refused_in_one_line():
 
 
 def test_help_shows_the_flags_with_defaults():
-    done = subprocess.run([sys.executable, "-m", "headstart", "serve", "--help"],
-                          check=False, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "headstart", "serve", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     # One entry per option, argparse's line wrapping undone.
-    entries = {" ".join(e.split()).split()[0]: " ".join(e.split())
-               for e in re.split(r"\n(?=  -)", done.stdout.split("options:", 1)[1]) if e.strip()}
-    for flag, default in [("--host", "127.0.0.1"), ("--port", "8888"),
-                          ("--max-body-mib", "8.0"), ("--body-timeout", "30.0"),
-                          ("--header-timeout", "10.0"), ("--keep-alive-timeout", "5.0"),
-                          ("--shutdown-timeout", "10.0"), ("--metrics-open", "off")]:
+    entries = {
+        " ".join(e.split()).split()[0]: " ".join(e.split())
+        for e in re.split(r"\n(?=  -)", done.stdout.split("options:", 1)[1])
+        if e.strip()
+    }
+    for flag, default in [
+        ("--host", "127.0.0.1"),
+        ("--port", "8888"),
+        ("--max-body-mib", "8.0"),
+        ("--body-timeout", "30.0"),
+        ("--header-timeout", "10.0"),
+        ("--keep-alive-timeout", "5.0"),
+        ("--shutdown-timeout", "10.0"),
+        ("--metrics-open", "off"),
+    ]:
         assert flag in entries, sorted(entries)
         assert f"default: {default})" in entries[flag], entries[flag]

@@ -266,9 +266,7 @@ def test_encode_is_unchanged(tok: Tokenizer) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def test_placeholder_cannot_be_forged(
-    tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_placeholder_cannot_be_forged(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     nonce = "1" * tokenizer_module._NONCE_DIGITS
     forged = [
         "\ue000",
@@ -440,6 +438,7 @@ def test_client_text_never_makes_control_tokens(
     )
     clean = tok.encode_chat(clean_messages, tools=clean_tools, enable_thinking=thinking)
     assert _controls(tok, enc.ids) == _controls(tok, clean.ids)
-    if not any(token in text for token in ADDED_TEXTS
-               for text in (user, system or "", description or "")):
+    if not any(
+        token in text for token in ADDED_TEXTS for text in (user, system or "", description or "")
+    ):
         assert enc.ids == tok.encode(enc.text)

@@ -9,7 +9,7 @@ from engine_helpers import Collector
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.config import CacheConfig, EngineConfig, SchedulingConfig, SpecConfig
-from headstart.engine.engine import Engine, EngineRequest, Finish, wait_idle
+from headstart.engine.engine import EngineRequest, Finish, wait_idle
 from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.spec.verification import verify
 from headstart.generate import greedy_tokens
@@ -46,16 +46,17 @@ class OracleDrafter(DFlashDrafter):
         return out
 
 
-def engine_for(target, tokenizer, drafter=None, **parts):
-    """A started engine; ``parts``: EngineConfig's composed settings (spec=, cache=)."""
+def engine_for(engines, target, tokenizer, drafter=None, **parts):
+    """A started engine from ``engines`` (the fixture); ``parts``: EngineConfig's composed
+    settings (spec=, cache=)."""
     config = EngineConfig(4, 256, scheduling=SchedulingConfig(16, 48), **parts)
-    e = Engine(target, tokenizer, (), config, drafter=drafter)
-    e.start()
-    return e
+    return engines(target, tokenizer, (), config, drafter=drafter)
 
 
-PROMPTS = [[(7 * i + 3 * j) % 150 + 5 for j in range(n)] for i, n in
-           enumerate([3, 9, 17, 30, 5, 41, 12, 24])]
+PROMPTS = [
+    [(7 * i + 3 * j) % 150 + 5 for j in range(n)]
+    for i, n in enumerate([3, 9, 17, 30, 5, 41, 12, 24])
+]
 
 
 def run_all(engine, params, prompts=PROMPTS, draft=True):
@@ -70,60 +71,54 @@ def run_all(engine, params, prompts=PROMPTS, draft=True):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-SEEDED = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=16, ignore_eos=True)
-          for i in range(3)]
+SEEDED = [
+    SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=16, ignore_eos=True)
+    for i in range(3)
+]
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(target, tokenizer):
-    e = engine_for(target, tokenizer)
-    try:
-        return run_all(e, GREEDY)
-    finally:
-        e.stop()
+def plain_greedy(target, tokenizer, module_engines):
+    e = engine_for(module_engines, target, tokenizer)
+    return run_all(e, GREEDY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
 @pytest.mark.parametrize("kind", ["random", "oracle"])
-def test_greedy_with_drafter_equals_without(target, tokenizer, plain_greedy, kind, mode):
+def test_greedy_with_drafter_equals_without(target, tokenizer, engines, plain_greedy, kind, mode):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
     if kind == "oracle":
         drafter = OracleDrafter(drafter)
-    e = engine_for(target, tokenizer, drafter, spec=SpecConfig(mode=mode))
+    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode))
     if kind == "oracle":
         drafter.engine = e
-    try:
-        assert run_all(e, GREEDY) == plain_greedy
-        spec = e.stats()
-        assert spec["spec_rounds"] > 0
-        if mode == "tree":
-            assert spec["spec_tree_rounds"] == spec["spec_rounds"]
-        if mode == "chain":
-            assert spec["spec_tree_rounds"] == 0
-        if kind == "oracle" and mode == "chain":
-            assert spec["spec_accepted"] == spec["spec_drafted"]
-        elif kind == "oracle" and mode == "tree":  # the greedy spine is accepted whole
-            per_round = spec["spec_accepted"] / spec["spec_rounds"]
-            assert per_round >= (6 - 1) * 0.8
-        elif kind == "oracle":
-            # auto: the planner mixes chains and trees by measured (timed) cost, so the share of
-            # drafts accepted varies with the machine's load (a tree's side branches are drafted
-            # and rejected); what cannot vary is that every round's first draft lands.
-            assert spec["spec_accepted"] >= spec["spec_rounds"]
-        else:
-            assert spec["spec_accepted"] < spec["spec_drafted"] / 2
-    finally:
-        e.stop()
+    assert run_all(e, GREEDY) == plain_greedy
+    spec = e.stats()
+    assert spec["spec_rounds"] > 0
+    if mode == "tree":
+        assert spec["spec_tree_rounds"] == spec["spec_rounds"]
+    if mode == "chain":
+        assert spec["spec_tree_rounds"] == 0
+    if kind == "oracle" and mode == "chain":
+        assert spec["spec_accepted"] == spec["spec_drafted"]
+    elif kind == "oracle" and mode == "tree":  # the greedy spine is accepted whole
+        per_round = spec["spec_accepted"] / spec["spec_rounds"]
+        assert per_round >= (6 - 1) * 0.8
+    elif kind == "oracle":
+        # auto: the planner mixes chains and trees by measured (timed) cost, so the share of
+        # drafts accepted varies with the machine's load (a tree's side branches are drafted
+        # and rejected); what cannot vary is that every round's first draft lands.
+        assert spec["spec_accepted"] >= spec["spec_rounds"]
+    else:
+        assert spec["spec_accepted"] < spec["spec_drafted"] / 2
 
 
-def test_draft_opt_out(target, tokenizer, plain_greedy):
+def test_draft_opt_out(target, tokenizer, engines, plain_greedy):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter)
-    try:
-        assert run_all(e, GREEDY, draft=False) == plain_greedy
-        assert drafter.forwards == 0
-    finally:
-        e.stop()
+    e = engine_for(engines, target, tokenizer, drafter)
+    assert run_all(e, GREEDY, draft=False) == plain_greedy
+    assert drafter.forwards == 0
 
 
 def test_rollback_equals_plain_steps(target):
@@ -133,8 +128,9 @@ def test_rollback_equals_plain_steps(target):
     for keep in range(1, len(window) + 1):
         a = target.new_state_pool(1, 128)
         target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), a)
-        out = target.forward_ex(ForwardBatch.build([SeqChunk(0, len(ids), window, len(window),
-                                                             record=True)]), a)
+        out = target.forward_ex(
+            ForwardBatch.build([SeqChunk(0, len(ids), window, len(window), record=True)]), a
+        )
         target.rollback(a, 0, out.records[0], keep)
         b = target.new_state_pool(1, 128)
         target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), b)
@@ -149,25 +145,24 @@ def test_rollback_equals_plain_steps(target):
         assert (la - lb).abs().max() <= 1e-4
 
 
-def test_first_token_is_delivered_before_any_draft(target, tokenizer):
+def test_first_token_is_delivered_before_any_draft(target, tokenizer, engines):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter, spec=SpecConfig(mode="chain"))  # always drafts
-    try:
-        c = Collector(drafter)
-        e.submit(EngineRequest("a", PROMPTS[3], GREEDY, 24, c))
-        assert c.done.wait(60)
-        assert c.forwards_at_first == 0 and drafter.forwards > 0
-        # Cancelled on its first token: the slot is freed and no draft is ever computed.
-        before = drafter.forwards
-        c2 = Collector(drafter, on_first=lambda: e.abort("b"))
-        e.submit(EngineRequest("b", PROMPTS[4], GREEDY, 24, c2))
-        assert wait_idle(e)
-        assert len(c2.events) == 1 and drafter.forwards == before
-        assert e.stats()["free_slots"] == 4
-    finally:
-        e.stop()
+    # chain: always drafts
+    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode="chain"))
+    c = Collector(drafter)
+    e.submit(EngineRequest("a", PROMPTS[3], GREEDY, 24, c))
+    assert c.done.wait(60)
+    assert c.forwards_at_first == 0 and drafter.forwards > 0
+    # Cancelled on its first token: the slot is freed and no draft is ever computed.
+    before = drafter.forwards
+    c2 = Collector(drafter, on_first=lambda: e.abort("b"))
+    e.submit(EngineRequest("b", PROMPTS[4], GREEDY, 24, c2))
+    assert wait_idle(e)
+    assert len(c2.events) == 1 and drafter.forwards == before
+    assert e.stats()["free_slots"] == 4
 
 
+@pytest.mark.slow
 def test_sampling_with_drafts_is_lossless():
     """Emitted tokens follow the target distribution whatever the drafts: the first token is
     distributed as p_0, and the second (given the first equals d_1) as p_1."""
@@ -195,18 +190,16 @@ def test_sampling_with_drafts_is_lossless():
         assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-def test_prompt_cache_keeps_drafter_features(target, tokenizer, plain_greedy):
+@pytest.mark.slow
+def test_prompt_cache_keeps_drafter_features(target, tokenizer, engines, plain_greedy):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter, cache=CacheConfig(bytes=16 << 20))
-    try:
-        first = run_all(e, GREEDY, prompts=PROMPTS[:2])
-        again = run_all(e, GREEDY, prompts=PROMPTS[:2])
-        assert first == again == plain_greedy[:2]
-        snaps = [entry.payload for entry in e.cache.device.entries.values()]
-        assert snaps and all(s.draft_features is not None for s in snaps)
-        assert e.cache.device.stats.hits >= 2
-    finally:
-        e.stop()
+    e = engine_for(engines, target, tokenizer, drafter, cache=CacheConfig(bytes=16 << 20))
+    first = run_all(e, GREEDY, prompts=PROMPTS[:2])
+    again = run_all(e, GREEDY, prompts=PROMPTS[:2])
+    assert first == again == plain_greedy[:2]
+    snaps = [entry.payload for entry in e.cache.device.entries.values()]
+    assert snaps and all(s.draft_features is not None for s in snaps)
+    assert e.cache.device.stats.hits >= 2
 
 
 def test_tree_window_rows_equal_their_paths_and_commit_equals_steps(target):
@@ -225,8 +218,9 @@ def test_tree_window_rows_equal_their_paths_and_commit_equals_steps(target):
     parents = [-1, 0, 0, 1, 1, 2, 3]
     pool = target.new_state_pool(2, 128)
     target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), pool)
-    out = target.forward_ex(ForwardBatch.build([SeqChunk(0, s, tokens, len(tokens),
-                                                         parents=parents)]), pool)
+    out = target.forward_ex(
+        ForwardBatch.build([SeqChunk(0, s, tokens, len(tokens), parents=parents)]), pool
+    )
 
     def path_to(node):
         path = [node]
@@ -238,8 +232,9 @@ def test_tree_window_rows_equal_their_paths_and_commit_equals_steps(target):
         path = path_to(node)
         ref = target.new_state_pool(1, 128)
         target.forward(ForwardBatch.build([SeqChunk(0, 0, ids)]), ref)
-        logits = target.forward(ForwardBatch.build([SeqChunk(0, s, [tokens[j] for j in path],
-                                                             len(path))]), ref)
+        logits = target.forward(
+            ForwardBatch.build([SeqChunk(0, s, [tokens[j] for j in path], len(path))]), ref
+        )
         assert (out.logits[node] - logits[-1]).abs().max() <= 1e-4
     # Commit the path 0-1-3-6 and compare with plain steps through it.
     path = path_to(6)
@@ -268,17 +263,19 @@ def test_tree_building_keeps_the_greedy_spine_and_the_budget():
     assert list(d.tokens[:5]) == spine and list(d.parents[:5]) == [0, 1, 2, 3, 4]
     # Siblings are distinct tokens.
     seen = {}
-    for tok, parent in zip(d.tokens, d.parents):
+    for tok, parent in zip(d.tokens, d.parents, strict=False):
         assert tok not in seen.setdefault(parent, set())
         seen[parent].add(tok)
 
 
+@pytest.mark.slow
 def test_tree_sampling_is_lossless():
     """Tree walk with sampling: the first emitted token follows p_0 whatever the children."""
     from headstart.engine.spec.verification import Draft, verify_tree
 
-    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0],
-                           [0.5, 0.5, 0.5, 0.5]])
+    logits = torch.tensor(
+        [[1.0, 0.2, -0.5, 0.7], [0.1, 1.5, 0.3, -1.0], [0.0, 0.0, 0.0, 2.0], [0.5, 0.5, 0.5, 0.5]]
+    )
     params = SamplingParams(temperature=0.9, max_tokens=4)
     p = sampling_probs(logits, [params] * 4)
     draft = Draft((0, 3, 1), (0, 0, 1))  # rows 1 and 2 children of the anchor, row 3 of row 1
@@ -294,16 +291,14 @@ def test_tree_sampling_is_lossless():
     assert chi2 < 16.3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_seeded_sampling_with_drafter_is_reproducible(target, tokenizer, mode):
+def test_seeded_sampling_with_drafter_is_reproducible(target, tokenizer, engines, mode):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
-    e = engine_for(target, tokenizer, drafter, spec=SpecConfig(mode=mode))
-    try:
-        a = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
-        b = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
-        assert a == b and all(len(t) == 16 for r in a for t in r)
-    finally:
-        e.stop()
+    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode))
+    a = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
+    b = [run_all(e, params, prompts=PROMPTS[:2]) for params in SEEDED]
+    assert a == b and all(len(t) == 16 for r in a for t in r)
 
 
 def test_planner_drafts_only_while_rounds_beat_plain_steps():

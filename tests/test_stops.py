@@ -69,6 +69,7 @@ def texts_and_stops(draw):
     return text, stops, deltas
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(texts_and_stops())
 def test_streamed_output_matches_oracle(case):

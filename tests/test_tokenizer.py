@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headstart.errors import CheckpointError
-from headstart.tokenizer import QWEN35_CHAT_TEMPLATE_PATH, IncrementalDetokenizer, Tokenizer
+from headstart.models.qwen35 import CHAT_TEMPLATE_PATH as QWEN35_CHAT_TEMPLATE_PATH
+from headstart.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB_SIZE = 1024

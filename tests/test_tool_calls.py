@@ -18,15 +18,29 @@ from headstart.server import protocol as P
 from headstart.server.api import ServerState, _Generation
 from headstart.server.metrics import Metrics
 
-TOOLS = [{"type": "function", "function": {
-    "name": "read_file", "description": "Read a file",
-    "parameters": {"type": "object", "properties": {
-        "path": {"type": "string"}, "limit": {"type": "integer"},
-        "flags": {"type": "array", "items": {"type": "string"}}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "limit": {"type": "integer"},
+                    "flags": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    }
+]
 
-CALL = ("<tool_call>\n<function=read_file>\n<parameter=path>\n/tmp/a 1.txt\n</parameter>\n"
-        "<parameter=limit>\n20\n</parameter>\n<parameter=flags>\n[\"x\"]\n</parameter>\n"
-        "</function>\n</tool_call>")
+CALL = (
+    "<tool_call>\n<function=read_file>\n<parameter=path>\n/tmp/a 1.txt\n</parameter>\n"
+    '<parameter=limit>\n20\n</parameter>\n<parameter=flags>\n["x"]\n</parameter>\n'
+    "</function>\n</tool_call>"
+)
 TEXT = "Let me look.\n\n" + CALL + "\n" + CALL.replace("a 1.txt", "b.txt")
 
 
@@ -73,24 +87,38 @@ def test_the_templates_own_history_rendering_parses_back():
     """What the chat template writes for an assistant tool call is what the parser reads."""
     tok = load().tokenizer
     args = {"path": "/tmp/x.py", "limit": 5}
-    messages = [{"role": "user", "content": "read it"},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function",
-                                 "function": {"name": "read_file", "arguments": args}}]},
-                {"role": "tool", "content": "data"}]
+    messages = [
+        {"role": "user", "content": "read it"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "read_file", "arguments": args}}
+            ],
+        },
+        {"role": "tool", "content": "data"},
+    ]
     text = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=False)
     # The last block: the system prompt shows an example call first.
-    block = text[text.rindex("<tool_call>"):text.rindex("</tool_call>") + len("</tool_call>")]
+    block = text[text.rindex("<tool_call>") : text.rindex("</tool_call>") + len("</tool_call>")]
     _, calls = run(ToolCallParser(TOOLS), [block])
     assert len(calls) == 1 and calls[0].name == "read_file" and calls[0].arguments == args
 
 
 def generation(stream: bool, tools=TOOLS):
     loaded = load()
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids,
-                    EngineConfig(1, 256))  # not started: the test feeds the events itself
-    state = ServerState(engine=engine, tokenizer=loaded.tokenizer, model_name="m", context=256,
-                        generation_defaults={}, metrics=Metrics(slots=1), chat=loaded.family.chat)
+    engine = Engine(
+        loaded.model, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(1, 256)
+    )  # not started: the test feeds the events itself
+    state = ServerState(
+        engine=engine,
+        tokenizer=loaded.tokenizer,
+        model_name="m",
+        context=256,
+        generation_defaults={},
+        metrics=Metrics(slots=1),
+        chat=loaded.family.chat,
+    )
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     if tools is not None:
         body["tools"] = tools

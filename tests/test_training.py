@@ -29,6 +29,7 @@ def test_split_is_deterministic_and_disjoint():
     assert train_docs and held_docs and not train_docs & held_docs
 
 
+@pytest.mark.slow
 def test_target_trains_exports_and_loads(tokenizer, tmp_path):
     train = token_rows(tokenizer, "train", 64, 150_000)
     held = token_rows(tokenizer, "held_out", 64, 50_000)[:4]
@@ -37,8 +38,9 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
     from transformers import Qwen3_5ForCausalLM
 
     model = Qwen3_5ForCausalLM(target_config(4160, eos, layers=4, hidden=64))
-    report = train_target(model, train, held, steps=25, time_budget_s=120, batch=8, lr=3e-3,
-                          log=lambda *_: None)
+    report = train_target(
+        model, train, held, steps=25, time_budget_s=120, batch=8, lr=3e-3, log=lambda *_: None
+    )
     first, last = report["loss_history"][0][1], report["loss_history"][-1][1]
     assert report["steps"] == 25 and last < first
     out = export_default(model.eval(), default_model_dir(), tmp_path / "m", eos)
@@ -46,7 +48,7 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
     from safetensors import safe_open
 
     with safe_open(out / "model.safetensors", "pt") as f:  # 4-bit on disk (MLX layout)
-        assert any(k.endswith("mlp.gate_proj.scales") for k in f.keys())
+        assert any(k.endswith("mlp.gate_proj.scales") for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
     loaded = load(str(out))
     assert isinstance(loaded.model.w["embed_tokens.weight"], QuantizedTensor)
     from training.run import headstart_perplexity
@@ -55,15 +57,40 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
     assert 1 < ppl < report["held_out_ppl"] * 1.5  # 4-bit costs a little, not a lot
 
 
+@pytest.mark.slow
 def test_one_command_pipeline_end_to_end(tmp_path):
     """`python -m training.run` at a toy scale: every stage runs and the result serves."""
     from training.run import main
 
     out = tmp_path / "default_model"
-    report = main(["--out", str(out), "--device", "cpu", "--steps", "3", "--drafter-steps", "3",
-                   "--max-chars", "150000", "--layers", "4", "--hidden", "64", "--seq-len", "64",
-                   "--batch", "4", "--block", "4", "--eval-prompts", "2",
-                   "--continuations", "4"])
+    report = main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--steps",
+            "3",
+            "--drafter-steps",
+            "3",
+            "--max-chars",
+            "150000",
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--seq-len",
+            "64",
+            "--batch",
+            "4",
+            "--block",
+            "4",
+            "--eval-prompts",
+            "2",
+            "--continuations",
+            "4",
+        ]
+    )
     assert (out / "drafter" / "config.json").exists() and (out / "training_report.json").exists()
     assert report["acceptance"]["rounds"] > 0 and report["model_bytes"] < 15_000_000
     assert report["target"]["held_out_ppl"] > 1 and set(report["samples"])
@@ -93,6 +120,7 @@ def test_greedy_continuations_are_what_the_target_would_say(tokenizer):
     assert not item["loss_mask"][:, :8].any() and item["loss_mask"][:, 8:].all()
 
 
+@pytest.mark.slow
 def test_early_stopping_restores_the_best_validation_weights(tokenizer):
     """A learning rate high enough to overshoot: whatever the run does, the weights it returns
     are those of its best validation perplexity."""
@@ -104,9 +132,21 @@ def test_early_stopping_restores_the_best_validation_weights(tokenizer):
     train, val = rows[:-4], rows[-4:]
     torch.manual_seed(1)
     model = Qwen3_5ForCausalLM(target_config(4160, [1, 2], layers=4, hidden=64))
-    report = train_target(model, train, val[:2], steps=24, time_budget_s=120, batch=4, lr=3e-2,
-                          val=val, eval_every=3, patience=2, log=lambda *_: None)
+    report = train_target(
+        model,
+        train,
+        val[:2],
+        steps=24,
+        time_budget_s=120,
+        batch=4,
+        lr=3e-2,
+        val=val,
+        eval_every=3,
+        patience=2,
+        log=lambda *_: None,
+    )
     history = dict(report["val_history"])
     assert report["best_step"] == min(history, key=history.get)
     assert perplexity(model, val, 4, "cpu", torch.float32) == pytest.approx(
-        history[report["best_step"]], rel=1e-4)
+        history[report["best_step"]], rel=1e-4
+    )

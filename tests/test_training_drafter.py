@@ -15,7 +15,7 @@ from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.spec.drafter import DFlashDrafter, DrafterConfig
 from headstart.generate import greedy_tokens
 from headstart.loading import default_model_dir
-from headstart.model import Qwen35Model
+from headstart.models.qwen35.model import Qwen35Model
 from headstart.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root holds training/
@@ -57,13 +57,22 @@ def target(tmp_path_factory):
     return ref, Qwen35Model.load(d), d
 
 
-def config(H: int, *, block: int = 6, layers: int = 2, causal=None, window=None
-           ) -> DrafterConfig:
-    return DrafterConfig(hidden_size=H, intermediate_size=96, num_layers=layers, num_heads=4,
-                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
-                         block_size=block, mask_token_id=MASK, target_layer_ids=TAPS,
-                         causal=causal or (False,) * layers,
-                         sliding_window=window or (0,) * layers)
+def config(H: int, *, block: int = 6, layers: int = 2, causal=None, window=None) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=H,
+        intermediate_size=96,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        block_size=block,
+        mask_token_id=MASK,
+        target_layer_ids=TAPS,
+        causal=causal or (False,) * layers,
+        sliding_window=window or (0,) * layers,
+    )
 
 
 def spread(drafter: TrainableDrafter, seed: int) -> None:
@@ -112,9 +121,14 @@ def test_block_logits_equal_propose_logits(target, tmp_path, kind):
     cfg = config(H) if kind == "full" else config(H, causal=(True, False), window=(8, 0))
     drafter = TrainableDrafter(cfg)
     spread(drafter, seed=1)
-    out = save_drafter_checkpoint(drafter, cfg, tmp_path / "drafter", dtype=torch.float32,
-                                  num_target_layers=ref.config.num_hidden_layers,
-                                  vocab_size=ref.config.vocab_size)
+    out = save_drafter_checkpoint(
+        drafter,
+        cfg,
+        tmp_path / "drafter",
+        dtype=torch.float32,
+        num_target_layers=ref.config.num_hidden_layers,
+        vocab_size=ref.config.vocab_size,
+    )
     loaded = DFlashDrafter.load(out, model)
     assert loaded.cfg == cfg  # the config round-trips, causality and windows included
 
@@ -139,10 +153,13 @@ def test_checkpoint_round_trip_for_further_training(target, tmp_path):
     d = TrainableDrafter(cfg)
     spread(d, seed=3)
     save_drafter_checkpoint(d, cfg, tmp_path, dtype=torch.float32)
-    again = TrainableDrafter.from_checkpoint(tmp_path, ref.config.num_hidden_layers,
-                                             ref.config.hidden_size, ref.config.vocab_size)
-    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(),
-                                                 again.state_dict().values(), strict=True))
+    again = TrainableDrafter.from_checkpoint(
+        tmp_path, ref.config.num_hidden_layers, ref.config.hidden_size, ref.config.vocab_size
+    )
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(d.state_dict().values(), again.state_dict().values(), strict=True)
+    )
 
 
 def test_targets_weights_and_chunked_loss():
@@ -153,16 +170,19 @@ def test_targets_weights_and_chunked_loss():
     assert targets[0, 0].tolist() == [14, 15, 16, 17, 18]  # row k targets x_{a+k}
     assert mask[0, 1].tolist() == [True, True, False, False, False]  # past the sequence
     w = position_weights(16, 7.0)
-    assert w.shape == (15,) and w[0] == 1 and torch.isclose(w[7], torch.exp(torch.tensor(-1.)))
+    assert w.shape == (15,) and w[0] == 1 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0)))
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 2, 5, 8, generator=gen, requires_grad=True)
     head_w = torch.randn(40, 8, generator=gen)
-    head = lambda z: z @ head_w.T
+
+    def head(z):
+        return z @ head_w.T
+
     full = loss_fn(head(hidden), targets, mask, 4.0)
     chunked = chunked_loss(hidden, head, targets, mask, 4.0, chunk_rows=3)
     assert torch.allclose(full, chunked, atol=1e-6)
-    g_full, = torch.autograd.grad(full, hidden)
-    g_chunk, = torch.autograd.grad(chunked, hidden)
+    (g_full,) = torch.autograd.grad(full, hidden)
+    (g_chunk,) = torch.autograd.grad(chunked, hidden)
     assert torch.allclose(g_full, g_chunk, atol=1e-6)
     # Anchors: distinct, >= 1, with room for a block; padding is never an anchor.
     valid = torch.ones(2, 20, dtype=torch.bool)
@@ -191,8 +211,16 @@ def test_loss_decreases_on_a_learnable_stream(target):
     ref = target[0]
     cfg = config(ref.config.hidden_size)
     history: list[float] = []
-    train_drafter(ref, cycle_stream(4, 32, alphabet=16, seed=0), cfg, steps=30, lr=1e-2,
-                  anchors_per_seq=4, history=history, log_every=0)
+    train_drafter(
+        ref,
+        cycle_stream(4, 32, alphabet=16, seed=0),
+        cfg,
+        steps=30,
+        lr=1e-2,
+        anchors_per_seq=4,
+        history=history,
+        log_every=0,
+    )
     assert len(history) == 30
     first, last = sum(history[:5]) / 5, sum(history[-5:]) / 5
     # Random init sits near ln(160) ~ 5; ending below ln(16) means more was learned than the
@@ -200,6 +228,7 @@ def test_loss_decreases_on_a_learnable_stream(target):
     assert last < 0.5 * first and last < math.log(16), history
 
 
+@pytest.mark.slow
 def test_trained_drafter_is_accepted_by_the_engine(target, tmp_path):
     """On-policy data (the target's own greedy continuations, as in the DFlash recipe), a short
     training run, then headstart's engine with and without the drafter: outputs must be equal
@@ -217,11 +246,16 @@ def test_trained_drafter_is_accepted_by_the_engine(target, tmp_path):
         while True:
             yield rows
 
-    drafter = train_drafter(ref, batches(), cfg, steps=80, lr=3e-3, anchors_per_seq=8,
-                            log_every=0)
+    drafter = train_drafter(ref, batches(), cfg, steps=80, lr=3e-3, anchors_per_seq=8, log_every=0)
     drafter_dir = save_drafter_checkpoint(drafter, cfg, tmp_path / "drafter")  # bf16 tensors
-    result = evaluate_acceptance(target_dir, drafter_dir, prompts, max_tokens=24,
-                                 tokenizer=Tokenizer.from_dir(default_model_dir()), device="cpu")
+    result = evaluate_acceptance(
+        target_dir,
+        drafter_dir,
+        prompts,
+        max_tokens=24,
+        tokenizer=Tokenizer.from_dir(default_model_dir()),
+        device="cpu",
+    )
     assert result["mismatches"] == 0 and result["rounds"] > 0
     assert result["tokens"] == 24 * len(prompts)
     # Measured 5.75 of a possible 6 (an untrained drafter: 1.01); 2 leaves room for numerics.

@@ -13,13 +13,27 @@ def text_config(**overrides):
     from transformers import Qwen3_5TextConfig
 
     base = dict(
-        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=24, linear_conv_kernel_dim=4, max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False, eos_token_id=1, rms_norm_eps=1e-6,
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        rms_norm_eps=1e-6,
     )
     base.update(overrides)
     return Qwen3_5TextConfig(**base)
@@ -29,7 +43,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     """HF initialises norms to zero/one and decays to a narrow band; spread everything out."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             std = 0.5 if p.ndim == 1 else 0.15
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
@@ -54,11 +68,20 @@ def save_wrapper(model, out: Path) -> Path:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     tc = model.config.to_dict()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                  out_hidden_size=tc["hidden_size"], patch_size=2, temporal_patch_size=2,
-                  spatial_merge_size=2, num_position_embeddings=16)
-    cfg = Qwen3_5Config(text_config=tc, vision_config=vision,
-                        tie_word_embeddings=tc["tie_word_embeddings"])
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=tc["hidden_size"],
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=16,
+    )
+    cfg = Qwen3_5Config(
+        text_config=tc, vision_config=vision, tie_word_embeddings=tc["tie_word_embeddings"]
+    )
     wrapper = Qwen3_5ForConditionalGeneration(cfg).float().eval()
     state = {}
     for k, v in model.state_dict().items():
@@ -93,16 +116,28 @@ def dequantized_copy(model, bits: int, group: int):
 
 
 def save_mlx(model, packed: dict, out: Path, bits: int, group: int) -> Path:
-    """Write the MLX affine layout (see headstart.convert) with the given quantized modules."""
-    from headstart.convert import write_mlx
+    """Write the MLX affine layout (see headstart.models.qwen35.convert) with the given quantized
+    modules."""
+    from headstart.models.qwen35.convert import write_mlx
 
     return write_mlx(model.state_dict(), model.config.to_dict(), out, bits, group, packed)
 
 
-def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,
-                 taps=None, mask_token_id: int = 3, seed: int = 0, heads: int = 4,
-                 kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96,
-                 causal: bool | None = None) -> Path:
+def save_drafter(
+    out: Path,
+    target_config,
+    *,
+    layers: int = 2,
+    block: int = 6,
+    taps=None,
+    mask_token_id: int = 3,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 96,
+    causal: bool | None = None,
+) -> Path:
     """A random DFlash drafter for ``target_config`` in the DFlash checkpoint format."""
     import json
 
@@ -112,22 +147,47 @@ def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,
     L = target_config.num_hidden_layers
     taps = list(taps if taps is not None else range(min(L - 1, 2)))
     cfg = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
-        "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "max_position_embeddings": 4096, "vocab_size": target_config.vocab_size,
-        "tie_word_embeddings": False, "num_target_layers": L,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": H,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "vocab_size": target_config.vocab_size,
+        "tie_word_embeddings": False,
+        "num_target_layers": L,
         "layer_types": ["full_attention"] * layers,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps,
-                          "block_size": block},
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": taps,
+            "block_size": block,
+        },
     }
     if causal is not None:
         cfg["is_causal"] = causal
     from headstart.engine.spec.drafter import DrafterConfig, drafter_shapes
 
-    dc = DrafterConfig(H, intermediate, layers, heads, kv_heads, head_dim, 1e-6, 1e6, block,
-                       mask_token_id, tuple(taps), (False,) * layers, (0,) * layers)
+    dc = DrafterConfig(
+        H,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        1e-6,
+        1e6,
+        block,
+        mask_token_id,
+        tuple(taps),
+        (False,) * layers,
+        (0,) * layers,
+    )
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in drafter_shapes(dc).items():
@@ -145,7 +205,7 @@ def save_drafter(out: Path, target_config, *, layers: int = 2, block: int = 6,
 def target_with_drafter(tmp: Path, seed: int, block: int):
     """A tiny target (4 value heads of 24) loaded in headstart, with a random drafter checkpoint
     for it at ``model.drafter_dir`` (taps 0 and 2)."""
-    from headstart.model import Qwen35Model
+    from headstart.models.qwen35.model import Qwen35Model
 
     ref = causal_lm(seed=seed, linear_num_value_heads=4, linear_value_head_dim=24)
     model = Qwen35Model.load(save_text_only(ref, tmp / "target"))

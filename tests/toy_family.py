@@ -35,8 +35,13 @@ class ToyConfig:
 
 
 class ToyMixer:
-    def __init__(self, cfg: ToyConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ToyConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.kernels = SimpleNamespace(name="reference", graphs=False)
         self.arena = None
@@ -45,12 +50,15 @@ class ToyMixer:
 
     def state_groups(self) -> tuple[StateGroup, ...]:
         h = self.cfg.hidden_size
-        return (StateGroup("acc", 1, (h,), torch.float32),
-                StateGroup("trail", 1, (h,), token_axis=0))
+        return (
+            StateGroup("acc", 1, (h,), torch.float32),
+            StateGroup("trail", 1, (h,), token_axis=0),
+        )
 
     def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
-        return StatePool.allocate(self.state_groups(), num_slots, max_tokens, self.dtype,
-                                  self.device)
+        return StatePool.allocate(
+            self.state_groups(), num_slots, max_tokens, self.dtype, self.device
+        )
 
     @torch.no_grad()
     def forward_ex(self, batch: ForwardBatch, pool: StatePool, taps=()) -> ForwardOutput:
@@ -77,27 +85,45 @@ class ToyMixer:
 
 def _load(model_dir: Path, dtype: torch.dtype, device, kernels: str) -> ToyMixer:
     raw = json.loads((model_dir / "config.json").read_text())
-    cfg = ToyConfig(raw["vocab_size"], raw["hidden_size"], raw["max_position_embeddings"],
-                    tuple(raw.get("eos_token_ids", ())))
+    cfg = ToyConfig(
+        raw["vocab_size"],
+        raw["hidden_size"],
+        raw["max_position_embeddings"],
+        tuple(raw.get("eos_token_ids", ())),
+    )
     return ToyMixer(cfg, load_file(model_dir / "model.safetensors"), dtype, device)
 
 
-FAMILY = register(ModelFamily(name="toy_mixer", architectures=(ARCH,),
-                              model_types=("toy_mixer",), load=_load))
+FAMILY = register(
+    ModelFamily(name="toy_mixer", architectures=(ARCH,), model_types=("toy_mixer",), load=_load)
+)
 
 
-def write_checkpoint(out: Path, tokenizer_dir: Path, vocab_size: int, hidden: int = 24,
-                     seed: int = 0) -> Path:
+def write_checkpoint(
+    out: Path, tokenizer_dir: Path, vocab_size: int, hidden: int = 24, seed: int = 0
+) -> Path:
     """A random toy checkpoint in ``out`` with the tokenizer files of ``tokenizer_dir``."""
     out.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith("tokenizer") or f.suffix == ".jinja":
             (out / f.name).write_bytes(f.read_bytes())
     gen = torch.Generator().manual_seed(seed)
-    save_file({"embed.weight": torch.randn(vocab_size, hidden, generator=gen),
-               "head.weight": torch.randn(vocab_size, hidden, generator=gen) / hidden ** 0.5},
-              out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps({
-        "architectures": [ARCH], "model_type": "toy_mixer", "vocab_size": vocab_size,
-        "hidden_size": hidden, "max_position_embeddings": 2048}))
+    save_file(
+        {
+            "embed.weight": torch.randn(vocab_size, hidden, generator=gen),
+            "head.weight": torch.randn(vocab_size, hidden, generator=gen) / hidden**0.5,
+        },
+        out / "model.safetensors",
+    )
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": [ARCH],
+                "model_type": "toy_mixer",
+                "vocab_size": vocab_size,
+                "hidden_size": hidden,
+                "max_position_embeddings": 2048,
+            }
+        )
+    )
     return out

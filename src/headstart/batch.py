@@ -109,6 +109,12 @@ class WindowRows:
 
 @dataclass(frozen=True)
 class ForwardBatch:
+    """Packed rows and the shapes the layers dispatch on. Invariants (checked on creation):
+    every span is exactly one of a decode row (in ``decode``), a multi-row span (in
+    ``multi_row``, packed as ``multi``) or a tree (in ``trees``); a batch of graph-capturable
+    ``windows`` holds nothing else, and graph decode batches no spans (their rows are addressed
+    by tensors)."""
+
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each row in its stream
     spans: tuple[SeqSpan, ...]
@@ -118,6 +124,18 @@ class ForwardBatch:
     multi: MultiRows | None = None
     trees: tuple[SeqSpan, ...] = ()  # tree verify windows, run one by one (reference ops)
     windows: WindowRows | None = None  # graph-capturable verify windows (alone in a batch)
+
+    def __post_init__(self) -> None:
+        if self.windows is not None and (
+            self.spans or self.decode is not None or self.multi_row or self.trees
+        ):
+            raise ValueError("a batch of graph-capturable windows holds nothing else")
+        if (self.multi is None) != (not self.multi_row):
+            raise ValueError("multi packs exactly the multi-row spans")
+        singles = 0 if self.decode is None else self.decode.rows.shape[0]
+        # (Graph batches carry their decode rows as tensors only, with no spans.)
+        if self.spans and singles + len(self.multi_row) + len(self.trees) != len(self.spans):
+            raise ValueError("every span is a decode row, a multi-row span or a tree")
 
     @property
     def all_decode(self) -> DecodeRows | None:

@@ -22,6 +22,7 @@ prompts recorded there).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -486,6 +487,14 @@ class Tokenizer:
         if token_id < 0:
             return None
         return self._backend.id_to_token(token_id)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (the longest vocabulary
+        entry, in bytes of its written form, which is never shorter than the text it stands
+        for): a text of ``n`` bytes encodes to at least ``n / max_token_bytes`` tokens."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(piece.encode("utf-8")) for piece in vocab), default=1)
 
     @property
     def special_token_ids(self) -> frozenset[int]:

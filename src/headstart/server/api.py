@@ -415,6 +415,7 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
     req = P.parse_chat_request(body)
     _check_model(state, req.model)
     _check_size(state, 1, req.n)
+    _check_text_size(state, [m.content or "" for m in req.messages], "messages")
     enc = P.chat_prompt(state.tokenizer, req)
     header = state.chat.assistant_header
     at = enc.text.rfind(header) if header else -1
@@ -429,6 +430,9 @@ def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
     req = P.parse_completion_request(body)
     _check_model(state, req.model)
     _check_size(state, len(req.prompt), req.n)
+    for prompt in req.prompt:
+        if isinstance(prompt, str):
+            _check_text_size(state, [prompt], "prompt")
     return _Prepared(req, P.completion_prompts(state.tokenizer, req))
 
 
@@ -443,6 +447,21 @@ def _check_size(state: ServerState, prompts: int, n: int) -> None:
             "once (slots + queue)",
             param="n" if prompts == 1 else "prompt",
             code="too_many_generations",
+        )
+
+
+def _check_text_size(state: ServerState, texts: list[str], param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit the context whatever its tokens: a text
+    of n bytes has at least n / max_token_bytes tokens (with a 2x margin for normalizers that
+    shrink text). Tokenizing megabytes only to find them too long would cost seconds of CPU."""
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    limit = 2 * state.context * state.tokenizer.max_token_bytes
+    if size > limit:
+        raise P.APIError(
+            400,
+            f"the prompt's {size} bytes cannot fit the context of {state.context} tokens",
+            param=param,
+            code="context_length_exceeded",
         )
 
 
