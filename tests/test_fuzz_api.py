@@ -185,27 +185,18 @@ _SETTINGS = settings(
 
 
 @pytest.mark.slow
-def test_generated_chat_bodies(server, http):
+@pytest.mark.parametrize(
+    "path,bodies",
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+    ids=["chat", "completions"],
+)
+def test_generated_bodies(server, http, path, bodies):
     before = _greedy(http)
 
     @_SETTINGS
-    @given(CHAT)
+    @given(bodies)
     def run(body):
-        _check(http, "/v1/chat/completions", body)
-
-    run()
-    assert _greedy(http) == before
-    assert "Traceback" not in server.output()
-
-
-@pytest.mark.slow
-def test_generated_completion_bodies(server, http):
-    before = _greedy(http)
-
-    @_SETTINGS
-    @given(COMPLETION)
-    def run(body):
-        _check(http, "/v1/completions", body)
+        _check(http, path, body)
 
     run()
     assert _greedy(http) == before
