@@ -15,7 +15,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="checkpoint folder or hub name (default: the embedded small model)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when available, else the CPU), cpu, cuda, cuda:1, ... (default: auto)",
+    )
     p.add_argument(
         "--dtype",
         default=None,
@@ -97,6 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_model_args(srv)
     from headstart.server.serve import add_serve_args
 
+    srv.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint folder or hub name, as --model",
+    )
     add_serve_args(srv)
     bench = sub.add_parser(
         "bench",
@@ -108,6 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_bench_args(bench)
     args = parser.parse_args(argv)
     try:
+        if args.command in ("run", "serve"):
+            from headstart.loading import resolve_device
+
+            args.device_asked, args.device = args.device, resolve_device(args.device)
+            if args.command == "serve" and args.model_path is not None:
+                if args.model is not None:
+                    raise HeadstartError("give the model once: as MODEL or as --model")
+                args.model = args.model_path
         if args.command == "serve":
             from headstart.server.serve import serve
 

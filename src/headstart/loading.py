@@ -38,6 +38,13 @@ def default_drafter(device_type: str, model_dir: Path | None = None) -> Path | N
     return drafter
 
 
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a CUDA device, else ``cpu``; anything else as given."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def resolve_model_dir(name: str | None) -> Path:
     """None -> the embedded default; an existing folder -> itself; ``org/name`` -> a hub
     download."""

@@ -32,6 +32,9 @@ class Finish:
     text: str = ""  # text held back until the end (partial characters, stop-string prefixes)
     completion_tokens: int = 0  # sampled tokens, a final stop token included (as vLLM counts)
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache (set by the engine)
+    # What stopped it, as vLLM reports it: the matched stop string, or a stop_token_ids token;
+    # None for EOS, length and abort.
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -55,8 +58,8 @@ class OutputStream:
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self.stop_ids |= set(eos_token_ids)
+        self.eos_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_ids |= self.eos_ids
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = StopStringMatcher(params.stop)
         self.produced = 0  # sampled tokens, including a final stop token
@@ -70,11 +73,14 @@ class OutputStream:
         """Take the next sampled token; returns what to deliver and whether the request ends."""
         self.produced += 1
         if token in self.stop_ids:  # the stop token itself is not shown
-            return None, self.finish("stop")
+            end = self.finish("stop")
+            if end.stop_reason is None and token not in self.eos_ids:
+                end.stop_reason = token
+            return None, end
         text, stopped = self.matcher.push(self.detok.push(token))
         piece = Piece(token, text, logprob, top_logprobs)
         if stopped:
-            return piece, Finish("stop", "", self.produced)
+            return piece, Finish("stop", "", self.produced, stop_reason=self.matcher.matched_stop)
         if self.produced >= self.max_new_tokens:
             return piece, self.finish("length")
         return piece, None
@@ -83,5 +89,5 @@ class OutputStream:
         """Release held-back text; a stop string completed by it turns the reason into "stop"."""
         tail, stopped = self.matcher.push(self.detok.flush())
         if stopped:
-            return Finish("stop", tail, self.produced)
+            return Finish("stop", tail, self.produced, stop_reason=self.matcher.matched_stop)
         return Finish(reason, tail + self.matcher.flush(), self.produced)

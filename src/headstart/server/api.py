@@ -247,11 +247,16 @@ class _Generation:
             chunks += self._text_chunks(c, event.text, entry, None)
         elif isinstance(event, Finish):
             c.finish = event
-            chunks += self._text_chunks(c, event.text, None, event.reason)
+            chunks += self._text_chunks(c, event.text, None, event.reason, event.stop_reason)
         return chunks
 
     def _text_chunks(
-        self, c: _Choice, text: str, entry: P.LogprobEntry | None, finish_reason: str | None
+        self,
+        c: _Choice,
+        text: str,
+        entry: P.LogprobEntry | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
     ) -> list[dict[str, Any]]:
         as_ids = self.req.return_tokens_as_token_ids
         tok = self.state.tokenizer
@@ -287,6 +292,7 @@ class _Generation:
                     finish_reason=finish_reason,
                     logprobs=logprobs,
                     tool_calls=calls or None,
+                    stop_reason=stop_reason,
                 )
             ]
         offset = sum(len(t) for t in c.text)
@@ -307,6 +313,7 @@ class _Generation:
                 created=self.created,
                 finish_reason=finish_reason,
                 logprobs=logprobs,
+                stop_reason=stop_reason,
             )
         ]
 
@@ -329,6 +336,7 @@ class _Generation:
                         content=text if text or not calls else None,
                         reasoning=reasoning or None,
                         finish_reason=reason,
+                        stop_reason=c.finish.stop_reason,
                         tool_calls=[call.openai() for call in calls] or None,
                         logprobs=P.chat_logprobs(tok, c.logprobs, as_token_ids=as_ids)
                         if self.req.num_logprobs is not None
@@ -341,6 +349,7 @@ class _Generation:
                         c.index,
                         text="".join(c.text),
                         finish_reason=c.finish.reason,
+                        stop_reason=c.finish.stop_reason,
                         logprobs=P.completion_logprobs(tok, c.logprobs, as_token_ids=as_ids)
                         if self.req.num_logprobs is not None
                         else None,
@@ -450,6 +459,31 @@ def _check_size(state: ServerState, prompts: int, n: int) -> None:
         )
 
 
+#: The request models behind the routes that read their body themselves.
+_BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the request bodies of the completion routes (they parse the body
+    themselves, so FastAPI cannot see it): what schema-driven clients and fuzzers read."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version="1", routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref}},
+            }
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _check_text_size(state: ServerState, texts: list[str], param: str) -> None:
     """Refuse, before tokenizing, text that cannot fit the context whatever its tokens: a text
     of n bytes has at least n / max_token_bytes tokens (with a 2x margin for normalizers that
@@ -467,9 +501,14 @@ def _check_text_size(state: ServerState, texts: list[str], param: str) -> None:
 
 def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(
-        title="headstart", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="headstart",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
     )
     app.state.headstart = state
+    app.openapi = lambda: _openapi(app)
     # Inside Starlette's outermost error middleware, which would re-raise to the server (and
     # so drop the connection) after any 500: the guard answers and returns instead.
     app.add_middleware(Guard, state=state)

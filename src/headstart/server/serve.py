@@ -118,7 +118,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-drafter",
         action="store_true",
-        help="do not use the drafter shipped with the embedded default model",
+        help="never use the drafter shipped with the embedded default model (without this flag "
+        "it is used only on the device types its headstart.json lists, none today); serve "
+        "drafts only with --drafter or that shipped drafter",
     )
     p.add_argument(
         "--draft-block",
@@ -405,6 +407,8 @@ def serve(args: argparse.Namespace) -> int:
     from headstart.server.auth import ApiKeys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    asked = getattr(args, "device_asked", args.device)
+    log.info("device: %s%s", args.device, " (auto)" if asked == "auto" else "")
     # Everything that can be refused without the model is, before the (long) load.
     _check_args(args)
     keys = ApiKeys(args.api_key_file) if args.api_key_file else None
