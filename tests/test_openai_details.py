@@ -86,3 +86,16 @@ def test_openapi_schema_describes_the_request_bodies(server):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
         assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
+def test_serving_defaults_are_read_and_checked(tmp_path):
+    from headstart.errors import CheckpointError
+    from headstart.loading import serving_defaults
+
+    assert serving_defaults(default_model_dir()) == {
+        "chat_template_kwargs": {"enable_thinking": False}
+    }
+    assert serving_defaults(tmp_path) == {}  # no headstart.json
+    (tmp_path / "headstart.json").write_text('{"serving": {"chat_template_kwargs": [1]}}')
+    with pytest.raises(CheckpointError, match="headstart.json"):
+        serving_defaults(tmp_path)

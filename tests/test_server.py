@@ -57,7 +57,7 @@ def test_models_and_health(server, client):
 
 
 def test_chat_thinking_on_goes_to_reasoning(client):
-    r = greedy_chat(client, "hello")
+    r = greedy_chat(client, "hello", chat_template_kwargs={"enable_thinking": True})
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 5
@@ -66,6 +66,19 @@ def test_chat_thinking_on_goes_to_reasoning(client):
     # The template opened <think> and this random model never closes it.
     assert msg.model_extra["reasoning_content"] and not msg.content
     assert len(token_ids(r.choices[0].logprobs)) == 12
+
+
+def test_the_default_model_chats_without_thinking(client):
+    """Its folder's headstart.json turns thinking off unless a request turns it on."""
+    r = greedy_chat(client, "hello")
+    msg = r.choices[0].message
+    assert msg.content and msg.model_extra.get("reasoning_content") is None
+    assert (
+        r.usage.prompt_tokens
+        == greedy_chat(
+            client, "hello", chat_template_kwargs={"enable_thinking": False}
+        ).usage.prompt_tokens
+    )
 
 
 def test_chat_thinking_off_goes_to_content(client):

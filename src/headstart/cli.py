@@ -40,7 +40,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
-        kwargs = {} if args.think is None else {"enable_thinking": args.think}
+        kwargs = loaded.template_defaults  # the model folder's (headstart.json)
+        if args.think is not None:
+            kwargs["enable_thinking"] = args.think
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     defaults = dict(loaded.model.cfg.generation_defaults)
     params = SamplingParams(

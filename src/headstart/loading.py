@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +37,25 @@ def default_drafter(device_type: str, model_dir: Path | None = None) -> Path | N
         if device_type not in devices:
             return None
     return drafter
+
+
+def serving_defaults(model_dir: Path) -> dict[str, Any]:
+    """The serving defaults a model folder states in ``headstart.json`` (``"serving"``), e.g.
+    ``{"chat_template_kwargs": {"enable_thinking": false}}``; a request's own values win.
+    Raises CheckpointError naming the file when it is malformed."""
+    import json
+
+    path = model_dir / "headstart.json"
+    if not path.exists():
+        return {}
+    try:
+        serving = json.loads(path.read_text()).get("serving", {})
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a JSON object ({e})") from None
+    kwargs = serving.get("chat_template_kwargs", {}) if isinstance(serving, dict) else None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise CheckpointError(f"{path}: 'serving.chat_template_kwargs' must be an object")
+    return {"chat_template_kwargs": kwargs}
 
 
 def resolve_device(name: str) -> str:
@@ -79,6 +99,11 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     family: ModelFamily
+
+    @property
+    def template_defaults(self) -> dict[str, Any]:
+        """Chat-template variables the model folder asks for unless a request sets them."""
+        return dict(serving_defaults(self.path).get("chat_template_kwargs", {}))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

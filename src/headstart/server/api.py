@@ -53,6 +53,8 @@ class ServerState:
     generation_defaults: dict[str, float]
     metrics: Metrics
     chat: ChatFormat = field(default_factory=ChatFormat)  # the model family's chat format
+    # Chat-template variables the model folder asks for (headstart.json); a request's win.
+    template_defaults: dict[str, Any] = field(default_factory=dict)
     keys: ApiKeys | None = None
     request_log: RequestLog | None = None
     max_tokens_cap: int | None = None  # server-wide cap on tokens generated per request
@@ -425,6 +427,9 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
     _check_model(state, req.model)
     _check_size(state, 1, req.n)
     _check_text_size(state, [m.content or "" for m in req.messages], "messages")
+    if state.template_defaults:
+        kwargs = {**state.template_defaults, **req.chat_template_kwargs}
+        req = req.model_copy(update={"chat_template_kwargs": kwargs})
     enc = P.chat_prompt(state.tokenizer, req)
     header = state.chat.assistant_header
     at = enc.text.rfind(header) if header else -1

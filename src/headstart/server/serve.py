@@ -476,6 +476,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         tokenizer=loaded.tokenizer,
         model_name=name,
         chat=loaded.family.chat,
+        template_defaults=loaded.template_defaults,
         context=context,
         generation_defaults=dict(cfg.generation_defaults),
         metrics=metrics,
