@@ -53,9 +53,12 @@ def _greedy(client, **kw):
 @pytest.mark.slow
 def test_positional_model_and_auto_device(server, client):
     assert [m.id for m in client.models.list().data] == ["default_model"]
-    first = server.output().splitlines()[0]
+    lines = server.output().splitlines()
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert first.endswith(f"device: {expected} (auto)"), first
+    assert lines[0].endswith(f"device: {expected} (auto)"), lines[0]
+    # Start-up says what it is doing and how long each phase took.
+    assert any(" loaded default_model (qwen35) in " in line for line in lines)
+    assert any(" engine ready in " in line and "start-up" in line for line in lines)
 
 
 @pytest.mark.slow

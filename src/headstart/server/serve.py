@@ -428,7 +428,12 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     from headstart.server.metrics import Metrics
     from headstart.server.request_log import RequestLog
 
+    started = time.monotonic()
+    log.info("loading %s ...", args.model or "the embedded default model")
     loaded = load(args.model, args.device, args.dtype, args.kernels)
+    log.info(
+        "loaded %s (%s) in %.1fs", loaded.path.name, loaded.family.name, time.monotonic() - started
+    )
     cfg = loaded.model.cfg
     parallel = args.parallel or 16
     context = args.context or min(32768, cfg.max_position_embeddings)
@@ -467,7 +472,14 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
             continuations=args.continuation_graphs,
         ),
     )
+    phase = time.monotonic()
+    log.info("engine: state pool, warm-up and graph capture ...")
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, drafter=drafter)
+    log.info(
+        "engine ready in %.1fs (start-up %.1fs in all)",
+        time.monotonic() - phase,
+        time.monotonic() - started,
+    )
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or _served_name(args.model)
