@@ -11,18 +11,14 @@ and token trees (each row sees the committed rows and its ancestors). The output
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from headstart.batch import DecodeRows, ForwardBatch, SeqSpan
+from headstart.models.qwen35.parts import ModelParts
 from headstart.models.qwen35.speculative import ancestry, attend_tree
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import Rotary, rms_norm
 from headstart.state import StatePool
-
-if TYPE_CHECKING:
-    from headstart.models.qwen35.model import Qwen35Model
 
 __all__ = ["GatedAttention"]
 
@@ -63,7 +59,7 @@ def _fresh_spans(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | Non
 class GatedAttention:
     """The attention layers of one model (reads its weights, kernels and rotary tables)."""
 
-    def __init__(self, model: Qwen35Model) -> None:
+    def __init__(self, model: ModelParts) -> None:
         self.m = model
 
     def __call__(

@@ -13,19 +13,16 @@ whatever its slot held. The gated RMSNorm and the output projection close the la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from headstart.batch import ForwardBatch
+from headstart.models.qwen35.parts import ModelParts
 from headstart.models.qwen35.speculative import GDNRecord, tree_gated_delta
 from headstart.ops.conv.reference import causal_conv, causal_conv_spans, conv_spans_plan
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import gdn_gates
 from headstart.state import StatePool
-
-if TYPE_CHECKING:
-    from headstart.models.qwen35.model import Qwen35Model
 
 __all__ = ["GatedDeltaNet"]
 
@@ -57,7 +54,7 @@ class _Rows:
 class GatedDeltaNet:
     """The GDN layers of one model (reads its weights, kernels and config)."""
 
-    def __init__(self, model: Qwen35Model) -> None:
+    def __init__(self, model: ModelParts) -> None:
         self.m = model
         cfg = model.cfg
         self.heads = (

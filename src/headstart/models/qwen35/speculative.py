@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from headstart.models.qwen35.config import ModelConfig
+from headstart.models.qwen35.parts import ModelParts
 from headstart.ops.conv.reference import causal_conv, causal_conv_step
 from headstart.ops.gated_delta.reference import (
     chunked_gated_delta,
@@ -26,9 +26,6 @@ from headstart.ops.gated_delta.reference import (
     recurrent_gated_delta,
 )
 from headstart.state import StatePool
-
-if TYPE_CHECKING:
-    from headstart.models.qwen35.model import Qwen35Model
 
 __all__ = [
     "GDNRecord",
@@ -158,7 +155,7 @@ class WindowRecords:
 
 @torch.no_grad()
 def commit_tree(
-    model: Qwen35Model,
+    model: ModelParts,
     pool: StatePool,
     slot: int,
     start: int,
@@ -180,7 +177,7 @@ def commit_tree(
 
 
 @torch.no_grad()
-def rollback(model: Qwen35Model, pool: StatePool, slot: int, record: GDNRecord, keep: int) -> None:
+def rollback(model: ModelParts, pool: StatePool, slot: int, record: GDNRecord, keep: int) -> None:
     """Set the slot's GDN state to what it was after the first ``keep`` rows of the recorded
     span, by replaying the recurrence over those rows from the recorded initial state.
 
@@ -207,7 +204,7 @@ def rollback(model: Qwen35Model, pool: StatePool, slot: int, record: GDNRecord, 
 
 @torch.no_grad()
 def rollback_window(
-    model: Qwen35Model,
+    model: ModelParts,
     pool: StatePool,
     slot: torch.Tensor,
     records: WindowRecords,
