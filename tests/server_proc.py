@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -62,3 +64,14 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def serving(*args: str, env: dict | None = None) -> Iterator[ServerProcess]:
+    """A ready `headstart serve` process for the block (module fixtures); on leaving, it is
+    stopped and must have exited 0 (a drained shutdown)."""
+    srv = ServerProcess(*args, env=env)
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop() == 0, srv.output()

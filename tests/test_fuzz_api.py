@@ -15,13 +15,13 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_proc import ServerProcess
+from server_proc import serving
 
 
 @pytest.fixture(scope="module")
 def server():
     # --max-tokens keeps every generated request short, whatever it asks for.
-    srv = ServerProcess(
+    with serving(
         "--parallel",
         "4",
         "--context",
@@ -32,12 +32,8 @@ def server():
         "16",
         "--max-body-mib",
         "1",
-    )
-    srv.wait_ready()
-    try:
+    ) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Self
 import httpx
 import openai
 import pytest
-from server_proc import ServerProcess
+from server_proc import serving
 
 KEY = "sk-hostile-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     keys.write_text(KEY + "\n")
     os.chmod(keys, 0o600)
     log = tmp / "requests.jsonl"
-    srv = ServerProcess(
+    with serving(
         "--parallel",
         str(SLOTS),
         "--context",
@@ -46,13 +46,9 @@ def server(tmp_path_factory):
         str(BODY_MIB),
         "--body-timeout",
         "2",
-    )
-    srv.request_log = log
-    srv.wait_ready()
-    try:
+    ) as srv:
+        srv.request_log = log
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 import toy_family
-from server_proc import ServerProcess
+from server_proc import serving
 
 from headstart.generate import greedy_tokens
 from headstart.loading import default_model_dir, load
@@ -42,7 +42,7 @@ def server(checkpoint):
         "HEADSTART_MODEL_FAMILIES": "toy_family",
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
-    srv = ServerProcess(
+    with serving(
         "--model",
         str(checkpoint),
         "--parallel",
@@ -52,12 +52,8 @@ def server(checkpoint):
         "--prompt-cache-interval",
         "16",
         env=env,
-    )
-    srv.wait_ready()
-    try:
+    ) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_proc import ServerProcess
+from server_proc import serving
 
 from headstart.loading import default_model_dir, resolve_device
 
@@ -25,12 +25,8 @@ def test_auto_device_is_cuda_only_when_there_is_one(monkeypatch):
 @pytest.fixture(scope="module")
 def server():
     # The model as a positional argument, no --device: auto.
-    srv = ServerProcess(str(default_model_dir()), "--parallel", "2", "--context", "256")
-    srv.wait_ready()
-    try:
+    with serving(str(default_model_dir()), "--parallel", "2", "--context", "256") as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 @pytest.fixture(scope="module")
