@@ -434,7 +434,6 @@ class Tokenizer:
         self._protected_index = {text: i for i, text in enumerate(protected)}
         self._protected_re = re.compile("|".join(map(re.escape, protected))) if protected else None
         self._protected_first = tuple(sorted({text[0] for text in protected}))
-        self._literal = _literal_backend(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -487,6 +486,18 @@ class Tokenizer:
         if token_id < 0:
             return None
         return self._backend.id_to_token(token_id)
+
+    @functools.cached_property
+    def _literal(self) -> tokenizers.Tokenizer:
+        # A JSON round-trip of the whole tokenizer: made only when a prompt first holds
+        # added-token text in client strings, not at every load.
+        return _literal_backend(self._backend)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode` of each text, in one call (without the GIL, in parallel)."""
+        if not texts:
+            return []
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

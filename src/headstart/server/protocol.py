@@ -644,12 +644,7 @@ def completion_prompts(tokenizer: Tokenizer, req: CompletionRequest) -> list[lis
         raise _bad("'prompt' must not be empty", "prompt")
     vocab = tokenizer.vocab_size
     texts = [p for p in prompts if isinstance(p, str)]
-    # One batch call: the tokenizers binding releases the GIL there (not in encode).
-    encoded = (
-        iter(e.ids for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False))
-        if texts
-        else iter(())
-    )
+    encoded = iter(tokenizer.encode_many(texts))  # one call for every string prompt
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
