@@ -169,42 +169,52 @@ def test_stream_batched_with_15_others_equals_alone(ckpt):
     assert (batched - alone[1:]).abs().max() <= 0.02 * alone.abs().max()
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)).item()
+
+
 @pytest.mark.parametrize("quantized", [False, True])
-def test_prefill_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized):
-    """Captured fresh prefills (several lengths, one graph each, sharing a memory pool with the
-    decode graphs) against the same prefill run eagerly on the same slot: logits, taps and the
-    slot's whole state, bit for bit; then decode steps continue identically."""
-    from headstart.engine.cuda_graph import DecodeGraphs, PrefillGraphs
+def test_prompt_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized):
+    """Captured new prompts (1 and 3 streams per replay, several widths, sharing a memory pool
+    with the decode graphs) against the same padded batches run eagerly on the same slots:
+    logits, taps and each slot's whole state, bit for bit; close to each prompt prefilled
+    alone (exact length, eager); then decode steps continue identically."""
+    from headstart.engine.cuda_graph import DecodeGraphs, PromptGraphs
 
     path = ckpt
     if quantized:  # the fused 4-bit matmul inside the captured prefill
         ref = tiny.causal_lm(seed=41, **SHAPE)
         path = tiny.save_mlx(ref, tiny.dequantized_copy(ref, 4, 64)[1], tmp_path / "q4", 4, 64)
     model = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda")
-    eager_pool = model.new_state_pool(5, 256)
-    graph_pool = model.new_state_pool(5, 256)
-    decode = DecodeGraphs(model, graph_pool, 4, 4, taps=(0, 2))
-    graphs = PrefillGraphs(model, graph_pool, 40, 4, taps=(0, 2), mempool=decode.mempool)
+    pools = {k: model.new_state_pool(5, 256) for k in ("graph", "eager", "alone")}
+    decode = DecodeGraphs(model, pools["graph"], 4, 4, taps=(0, 2))
+    graphs = PromptGraphs(model, pools["graph"], 4, 64, 128, 4, taps=(0, 2), mempool=decode.mempool)
+    emulated = PromptGraphs(model, pools["eager"], 4, 64, 128, 4, taps=(0, 2), capture=False)
     gen = torch.Generator().manual_seed(9)
-    for n, slot in ((40, 0), (13, 1), (2, 2), (13, 3)):
-        ids = torch.randint(0, 512, (n,), generator=gen).tolist()
-        out = graphs.run(ids, slot)
-        ref = model.forward_ex(
-            ForwardBatch.build([SeqChunk(slot, 0, ids)], model.device), eager_pool, (0, 2)
-        )
+    for lengths, slots in (((40,), (0,)), ((13, 2, 31), (1, 2, 3)), ((64,), (3,))):
+        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+        out = graphs.run(prompts, slots)
+        ref = emulated.run(prompts, slots)
         assert torch.equal(out.logits, ref.logits) and torch.equal(out.taps, ref.taps)
-        for name in ("conv", "recurrent"):
-            assert torch.equal(
-                getattr(graph_pool, name)[:, slot], getattr(eager_pool, name)[:, slot]
-            ), name
-        for name in ("keys", "values"):
-            assert torch.equal(
-                getattr(graph_pool, name)[:, slot, :, :n], getattr(eager_pool, name)[:, slot, :, :n]
-            ), name
-        step = model.forward(
-            ForwardBatch.build([SeqChunk(slot, n, (7,))], model.device), eager_pool
-        )
-        assert torch.equal(decode.run([7], [n], [slot]).logits, step)
+        for name in ("conv", "recurrent", "keys", "values"):
+            got, want = getattr(pools["graph"], name), getattr(pools["eager"], name)
+            for slot, n in zip(slots, lengths, strict=True):
+                rows = (
+                    (slice(None), slot)
+                    if name in ("conv", "recurrent")
+                    else (slice(None), slot, slice(None), slice(0, n))
+                )
+                assert torch.equal(got[rows], want[rows]), name
+        for r, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
+            alone = model.forward(
+                ForwardBatch.build([SeqChunk(slot, 0, ids)], model.device), pools["alone"]
+            )
+            assert rel_err(out.logits[r : r + 1], alone) <= 2e-2
+            n = len(ids)
+            step = model.forward(
+                ForwardBatch.build([SeqChunk(slot, n, (7,))], model.device), pools["eager"]
+            )
+            assert torch.equal(decode.run([7], [n], [slot]).logits, step)
 
 
 def test_generate_runs_on_the_gpu(ckpt):
@@ -301,7 +311,7 @@ def test_engine_with_every_graph_serves(ckpt, tmp_path, engines, spec_mode):
             drafter=drafter,
             start=False,
         )
-        assert e.runner.prefill_graphs is not None and (
+        assert e.runner.prompt_graphs is not None and (
             drafter is None or e.runner.window_graphs is not None
         )
         e.start()

@@ -237,6 +237,36 @@ def test_gdn_prefill_varlen(lens, Hk, Hv, D, first_fresh):
     assert torch.equal(pool[0], before[0]) and torch.equal(pool[-1], before[-1])
 
 
+@pytest.mark.parametrize(
+    "lens,L,Hk,Hv,D", [([31, 7, 1, 16], 32, 16, 48, 128), ([100], 128, 2, 4, 64)]
+)
+def test_gdn_padded(lens, L, Hk, Hv, D):
+    """New streams padded to L rows (FLA's batched form) with zero decay and beta on the
+    padding rows: each stream's outputs and final state as its rows alone give them."""
+    from headstart.ops.gated_delta.fla import gdn_padded
+
+    pytest.importorskip("fla")
+    N = len(lens)
+    g = gen(N * L + Hv)
+    q = torch.randn(N, L, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(N, L, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(N, L, Hv, D, generator=g, device=DEV).to(torch.bfloat16)
+    decay = torch.nn.functional.logsigmoid(torch.randn(N, L, Hv, generator=g, device=DEV))
+    beta = torch.rand(N, L, Hv, generator=g, device=DEV).to(torch.bfloat16)
+    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
+    decay, beta = (torch.where(valid[..., None], t, 0) for t in (decay, beta))
+    pool = torch.full((N + 1, Hv, D, D), float("nan"), device=DEV)
+    slots = torch.arange(N, device=DEV) + 1
+    o = gdn_padded(q, k, v, decay, beta, slots, pool)
+    for j, n in enumerate(lens):
+        zero = torch.zeros(Hv, D, D, device=DEV)
+        o_ref, s_ref = recurrent_gated_delta(
+            q[j, :n], k[j, :n], v[j, :n], decay[j, :n], beta[j, :n], zero
+        )
+        assert rel_err(o[j, :n], o_ref) <= 2e-2 and rel_err(pool[j + 1], s_ref) <= 2e-2, j
+    assert pool[0].isnan().all()
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -271,23 +301,49 @@ def test_decode_attention(nh, nkv, hd, max_tokens, lens, splits):
 
 
 @pytest.mark.parametrize("nh,nkv,hd,lens", [(8, 2, 256, [31, 31, 14, 1]), (16, 4, 128, [300, 7])])
-def test_masked_prompt_attention(nh, nkv, hd, lens):
-    """The GPU kernels' several-prompts attention (SDPA under a block-diagonal causal mask)
-    against the reference on the same packed rows."""
+def test_fresh_prompts_attention(nh, nkv, hd, lens):
+    """The GPU kernels' several-new-prompts attention (varlen flash by cu_seqlens, or SDPA
+    under a block-diagonal mask) and the padded form, against the reference per prompt."""
     from headstart.kernels import gpu_kernels
-    from headstart.ops.attention.reference import attend_masked
+    from headstart.ops.attention.reference import attend
 
-    T = sum(lens)
+    T, kernels = sum(lens), gpu_kernels()
     g = gen(T)
     q = torch.randn(T, nh, hd, generator=g, device=DEV).to(torch.bfloat16)
     k = torch.randn(T, nkv, hd, generator=g, device=DEV).to(torch.bfloat16)
     v = torch.randn(T, nkv, hd, generator=g, device=DEV).to(torch.bfloat16)
-    seg = torch.repeat_interleave(
-        torch.arange(len(lens), device=DEV), torch.tensor(lens, device=DEV)
-    )
-    pos = torch.cat([torch.arange(n, device=DEV) for n in lens])
-    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-    out = gpu_kernels().attn_masked(q, k, v, mask)
-    ref = attend_masked(q.float(), k.float(), v.float(), mask)
+    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = kernels.attn_fresh_spans(q, k, v, cu.to(DEV), cu)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert rel_err(out, ref) <= 1e-2
+    L = max(lens)
+    pad = [torch.zeros(len(lens), L, *t.shape[1:], dtype=t.dtype, device=DEV) for t in (q, k, v)]
+    begin = 0
+    for j, n in enumerate(lens):
+        rows = slice(begin, begin + n)
+        ref = attend(
+            q[rows].float(), k[rows].float().transpose(0, 1), v[rows].float().transpose(0, 1), 0
+        )
+        assert rel_err(out[rows], ref) <= 1e-2
+        for p, t in zip(pad, (q, k, v), strict=True):
+            p[j, :n] = t[rows]
+        begin += n
+    padded = kernels.attn_padded(*pad)
+    begin = 0
+    for j, n in enumerate(lens):
+        assert torch.allclose(padded[j, :n].float(), out[begin : begin + n].float(), atol=2e-2)
+        begin += n
+
+
+def test_continued_span_attention_over_the_pool():
+    """A continued stream's chunk (bottom-right causal over its KV rows) on the GPU vs the
+    reference, GQA at the 27B attention shape."""
+    from headstart.kernels import gpu_kernels
+    from headstart.ops.attention.reference import attend
+
+    g = gen(7)
+    start, T, nh, nkv, hd = 300, 77, 24, 4, 256
+    q = torch.randn(T, nh, hd, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(nkv, start + T, hd, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(nkv, start + T, hd, generator=g, device=DEV).to(torch.bfloat16)
+    out = gpu_kernels().attn_span(q, k, v, start)
+    assert rel_err(out, attend(q.float(), k.float(), v.float(), start)) <= 1e-2

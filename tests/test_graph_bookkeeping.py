@@ -21,7 +21,7 @@ from headstart.engine.config import (
     SchedulingConfig,
     SpecConfig,
 )
-from headstart.engine.cuda_graph import PrefillGraphs
+from headstart.engine.cuda_graph import PromptGraphs
 from headstart.engine.engine import EngineRequest, Finish, wait_idle
 from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.sampling import SamplingParams
@@ -37,30 +37,49 @@ def tokenizer():
     return tiny.small_tokenizer()
 
 
-def test_prefill_graph_leaves_the_slot_as_an_eager_prefill(target):
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_graphs_leave_each_slot_as_its_prompt_alone(target):
+    """New prompts padded into one replay (1, 3 and 4 streams; lengths 1 to 24; slots that
+    held NaN and other streams' state) against each prompt prefilled alone, eagerly: logits,
+    taps and each slot's whole state; the slots of no prompt keep what they held."""
     gen = torch.Generator().manual_seed(0)
-    graph_pool = target.new_state_pool(4, 64)
-    eager_pool = target.new_state_pool(4, 64)
+    graph_pool = target.new_state_pool(6, 64)
+    eager_pool = target.new_state_pool(6, 64)
     for pool in (graph_pool, eager_pool):  # whatever the slots held before
         pool.recurrent.normal_(generator=gen)
         pool.conv.fill_(float("nan"))
+        pool.keys.fill_(float("nan"))
     eager_pool.recurrent.copy_(graph_pool.recurrent)
-    graphs = PrefillGraphs(target, graph_pool, 24, scratch_slot=3, taps=(0, 2), capture=False)
-    assert not graphs.covers(1) and graphs.covers(2) and graphs.covers(24)
-    assert not graphs.covers(25)
-    for n, slot in ((24, 1), (7, 0), (2, 2)):
-        tokens = torch.randint(5, 150, (n,), generator=gen).tolist()
-        out = graphs.run(tokens, slot)
-        ref = target.forward_ex(
-            ForwardBatch.build([SeqChunk(slot, 0, tokens, 1)]), eager_pool, (0, 2)
-        )
-        assert torch.equal(out.logits, ref.logits) and torch.equal(out.taps, ref.taps)
-        assert torch.equal(graph_pool.conv[:, slot], eager_pool.conv[:, slot])
-        assert torch.equal(graph_pool.recurrent[:, slot], eager_pool.recurrent[:, slot])
-        assert torch.equal(graph_pool.keys[:, slot, :, :n], eager_pool.keys[:, slot, :, :n])
-        assert torch.equal(graph_pool.values[:, slot, :, :n], eager_pool.values[:, slot, :, :n])
-    # The other slots were not touched.
-    assert torch.equal(graph_pool.recurrent[:, :3].isnan(), eager_pool.recurrent[:, :3].isnan())
+    graphs = PromptGraphs(target, graph_pool, 4, 24, 64, scratch_slot=5, taps=(0, 2), capture=False)
+    assert graphs.widths == [16, 24] and graphs.shape_for([24, 24, 3]) is None  # 4 x 24 > 64
+    assert graphs.shape_for([1, 16]) == (2, 16) and graphs.groups([24, 3, 9, 24]) == [
+        [0, 3],
+        [2, 1],
+    ]
+    before = graph_pool.recurrent[:, 4].clone()
+    for lengths, slots in (((24,), (1,)), ((7, 1, 16), (0, 2, 3)), ((2, 9, 5, 13), (3, 1, 0, 2))):
+        prompts = [torch.randint(5, 150, (n,), generator=gen).tolist() for n in lengths]
+        out = graphs.run(prompts, slots)
+        row = 0
+        for r, (tokens, slot) in enumerate(zip(prompts, slots, strict=True)):
+            ref = target.forward_ex(
+                ForwardBatch.build([SeqChunk(slot, 0, tokens, 1)]), eager_pool, (0, 2)
+            )
+            n = len(tokens)
+            assert close(out.logits[r : r + 1], ref.logits)
+            assert close(out.taps[row : row + n], ref.taps)
+            row += n
+            for name in ("conv", "recurrent"):
+                got, want = getattr(graph_pool, name)[:, slot], getattr(eager_pool, name)[:, slot]
+                assert close(got, want), name
+            for name in ("keys", "values"):
+                got, want = getattr(graph_pool, name), getattr(eager_pool, name)
+                assert close(got[:, slot, :, :n], want[:, slot, :, :n]), name
+        assert row == out.taps.shape[0]
+    assert torch.equal(graph_pool.recurrent[:, 4], before)  # no prompt's slot: untouched
 
 
 PROMPTS = [
@@ -85,7 +104,7 @@ def run_all(engine, prompts=PROMPTS):
 def counting(engine):
     counts = {"prefill": 0, "decode": 0}
     for name, obj in (
-        ("prefill", engine.runner.prefill_graphs),
+        ("prefill", engine.runner.prompt_graphs),
         ("decode", engine.runner.decode_graphs),
     ):
         real = obj.run

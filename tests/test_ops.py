@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headstart.ops.attention.reference import attend, attend_masked
-from headstart.ops.conv.reference import causal_conv, causal_conv_spans, conv_spans_plan
+from headstart.ops.attention.reference import attend
+from headstart.ops.conv.reference import (
+    causal_conv,
+    causal_conv_padded,
+    causal_conv_spans,
+    conv_spans_plan,
+)
 from headstart.ops.gated_delta.reference import chunked_gated_delta, recurrent_gated_delta
 from headstart.quant import dequantize, pack, quantize, unpack
 
@@ -83,24 +88,57 @@ def test_causal_conv_spans_equals_each_span_alone(lengths):
         begin += n
 
 
-def test_attend_masked_equals_each_prompt_alone():
-    """Fresh prompts packed with a block-diagonal causal mask == each prompt attended alone."""
+def test_causal_conv_padded_equals_each_stream_alone():
+    """Streams padded to one length (zero tails): each stream's rows and new tail as its own
+    rows alone give them, lengths shorter than the tail included."""
+    g = torch.Generator().manual_seed(4)
+    lengths, L, C, K = [5, 1, 2, 8], 8, 6, 4
+    x = torch.randn(len(lengths), L, C, generator=g)
+    w = torch.randn(C, K, generator=g)
+    y, tails = causal_conv_padded(x, torch.tensor(lengths), w)
+    for j, n in enumerate(lengths):
+        want, want_tail = causal_conv(x[j, :n], torch.zeros(C, K - 1), w)
+        assert torch.allclose(y[j, :n], want, atol=1e-6)
+        assert torch.equal(tails[j], want_tail)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sdpa_prefill_attention_equals_the_reference(monkeypatch, varlen):
+    """The GPU set's prefill attention (PyTorch's fused SDPA kernels, no materialized masks
+    where it can) run on the CPU against the reference, GQA: a new stream, a continued one
+    (bottom-right causal), new streams packed by cu_seqlens (the mask fallback; varlen when
+    this PyTorch runs it on the CPU) and new streams padded to one length."""
+    from headstart.ops.attention import sdpa
+
+    if not varlen:
+        monkeypatch.setattr(sdpa, "_varlen", lambda: None)
     g = torch.Generator().manual_seed(3)
-    lengths, nh, nkv, hd = [4, 1, 6], 6, 2, 8
-    T = sum(lengths)
-    q = torch.randn(T, nh, hd, generator=g)
-    k = torch.randn(T, nkv, hd, generator=g)
-    v = torch.randn(T, nkv, hd, generator=g)
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-    got = attend_masked(q, k, v, mask)
+    nh, nkv, hd = 6, 2, 8
+    for start, T in ((0, 7), (5, 4)):
+        q = torch.randn(T, nh, hd, generator=g)
+        k, v = torch.randn(2, nkv, start + T, hd, generator=g)
+        assert torch.allclose(sdpa.attn_span(q, k, v, start), attend(q, k, v, start), atol=1e-5)
+    lengths = [4, 1, 6]
+    cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    q = torch.randn(11, nh, hd, generator=g)
+    k, v = torch.randn(2, 11, nkv, hd, generator=g)
+    try:
+        got = sdpa.attn_fresh_spans(q, k, v, cu, cu)
+    except (RuntimeError, NotImplementedError):  # varlen flash attention: CUDA only
+        assert varlen
+        pytest.skip("varlen_attn does not run on the CPU")
     begin = 0
     for n in lengths:
         rows = slice(begin, begin + n)
         want = attend(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1), 0)
         assert torch.allclose(got[rows], want, atol=1e-5)
         begin += n
+    q = torch.randn(3, 5, nh, hd, generator=g)
+    k, v = torch.randn(2, 3, 5, nkv, hd, generator=g)
+    got = sdpa.attn_padded(q, k, v)
+    for j in range(3):
+        want = attend(q[j], k[j].transpose(0, 1), v[j].transpose(0, 1), 0)
+        assert torch.allclose(got[j], want, atol=1e-5)
 
 
 def test_attend_matches_dense_causal_softmax():

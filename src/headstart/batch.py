@@ -108,6 +108,21 @@ class WindowRows:
 
 
 @dataclass(frozen=True)
+class PaddedRows:
+    """New prompts of ``N`` streams, each at position 0 and padded to ``L`` rows, in the form a
+    CUDA graph can capture (tensors only; see engine/cuda_graph.py's ``BurstGraphs``). Stream
+    j's prompt is its first ``lengths[j]`` rows; the rows after it are padding, which must leave
+    the stream's state as its last prompt row left it (the GDN layers give them no decay and no
+    update, attention never reads their KV rows, the conv tail ends at the last prompt row).
+    Logits come from each stream's last prompt row."""
+
+    rows: torch.Tensor  # [N, L] packed row of each (stream-major)
+    slots: torch.Tensor  # [N] (padding streams share the scratch slot)
+    lengths: torch.Tensor  # [N] prompt rows of each stream, 1 <= length <= L
+    valid: torch.Tensor  # [N * L] bool: a prompt row, not padding
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """Packed rows and the shapes the layers dispatch on. Invariants (checked on creation):
     every span is exactly one of a decode row (in ``decode``), a multi-row span (in
@@ -124,12 +139,14 @@ class ForwardBatch:
     multi: MultiRows | None = None
     trees: tuple[SeqSpan, ...] = ()  # tree verify windows, run one by one (reference ops)
     windows: WindowRows | None = None  # graph-capturable verify windows (alone in a batch)
+    padded: PaddedRows | None = None  # graph-capturable new prompts (alone in a batch)
 
     def __post_init__(self) -> None:
-        if self.windows is not None and (
-            self.spans or self.decode is not None or self.multi_row or self.trees
+        alone = [x for x in (self.windows, self.padded) if x is not None]
+        if alone and (
+            len(alone) > 1 or self.spans or self.decode is not None or self.multi_row or self.trees
         ):
-            raise ValueError("a batch of graph-capturable windows holds nothing else")
+            raise ValueError("a batch of graph-capturable windows or prompts holds nothing else")
         if (self.multi is None) != (not self.multi_row):
             raise ValueError("multi packs exactly the multi-row spans")
         singles = 0 if self.decode is None else self.decode.rows.shape[0]
@@ -142,7 +159,7 @@ class ForwardBatch:
         """The decode rows when they are all the rows of the batch, in row order (by
         construction: :meth:`build` packs single-row chunks in order, windows are ``arange``), so
         per-row kernels may write their outputs whole, with no scatter; else None."""
-        if self.multi_row or self.trees:
+        if self.multi_row or self.trees or self.padded is not None:
             return None
         if self.windows is not None:
             return self.windows.as_decode if self.decode is None else None
@@ -188,6 +205,31 @@ class ForwardBatch:
                 columns=rows.t().contiguous(),
                 records=records,
                 span=span,
+            ),
+        )
+
+    @classmethod
+    def padded_of(
+        cls, input_ids: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, width: int
+    ) -> ForwardBatch:
+        """``n`` new prompts padded to ``width`` rows: ``input_ids`` [n * width] stream after
+        stream, prompt j the first ``lengths[j]`` of its rows, at positions ``0 ..`` of
+        ``slots[j]``. Built from tensors only (graph-capturable); see :class:`PaddedRows`."""
+        n, dev = slots.shape[0], input_ids.device
+        rows = torch.arange(n * width, device=dev).view(n, width)
+        column = torch.arange(width, device=dev)
+        return cls(
+            input_ids=input_ids,
+            positions=column.repeat(n),
+            spans=(),
+            logit_index=rows[:, 0] + lengths - 1,
+            decode=None,
+            multi_row=(),
+            padded=PaddedRows(
+                rows=rows,
+                slots=slots,
+                lengths=lengths,
+                valid=(column[None, :] < lengths[:, None]).reshape(-1),
             ),
         )
 

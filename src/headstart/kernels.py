@@ -18,6 +18,7 @@ else ``reference``, and logs the choice.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from headstart.ops.attention.reference import attend, attend_decode, attend_masked
+from headstart.ops.attention.reference import attend, attend_decode
 from headstart.ops.gated_delta.reference import chunked_gated_delta, gated_delta_step
 from headstart.ops.pointwise import reference as pointwise
 
@@ -55,6 +56,32 @@ def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlen
     return out
 
 
+def _ref_gdn_padded(q, k, v, g, beta, slots, states):
+    """Per stream, the chunked reference over all its rows (padding rows included: the caller
+    gave them zero decay and zero beta, so they leave the state as it was)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for j in range(q.shape[0]):
+        out[j], states[slots[j]] = chunked_gated_delta(
+            q[j], k[j], v[j], g[j], beta[j], torch.zeros_like(states[0])
+        )
+    return out
+
+
+def _ref_attn_fresh_spans(q, k, v, cu_seqlens, cu_seqlens_cpu):
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_cpu.tolist()
+    for a, b in itertools.pairwise(bounds):
+        out[a:b] = attend(q[a:b], k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), 0)
+    return out
+
+
+def _ref_attn_padded(q, k, v):
+    out = torch.empty_like(q)
+    for j in range(q.shape[0]):
+        out[j] = attend(q[j], k[j].transpose(0, 1), v[j].transpose(0, 1), 0)
+    return out
+
+
 def _ref_attn_decode(q, keys, values, slots, lengths):
     longest = int(lengths.max())  # a host sync: fine for the reference
     return attend_decode(q, keys[slots, :, :longest], values[slots, :, :longest], lengths)
@@ -79,9 +106,16 @@ class Kernels:
     attn_decode: Callable[..., torch.Tensor]
     # (q [T,nh,hd] at positions start.., keys/values [nkv, start+T, hd], start) -> [T,nh,hd]
     attn_span: Callable[..., torch.Tensor] = attend
-    # (q [T,nh,hd], k/v [T,nkv,hd], mask [T,T] bool) -> [T,nh,hd]: several fresh streams'
-    # prompts in one call (block-diagonal causal mask)
-    attn_masked: Callable[..., torch.Tensor] = attend_masked
+    # (q [F,nh,hd], k/v [F,nkv,hd], cu_seqlens [N+1] int32, the same on the host) -> [F,nh,hd]:
+    # several new streams' prompts packed, each attending causally to its own rows
+    attn_fresh_spans: Callable[..., torch.Tensor] = _ref_attn_fresh_spans
+    # (q [N,L,nh,hd], k/v [N,L,nkv,hd]) -> [N,L,nh,hd]: new prompts padded to L rows, causal
+    # within each (graph-capturable)
+    attn_padded: Callable[..., torch.Tensor] = _ref_attn_padded
+    # (q, k [N,L,Hk,Dk], v [N,L,Hv,Dv], g, beta [N,L,Hv], slots [N], state pool) -> o
+    # [N,L,Hv,Dv] fp32: new streams (zero state) padded to L rows; final states written to
+    # the pool's slots (graph-capturable)
+    gdn_padded: Callable[..., torch.Tensor] = _ref_gdn_padded
     # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
     prepare: Callable[[Any], Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
@@ -113,37 +147,18 @@ def gpu_kernels() -> Kernels:
     def prepare(w: Any) -> Any:
         return prepare_quant(w) if isinstance(w, QuantizedTensor) else w
 
-    def attn_span(q, keys, values, start):
-        # SDPA's fused kernels; a causal mask shifted by ``start`` for a continued stream.
-        T, nh, _hd = q.shape
-        nkv, n = keys.shape[0], keys.shape[1]
-        qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]
-        if start == 0:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, enable_gqa=nh != nkv
-            )
-        else:
-            pos = torch.arange(start, start + T, device=q.device)
-            mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, enable_gqa=nh != nkv
-            )
-        return o[0].transpose(0, 1)
-
-    def attn_masked(q, k, v, mask):
-        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        return o[0].transpose(0, 1)
+    from headstart.ops.attention import sdpa
+    from headstart.ops.gated_delta.fla import gdn_padded
 
     return Kernels(
         "gpu",
         gdn_decode_gates,
         spans,
         decode_attention,
-        attn_span,
-        attn_masked,
+        sdpa.attn_span,
+        sdpa.attn_fresh_spans,
+        sdpa.attn_padded,
+        gdn_padded,
         prepare,
         graphs=True,
         add_rms_norm=gpu_fused.add_rms_norm,

@@ -8,6 +8,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Dense bf16 tensor-core FLOPs per SM per clock, by compute capability major (A100: 2048,
+# H100/H200: 4096, B200: 8192; consumer parts of a major have fewer, 8.6/8.9: 512).
+_FLOPS_PER_SM_CLOCK = {8: 2048, 9: 4096, 10: 8192}
+_CLOCK = 1.7e9  # a typical sustained tensor-core clock; the estimate needs no more precision
+_STEP_SECONDS = 0.2  # a step's compute at the default budget: the worst decode gap it causes
+
+
+def default_step_tokens(parameters: int | None, device: str, compute: tuple[int, int, int]) -> int:
+    """The step token budget for a model of ``parameters`` weights on ``device`` ("cuda" with
+    ``compute`` = (major, minor, SM count), or "cpu"): the most tokens whose prefill compute
+    (2 FLOPs per weight per token, at 80% of the device's dense bf16 peak) fits in about 0.2 s,
+    so a long prompt goes in the largest chunks that still let decoding streams emit a token
+    every ~0.2 s; a power of two in 512 .. 8192. The CPU keeps 512 (llama.cpp's micro-batch):
+    its chunks are compute-bound from the first tokens."""
+    if device != "cuda" or not parameters:
+        return 512
+    major, minor, sms = compute
+    per_clock = _FLOPS_PER_SM_CLOCK.get(major, 1024)
+    if (major, minor) in ((8, 6), (8, 7), (8, 9)):
+        per_clock = 512
+    peak = 0.8 * sms * per_clock * _CLOCK
+    tokens = _STEP_SECONDS * peak / (2 * parameters)
+    budget = 512
+    while budget * 2 <= min(tokens, 8192):
+        budget *= 2
+    return budget
+
 
 @dataclass(frozen=True)
 class SchedulingConfig:
@@ -50,17 +77,20 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """CUDA graphs. ``enabled``: replay decode steps and fresh prefills of 2 ..
-    ``prefill_tokens`` tokens from graphs (None: when the kernels allow it, on a GPU);
-    ``capture=False`` keeps every graph's bookkeeping but runs eagerly (tests on a CPU);
-    ``windows``: with a drafter, also proposals, chain verify windows and rollbacks;
-    ``continuations``: continued prefill chunks of up to ``prefill_tokens`` tokens."""
+    """CUDA graphs. ``enabled``: replay decode steps and new prompts of up to
+    ``prefill_tokens`` tokens from graphs (None: when the kernels allow it, on a GPU), several
+    prompts in one replay up to ``prefill_rows`` padded rows; ``capture=False`` keeps every
+    graph's bookkeeping but runs eagerly (tests on a CPU); ``windows``: with a drafter, also
+    proposals, chain verify windows and rollbacks; ``continuations``: continued prefill chunks
+    of up to ``continuation_tokens`` tokens."""
 
     enabled: bool | None = None
     capture: bool = True
-    prefill_tokens: int = 64
+    prefill_tokens: int = 1024
+    prefill_rows: int = 2048
     windows: bool = True
     continuations: bool = True
+    continuation_tokens: int = 64
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,10 @@
   disappears. Inputs live in static buffers; a step with fewer streams than its bucket pads with
   rows that point at a scratch slot of the state pool (fresh, position 0), so they compute
   harmlessly and are dropped.
-* :class:`PrefillGraphs`: the prefill of a new stream's first ``n`` prompt tokens (``2 <= n <=
-  max_tokens``), captured once per length on the scratch slot. Launched eagerly such a prefill
-  costs hundreds of kernel launches per layer from Python, far more than its GPU work (figures:
-  BENCHMARKS.md). After a replay the scratch slot's state (every state group, the ``n``
-  per-token rows) is copied into the stream's slot. Exact lengths, not padded buckets: padding
-  rows would run through the recurrence and corrupt the state.
+* :class:`PromptGraphs`: new prompts, one or several streams per replay, each padded to a
+  captured width (16, 32, ... tokens), the padding rows built to leave every stream's state as
+  its last prompt row left it. Launched eagerly such a prefill costs hundreds of kernel
+  launches per layer from Python, far more than its GPU work (figures: BENCHMARKS.md).
 
 Also on by default (``GraphConfig(windows=False, continuations=False)`` turns them off),
 each checked against eager replay on a GPU by ``tests/test_gpu_model.py``:
@@ -29,12 +27,11 @@ tests check everything here but the capture itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from headstart.batch import DecodeRows, ForwardBatch, SeqChunk
+from headstart.batch import DecodeRows, ForwardBatch
 from headstart.models.contract import CausalLM, ForwardOutput
 from headstart.state import StatePool
 
@@ -156,8 +153,22 @@ class DecodeGraphs:
         return ForwardOutput(out.logits[:n], taps, {})
 
 
-class PrefillGraphs:
-    """Fresh prefills of 2 .. ``max_tokens`` tokens, one graph per length (see the module doc).
+def prompt_widths(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Padded prompt lengths: powers of two from ``smallest`` below ``max_tokens``, then it."""
+    widths, w = [], smallest
+    while w < max_tokens:
+        widths.append(w)
+        w *= 2
+    return [*widths, max_tokens]
+
+
+class PromptGraphs:
+    """New prompts of up to ``max_tokens`` tokens, several streams in one replay: one graph per
+    (stream bucket ``n``, width ``w``) with ``n * w <= max_rows``, each prompt padded to ``w``
+    rows (``ForwardBatch.padded_of``: padding rows leave a stream's state as its last prompt row
+    did), padding streams on the scratch slot. Slots are static tensors, so a replay writes
+    every stream's own slot directly. Launched eagerly such a prefill costs a few milliseconds
+    of Python and launches per layer, far more than its GPU work (BENCHMARKS.md).
 
     Shares the decode graphs' memory pool when given it: the two never replay at once."""
 
@@ -165,43 +176,81 @@ class PrefillGraphs:
         self,
         model: CausalLM,
         pool: StatePool,
+        max_streams: int,
         max_tokens: int,
+        max_rows: int,
         scratch_slot: int,
         taps: Sequence[int] = (),
         capture: bool = True,
         mempool: object | None = None,
     ) -> None:
-        self.model, self.pool, self.taps = model, pool, tuple(taps)
         self.scratch = scratch_slot
-        self.max_tokens = min(max_tokens, pool.max_tokens)
-        self.ids = torch.zeros(max(self.max_tokens, 1), dtype=torch.int64, device=model.device)
+        max_tokens = min(max_tokens, pool.max_tokens)
+        dev = model.device
+        self.widths = prompt_widths(max_tokens, min(16, max_tokens))
+        shapes = [
+            (n, w) for n in buckets_for(max_streams) for w in self.widths if n * w <= max_rows
+        ]
+        self.ids = torch.zeros(max(n * w for n, w in shapes), dtype=torch.int64, device=dev)
+        self.slots = torch.full((max_streams,), scratch_slot, dtype=torch.int64, device=dev)
+        self.lengths = torch.ones(max_streams, dtype=torch.int64, device=dev)
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Replayable] = {}
-        for n in range(self.max_tokens, 1, -1):  # longest first: the shared pool fits them all
-            batch = replace(
-                ForwardBatch.build([SeqChunk(scratch_slot, 0, (0,) * n, 1)], model.device),
-                input_ids=self.ids[:n],
-            )
+        self.graphs: dict[tuple[int, int], _Replayable] = {}
+        for n, w in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: shared pool
             # One warm-up run: the decode graphs and the engine's warm-up already initialised
-            # everything lazy; the run compiles and tunes kernels for this length. 63 lengths
-            # of a 27B prefill make a second run cost seconds at start-up.
-            self.graphs[n] = _Replayable(
-                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, mempool, warmups=1
+            # everything lazy; the run compiles and tunes kernels for this shape.
+            self.graphs[n, w] = _Replayable(
+                lambda n=n, w=w: model.forward_ex(
+                    ForwardBatch.padded_of(self.ids[: n * w], self.slots[:n], self.lengths[:n], w),
+                    pool,
+                    tuple(taps),
+                ),
+                capture,
+                mempool,
+                warmups=1,
             )
+        self.max_tokens = max(w for _, w in shapes)
 
-    def covers(self, n: int) -> bool:
-        return n in self.graphs
+    def shape_for(self, lengths: Sequence[int]) -> tuple[int, int] | None:
+        """The smallest captured (streams, width) that holds prompts of ``lengths``."""
+        need = max(lengths)
+        fits = [s for s in self.graphs if s[0] >= len(lengths) and s[1] >= need]
+        return min(fits, key=lambda s: (s[0] * s[1], s[0]), default=None)
 
-    def run(self, tokens: Sequence[int], slot: int) -> ForwardOutput:
-        """Prefill ``tokens`` as the first tokens of ``slot`` (whatever it held); returns views
-        of the static outputs (last row's logits, every row's taps), valid until the next
-        replay."""
-        n = len(tokens)
-        self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
-        out = self.graphs[n].replay()
-        self.pool.copy_slot(self.scratch, slot, n)
+    def groups(self, lengths: Sequence[int]) -> list[list[int]] | None:
+        """Prompts (indices into ``lengths``) split into replays, longest first, each replay as
+        many prompts as a captured shape of its longest one holds; None when one is too long."""
+        order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
+        out: list[list[int]] = []
+        while order:
+            longest = lengths[order[0]]
+            room = max((n for n, w in self.graphs if w >= longest), default=0)
+            if not room:
+                return None
+            out.append(order[:room])
+            order = order[room:]
         return out
+
+    def run(self, prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> ForwardOutput:
+        """Prefill each of ``prompts`` as the first tokens of its slot (whatever it held): the
+        last row's logits of each, and (with taps) every prompt row's taps, prompt after prompt.
+        Fresh tensors, not views of the static outputs."""
+        lengths = [len(p) for p in prompts]
+        shape = self.shape_for(lengths)
+        assert shape is not None, "no captured shape holds these prompts"
+        n, w = shape
+        pad = n - len(prompts)
+        ids = [t for p in prompts for t in (*p, *(0,) * (w - len(p)))] + [0] * (pad * w)
+        self.ids[: n * w].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.slots[:n].copy_(torch.tensor([*slots, *[self.scratch] * pad]), non_blocking=True)
+        self.lengths[:n].copy_(torch.tensor(lengths + [1] * pad), non_blocking=True)
+        out = self.graphs[n, w].replay()
+        taps = None
+        if out.taps is not None:
+            rows = torch.cat([torch.arange(j * w, j * w + m) for j, m in enumerate(lengths)])
+            taps = out.taps.index_select(0, rows.to(out.taps.device))
+        return ForwardOutput(out.logits[: len(prompts)].clone(), taps, {})
 
 
 class WindowGraphs:

@@ -83,12 +83,22 @@ def _is_window(c: SeqChunk) -> bool:
     return c.record or c.parents is not None
 
 
+@dataclass(frozen=True)
+class _GraphPlan:
+    """A step as graph replays, chunks by index: decode rows (one replay), groups of new
+    prompts (one replay each) and continued chunks (one replay each)."""
+
+    decode: list[int]
+    prompts: list[list[int]]
+    continued: list[int]
+
+
 class ModelRunner:
     """Owns the model, the state pool (with graphs, one extra slot: the scratch slot, where
     padding rows and graph captures write) and every graph. Engine-thread only."""
 
-    # At most this many prefill chunks are replayed one by one in a step; more go eager, where
-    # they share one batched forward.
+    # At most this many prompt or continued-chunk replays in a step; a step that needs more goes
+    # eager, where its chunks share one batched forward.
     MAX_GRAPH_PREFILLS = 4
 
     def __init__(
@@ -106,7 +116,7 @@ class ModelRunner:
         self.pool = model.new_state_pool(self.num_slots + int(self.graphed), self.context)
         self.scratch = self.num_slots
         self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
-        self.decode_graphs = self.prefill_graphs = self.continuation_graphs = None
+        self.decode_graphs = self.prompt_graphs = self.continuation_graphs = None
         self.window_graphs = self.rollback_graphs = None
         # Of the last step: slot -> its chunk, GDN record, and (graphed windows) the padded
         # width and index in the window batch, for rollback / commit_tree.
@@ -160,7 +170,7 @@ class ModelRunner:
         from headstart.engine.cuda_graph import (
             ContinuationGraphs,
             DecodeGraphs,
-            PrefillGraphs,
+            PromptGraphs,
             RollbackGraphs,
             WindowGraphs,
         )
@@ -168,20 +178,22 @@ class ModelRunner:
         g, model, pool, s, taps = self.graph_config, self.model, self.pool, self.scratch, self.taps
         self.decode_graphs = DecodeGraphs(model, pool, self.num_slots, s, taps, capture=g.capture)
         mempool = self.decode_graphs.mempool  # shared: no two graphs replay at once
-        if g.prefill_tokens >= 2:
-            self.prefill_graphs = PrefillGraphs(
+        if g.prefill_tokens >= 1:
+            self.prompt_graphs = PromptGraphs(
                 model,
                 pool,
+                self.num_slots,
                 min(g.prefill_tokens, self.context - 1),
+                max(g.prefill_rows, g.prefill_tokens),
                 s,
                 taps,
                 capture=g.capture,
                 mempool=mempool,
             )
-            if g.continuations:
-                self.continuation_graphs = ContinuationGraphs(
-                    model, pool, g.prefill_tokens, s, taps, capture=g.capture, mempool=mempool
-                )
+        if g.continuations and g.continuation_tokens >= 2:
+            self.continuation_graphs = ContinuationGraphs(
+                model, pool, g.continuation_tokens, s, taps, capture=g.capture, mempool=mempool
+            )
         spec = self.spec
         if g.windows and spec is not None and spec.block >= 2:
             self.window_graphs = WindowGraphs(
@@ -219,8 +231,9 @@ class ModelRunner:
 
     # -- steps --------------------------------------------------------------------------------
     def run(self, step: Step) -> ForwardOutput:
-        """Run ``step``: from graph replays when every chunk is a decode row or a prefill chunk
-        of a captured length (at most MAX_GRAPH_PREFILLS chunks); from one window-graph replay
+        """Run ``step``: from graph replays when every chunk is a decode row, a new prompt (or
+        its first chunk) within the prompt graphs' lengths, or a continued chunk of a captured
+        length (at most MAX_GRAPH_PREFILLS prompt and chunk replays); from one window-graph replay
         when every chunk is a chain window that fits the captured widths and the pool; else as
         one eager forward. Outputs are laid out as :class:`Step` says; views of graph outputs
         are valid until the next run."""
@@ -228,7 +241,7 @@ class ModelRunner:
         chunks = step.chunks
         plan = self._graph_plan(chunks)
         if plan is not None:
-            out = self._graph_forward(chunks, *plan)
+            out = self._graph_forward(chunks, plan)
         elif self._windows_fit(chunks):
             out = self._window_forward(chunks)
         else:
@@ -267,54 +280,60 @@ class ModelRunner:
             ForwardBatch.build(chunks, self.model.device), self.pool, self.taps if taps else ()
         )
 
-    def _graph_plan(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int]] | None:
-        """(decode rows, prefill chunks) by index when the whole step can replay graphs."""
-        g, pg, cg = self.decode_graphs, self.prefill_graphs, self.continuation_graphs
+    def _graph_plan(self, chunks: Sequence[SeqChunk]) -> _GraphPlan | None:
+        """How the whole step replays graphs (chunks by index), or None when it cannot."""
+        g, pg, cg = self.decode_graphs, self.prompt_graphs, self.continuation_graphs
         if g is None or any(_is_window(c) for c in chunks):
             return None
         decode = [
             j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.start > 0 and c.logit_rows
         ]
-        prefill = [
+        fresh = [j for j, c in enumerate(chunks) if c.start == 0]
+        continued = [
             j
             for j, c in enumerate(chunks)
-            if len(c.tokens) > 1
-            and (
-                pg.covers(len(c.tokens))
-                if c.start == 0 and pg is not None
-                else cg is not None and c.start > 0 and cg.covers(len(c.tokens))
-            )
+            if c.start > 0 and len(c.tokens) > 1 and cg is not None and cg.covers(len(c.tokens))
         ]
+        groups: list[list[int]] = []
+        if fresh:
+            split = pg.groups([len(chunks[j].tokens) for j in fresh]) if pg is not None else None
+            if split is None:
+                return None
+            groups = [[fresh[i] for i in group] for group in split]
         if (
-            len(decode) + len(prefill) != len(chunks)
-            or len(prefill) > self.MAX_GRAPH_PREFILLS
+            len(decode) + len(fresh) + len(continued) != len(chunks)
+            or len(groups) + len(continued) > self.MAX_GRAPH_PREFILLS
             or len(decode) > self.num_slots
         ):
             return None
-        return decode, prefill
+        return _GraphPlan(decode, groups, continued)
 
-    def _graph_forward(
-        self, chunks: Sequence[SeqChunk], decode: list[int], prefill: list[int]
-    ) -> ForwardOutput:
+    def _graph_forward(self, chunks: Sequence[SeqChunk], plan: _GraphPlan) -> ForwardOutput:
         logits: dict[int, torch.Tensor] = {}
         taps: dict[int, torch.Tensor | None] = {}
-        for j in prefill:
-            c = chunks[j]
-            out = (
-                self.prefill_graphs.run(c.tokens, c.slot)
-                if c.start == 0
-                else self.continuation_graphs.run(c.tokens, c.start, c.slot)
+        for group in plan.prompts:
+            out = self.prompt_graphs.run(
+                [chunks[j].tokens for j in group], [chunks[j].slot for j in group]
             )
-            # Cloned: another prefill of the same length in this step replays the same graph.
+            row = 0
+            for r, j in enumerate(group):
+                n = len(chunks[j].tokens)
+                logits[j] = out.logits[r : r + 1] if chunks[j].logit_rows else out.logits[:0]
+                taps[j] = out.taps[row : row + n] if out.taps is not None else None
+                row += n
+        for j in plan.continued:
+            c = chunks[j]
+            out = self.continuation_graphs.run(c.tokens, c.start, c.slot)
+            # Cloned: another chunk of the same length in this step replays the same graph.
             logits[j] = out.logits.clone() if c.logit_rows else out.logits[:0]
             taps[j] = out.taps.clone() if out.taps is not None else None
-        if decode:
+        if plan.decode:
             out = self.decode_graphs.run(
-                [chunks[j].tokens[0] for j in decode],
-                [chunks[j].start for j in decode],
-                [chunks[j].slot for j in decode],
+                [chunks[j].tokens[0] for j in plan.decode],
+                [chunks[j].start for j in plan.decode],
+                [chunks[j].slot for j in plan.decode],
             )
-            for r, j in enumerate(decode):
+            for r, j in enumerate(plan.decode):
                 logits[j] = out.logits[r : r + 1]
                 taps[j] = out.taps[r : r + 1] if out.taps is not None else None
         order = range(len(chunks))

@@ -109,8 +109,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-cache-interval",
         type=int,
-        default=1024,
-        help="also snapshot long prompts every N tokens (0: only at turn ends)",
+        default=None,
+        help="also snapshot long prompts every N tokens (0: only at turn ends; default: "
+        "--max-batched-tokens, so snapshots fall where chunks end anyway)",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most tokens one engine step runs (decode rows, then prompt chunks of up to "
+        "N tokens; vLLM's max_num_batched_tokens). Default: sized to the model and device, "
+        "the most tokens whose prefill takes about 0.2 s at the GPU's peak (27B on an "
+        "H200: 2048; 2B: 8192); 512 on a CPU",
     )
     p.add_argument(
         "--drafter", default=None, help="DFlash drafter checkpoint folder: speculative decoding on"
@@ -153,16 +164,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--continuation-graphs",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="replay continued prefill chunks of up to --prefill-graph-tokens tokens "
-        "(a new turn after a prompt-cache hit) from CUDA graphs (27B on an "
-        "H200: 21 ms instead of 167; costs start-up time)",
+        help="replay continued prefill chunks of up to 64 tokens (a new turn after a "
+        "prompt-cache hit) from CUDA graphs (27B on an H200: 21 ms instead of 167; costs "
+        "start-up time)",
     )
     p.add_argument(
         "--prefill-graph-tokens",
         type=int,
-        default=64,
-        help="capture fresh prefills of 2..N tokens in CUDA graphs at start-up "
-        "(one graph per length; 0 or 1: none)",
+        default=1024,
+        help="replay new prompts of up to N tokens from CUDA graphs captured at start-up, "
+        "several prompts per replay, each padded to 16, 32, ... tokens (0: none)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -360,6 +371,20 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _step_tokens(model) -> int:
+    """The default step budget for ``model`` on its device (``default_step_tokens``)."""
+    import torch
+
+    from headstart.engine.config import default_step_tokens
+
+    count = getattr(model, "num_parameters", None)
+    compute = (0, 0, 0)
+    if model.device.type == "cuda":
+        props = torch.cuda.get_device_properties(model.device)
+        compute = (props.major, props.minor, props.multi_processor_count)
+    return default_step_tokens(count() if count else None, model.device.type, compute)
+
+
 def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
     """Refuse to start, with the numbers, when the state pool cannot fit; log what it takes."""
     import torch
@@ -452,22 +477,35 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         from headstart.engine.spec.drafter import DFlashDrafter
 
         drafter = DFlashDrafter.load(args.drafter, loaded.model)
-    from headstart.engine.config import CacheConfig, EngineConfig, GraphConfig, SpecConfig
+    from headstart.engine.config import (
+        CacheConfig,
+        EngineConfig,
+        GraphConfig,
+        SchedulingConfig,
+        SpecConfig,
+    )
 
+    budget = args.max_batched_tokens or _step_tokens(loaded.model)
+    if budget < 1:
+        raise HeadstartError("--max-batched-tokens must be >= 1")
+    log.info("step budget: %d tokens", budget)
+    interval = budget if args.prompt_cache_interval is None else args.prompt_cache_interval
     config = EngineConfig(
         parallel,
         context,
         max_queue=args.max_queue,
+        scheduling=SchedulingConfig(prefill_chunk=budget, step_tokens=budget),
         cache=CacheConfig(
             bytes=max(0, args.prompt_cache_mib) << 20,
             host_bytes=max(0, args.prompt_cache_host_mib) << 20,
             max_tokens=args.prompt_cache_max_tokens,
-            interval=args.prompt_cache_interval,
+            interval=max(0, interval),
         ),
         spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
         graphs=GraphConfig(
             enabled=False if args.no_graphs else None,
             prefill_tokens=args.prefill_graph_tokens,
+            prefill_rows=max(budget, args.prefill_graph_tokens),
             windows=args.window_graphs,
             continuations=args.continuation_graphs,
         ),

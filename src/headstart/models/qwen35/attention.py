@@ -3,10 +3,10 @@
 The projections run once over all rows (q_proj laid out per head as [query | gate]); then each
 shape of rows reads and writes its slots' KV rows in the pool: all rows decode rows (norms, RoPE
 and the KV write fused in one kernel, then flash decoding), decode rows among others (and
-graph-captured verify windows, which attend as decode rows), multi-row spans (prefill chunks:
-KV rows written at once, fresh prompts attended together under a block-diagonal causal mask),
-and token trees (each row sees the committed rows and its ancestors). The output is gated by
-``sigmoid(gate)`` and projected.
+graph-captured verify windows, which attend as decode rows), graph-captured new prompts padded
+to one length, multi-row spans (prefill chunks: KV rows written at once, fresh prompts attended
+together by span), and token trees (each row sees the committed rows and its ancestors). The
+output is gated by ``sigmoid(gate)`` and projected.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def _span_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return m.memo["rows"]
 
 
-def _fresh_spans(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(packed rows, [F, F] block-diagonal causal mask) of the multi-row spans that start a
-    stream, when there are at least two of them (else None: each attends alone)."""
+def _fresh_spans(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(packed rows, cu_seqlens on the device and on the host) of the multi-row spans that start
+    a stream, when there are at least two of them (else None: each attends alone)."""
     m = batch.multi
     if "fresh" not in m.memo:
         fresh = [s for s in batch.multi_row if s.start == 0]
@@ -45,14 +45,8 @@ def _fresh_spans(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | Non
         if len(fresh) > 1:
             dev = m.rows.device
             rows = torch.tensor([r for s in fresh for r in range(s.begin, s.end)], device=dev)
-            seg = torch.tensor(
-                [j for j, s in enumerate(fresh) for _ in range(s.length)], device=dev
-            )
-            pos = torch.tensor([d for s in fresh for d in range(s.length)], device=dev)
-            m.memo["fresh"] = (
-                rows,
-                (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None]),
-            )
+            cu = torch.tensor([0] + [s.length for s in fresh], dtype=torch.int32).cumsum(0)
+            m.memo["fresh"] = (rows, cu.to(torch.int32).to(dev), cu.to(torch.int32))
     return m.memo["fresh"]
 
 
@@ -85,6 +79,7 @@ class GatedAttention:
             q, k, v = self._inputs(p, qkv, cos, sin)
             out = torch.empty_like(q)
             self._decode_rows(batch, q, k, v, keys, values, out)
+            self._padded(batch, q, k, v, keys, values, out)
             self._spans(batch, q, k, v, keys, values, out)
             self._trees(batch, q, k, v, keys, values, out)
         return linear(m.kernels.sigmoid_mul(out.reshape(T, -1), gate), m.w[p + "o_proj.weight"])
@@ -146,6 +141,21 @@ class GatedAttention:
                     q[d.rows], keys, values, d.slots, d.positions + 1
                 )
 
+    def _padded(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
+        """New prompts padded to one length (graph-capturable): every row's KV written at its
+        position (padding rows land past the prompt, where nothing reads them), each stream
+        attending causally to its own rows."""
+        pr = batch.padded
+        if pr is None:
+            return
+        n, L = pr.rows.shape
+        kv_shape = (n, L, k.shape[1], k.shape[2])
+        k4, v4 = k.view(kv_shape), v.view(kv_shape)
+        keys[pr.slots, :, :L] = k4.transpose(1, 2)
+        values[pr.slots, :, :L] = v4.transpose(1, 2)
+        o = self.m.kernels.attn_padded(q.view(n, L, *q.shape[1:]), k4, v4)
+        out.copy_(o.reshape(out.shape))
+
     def _spans(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
         """Multi-row spans: several are written at once and fresh prompts attended at once;
         one is written as a slice."""
@@ -157,8 +167,8 @@ class GatedAttention:
             values[row_slots, :, row_positions] = v[batch.multi.rows]
             fresh = _fresh_spans(batch)
             if fresh is not None:
-                rows, mask = fresh
-                out[rows] = kernels.attn_masked(q[rows], k[rows], v[rows], mask)
+                rows, cu, cu_cpu = fresh
+                out[rows] = kernels.attn_fresh_spans(q[rows], k[rows], v[rows], cu, cu_cpu)
                 spans = tuple(s for s in spans if s.start > 0)
         elif spans:
             s = spans[0]

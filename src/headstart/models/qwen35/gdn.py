@@ -5,7 +5,8 @@ One matmul gives every row's conv input ``[q | k | v]``, output gate ``z`` and g
 slot's conv tail and recurrent state and leaves them updated: decode rows as one batched step
 (the step kernels compute the gates and, when every row is a decode row, the output norm
 themselves), a graph-captured continued chunk, graph-captured verify windows as W batched
-one-row steps (recorded for rollback), multi-row spans (one conv pass and one varlen recurrence
+one-row steps (recorded for rollback), graph-captured new prompts padded to one length,
+multi-row spans (one conv pass and one varlen recurrence
 for all of them), and token trees. A stream at position 0 starts from a zero tail and state,
 whatever its slot held. The gated RMSNorm and the output projection close the layer.
 """
@@ -19,7 +20,12 @@ import torch
 from headstart.batch import ForwardBatch
 from headstart.models.qwen35.parts import ModelParts
 from headstart.models.qwen35.speculative import GDNRecord, tree_gated_delta
-from headstart.ops.conv.reference import causal_conv, causal_conv_spans, conv_spans_plan
+from headstart.ops.conv.reference import (
+    causal_conv,
+    causal_conv_padded,
+    causal_conv_spans,
+    conv_spans_plan,
+)
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import gdn_gates
 from headstart.state import StatePool
@@ -107,6 +113,8 @@ class GatedDeltaNet:
             self._window_span(rows, batch)
         elif batch.windows is not None:
             self._windows(rows, batch, records)
+        if batch.padded is not None:
+            self._padded(rows, batch)
         if batch.multi is not None:
             self._spans(rows, batch, records)
         self._trees(rows, batch, records)
@@ -155,6 +163,28 @@ class GatedDeltaNet:
             torch.tensor([0, L], dtype=torch.int32),
         )
         r.core[rows] = o.to(r.core.dtype)
+
+    def _padded(self, r: _Rows, batch: ForwardBatch) -> None:
+        """New prompts padded to one length (graph-capturable): a batched conv from zero tails,
+        and the chunked rule from zero states with padding rows given no decay and no update,
+        so each stream's state is the one after its last prompt row."""
+        pr, (Hk, Hv, Dk, Dv) = batch.padded, self.heads
+        n, L = pr.rows.shape
+        y, tails = causal_conv_padded(r.mixed.view(n, L, -1), pr.lengths, r.conv_w)
+        r.tails.index_copy_(0, pr.slots, tails.to(r.tails.dtype))
+        q, k, v = self._qkv(y.reshape(n * L, -1))
+        keep = pr.valid[:, None]
+        g, beta = torch.where(keep, r.g, 0.0), torch.where(keep, r.beta, 0.0)
+        o = self.m.kernels.gdn_padded(
+            q.view(n, L, Hk, Dk),
+            k.view(n, L, Hk, Dk),
+            v.view(n, L, Hv, Dv),
+            g.view(n, L, Hv),
+            beta.view(n, L, Hv),
+            pr.slots,
+            r.states,
+        )
+        r.core.copy_(o.reshape(n * L, Hv, Dv))
 
     def _windows(self, r: _Rows, batch: ForwardBatch, records: dict[int, GDNRecord] | None) -> None:
         """Verify windows as W batched one-row steps (graph-capturable), with the decode

@@ -13,6 +13,7 @@ transformers' ``modeling_qwen3_5``, including where it rounds. Weight loading is
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
@@ -113,6 +114,16 @@ class Qwen35Model:
             unpack_bytes,
             arena,
         )
+
+    def num_parameters(self) -> int:
+        """Weights a token's forward multiplies by (the embedding table only as the head):
+        what sizes a step's compute."""
+        total = 0
+        for name, t in (*self.w.items(), ("head", self.head)):
+            if name != "embed_tokens.weight":
+                shape = t.shape
+                total += math.prod(shape)
+        return total
 
     def state_groups(self) -> tuple[StateGroup, ...]:
         """Per GDN layer a conv tail (last K-1 pre-conv rows) and a recurrent state (fp32,

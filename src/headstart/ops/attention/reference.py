@@ -27,25 +27,6 @@ def attend(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, start: i
     return out.to(q.dtype)
 
 
-def attend_masked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Rows attending to rows of the same call under a mask: several fresh streams' prompts at
-    once (a block-diagonal causal mask), as :func:`attend` computes each alone.
-
-    q: [T, nh, hd]; k, v: [T, nkv, hd]; mask: [T, T] bool, True where row i may see row j.
-    Grouped-query attention, scale hd^-0.5, softmax in fp32. Returns [T, nh, hd] in q's dtype.
-    """
-    T, nh, hd = q.shape
-    nkv = k.shape[1]
-    group = nh // nkv
-    qh = q.transpose(0, 1).reshape(nkv, group * T, hd)
-    scores = (qh @ k.transpose(0, 1).transpose(1, 2)).float() * hd**-0.5  # [nkv, group*T, T]
-    probs = scores.masked_fill(~mask.repeat(group, 1), float("-inf")).softmax(-1).to(v.dtype)
-    out = (probs @ v.transpose(0, 1)).reshape(nh, T, hd).transpose(0, 1)
-    return out.to(q.dtype)
-
-
 def attend_decode(
     q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:

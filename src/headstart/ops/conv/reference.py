@@ -73,6 +73,25 @@ def causal_conv_spans(
     return out, new_tails
 
 
+def causal_conv_padded(
+    x: torch.Tensor, lengths: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv` of ``n`` new streams (zero tails) whose rows are padded to one
+    length, with tensor ops only (graph-capturable). x: [n, L, C], stream j's rows the first
+    ``lengths[j]`` (>= 1); weight: [C, K]. Returns (silu(conv) [n, L, C], new tails
+    [n, C, K-1]: the K-1 pre-convolution rows ending at each stream's last row, zeros before
+    its first). Rows past a stream's length come out as garbage; its real rows never see them
+    (the convolution is causal)."""
+    n, _, C = x.shape
+    k1 = weight.shape[1] - 1
+    window = F.pad(x.transpose(1, 2), (k1, 0))  # [n, C, K-1+L]
+    y = F.conv1d(window, weight.to(x.dtype).unsqueeze(1), groups=C)  # [n, C, L]
+    # The new tail: window columns lengths .. lengths+K-2 (column K-1+i holds row i).
+    at = lengths[:, None] + torch.arange(k1, device=x.device)  # [n, K-1]
+    tails = window.gather(2, at[:, None, :].expand(n, C, k1))
+    return F.silu(y).transpose(1, 2), tails
+
+
 def causal_conv_step(
     x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

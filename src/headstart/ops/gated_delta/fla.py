@@ -82,3 +82,32 @@ def gdn_prefill_varlen(
     )
     state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
     return o[0].to(v.dtype)
+
+
+def gdn_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    state_pool: torch.Tensor,
+) -> torch.Tensor:
+    """New streams padded to one length, as FLA's plain batched form (no host work: capturable).
+
+    q, k: [N, L, Hk, Dk]; v: [N, L, Hv, Dv]; g, beta: [N, L, Hv] with zero decay and zero beta
+    on padding rows (so they leave a state untouched); slots: [N]. Every stream starts from a
+    zero state; its final state goes to ``state_pool[slots]``. Returns o [N, L, Hv, Dv]."""
+    o, final = _fla_chunk()(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=q.shape[-1] ** -0.5,
+        initial_state=None,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    state_pool.index_copy_(0, slots.to(torch.long), final.to(state_pool.dtype))
+    return o
