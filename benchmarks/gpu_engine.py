@@ -25,7 +25,6 @@ import subprocess
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,64 +80,16 @@ def config(shape: str, quant: bool) -> ModelConfig:
     )
 
 
-def random_tensor(
-    name: str, shape: tuple[int, ...], quant: bool, device: str, gen: torch.Generator | None
-):
-    """One random weight at a real shape (MLX 4-bit where ``quant`` and K allows); meta: no data."""
-    if len(shape) == 1:
-        t = (
-            torch.ones(shape, device=device)
-            if "norm" in name
-            else torch.rand(shape, device=device, generator=gen) - 0.5
-        )
-        return t.float()
-    if name.endswith("conv1d.weight"):
-        return (torch.randn(shape, device=device, generator=gen) * 0.3).bfloat16()
-    if quant and shape[1] % 64 == 0:
-        out, inp = shape
-        packed = (
-            torch.empty(out, inp // 8, dtype=torch.int32, device=device)
-            if device == "meta"
-            else torch.randint(
-                -(2**31),
-                2**31 - 1,
-                (out, inp // 8),
-                dtype=torch.int32,
-                device=device,
-                generator=gen,
-            )
-        )
-        scales = torch.full(
-            (out, inp // 64), 2.0 / 15 / inp**0.5, dtype=torch.bfloat16, device=device
-        )
-        return QuantizedTensor(packed, scales, -7.5 * scales, 4, 64)
-    return (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).bfloat16()
-
-
-@dataclass(frozen=True)
-class RandomRecipe:
-    """A :class:`~headstart.weights.LazyWeights` recipe that makes a random weight when read."""
-
-    name: str
-    shape: tuple[int, ...]
-    quant: bool
-    gen: torch.Generator
-
-    def meta(self):
-        return random_tensor(self.name, self.shape, self.quant, "meta", None)
-
-    def read(self, device: torch.device):
-        return random_tensor(self.name, self.shape, self.quant, str(device), self.gen)
-
-
 def random_weights(
     cfg: ModelConfig, quant: bool, gen: torch.Generator, device: str = "cuda"
 ) -> LazyWeights:
-    """Random weights at ``cfg``'s shapes, each made on the device only when the model takes it
-    (``Qwen35Model`` plans its weight arena from the meta stand-ins), so building a 27B model
-    holds the arena plus one layer in flight, not a second full copy."""
+    """Random weights at ``cfg``'s shapes (``serve --load-format dummy``'s), made on the device
+    as the model takes them."""
+    from headstart.models.qwen35.dummy import RandomRecipe
+
+    bits = 4 if quant else None
     return LazyWeights(
-        {n: RandomRecipe(n, s, quant, gen) for n, s in expected_shapes(cfg).items()}, device
+        {n: RandomRecipe(n, s, bits, gen) for n, s in expected_shapes(cfg).items()}, device
     )
 
 

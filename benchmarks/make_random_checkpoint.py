@@ -3,6 +3,10 @@ embedded default model's tokenizer and chat template, for serving benchmarks on 
 has no real weights.
 
     python benchmarks/make_random_checkpoint.py --shape 2b --out /tmp/qwen35-2b-random
+
+``--config-only`` writes the folder without weights, for ``headstart serve --load-format dummy``
+(random weights made on the device at load: no 15-54 GB file to write and read); ``--format
+4bit`` declares MLX affine 4-bit (groups of 64) in its config.json.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="2b", choices=list(SHAPES))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--format", default="bf16", choices=["bf16", "4bit"])
+    ap.add_argument("--config-only", action="store_true", help="no weights (--load-format dummy)")
     args = ap.parse_args()
+    if args.format == "4bit" and not args.config_only:
+        ap.error("--format 4bit is written as a config for --load-format dummy: add --config-only")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[args.shape]
@@ -53,6 +61,8 @@ def main() -> None:
         },
         **s,
     }
+    if args.format == "4bit":
+        cfg["quantization"] = {"group_size": 64, "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     for f in (
         "tokenizer.json",
@@ -61,6 +71,9 @@ def main() -> None:
         "generation_config.json",
     ):
         shutil.copy(default_model_dir() / f, out / f)
+    if args.config_only:
+        print(f"wrote {out} (config only: serve it with --load-format dummy)")
+        return
     from headstart.models.qwen35.config import load_config
     from headstart.models.qwen35.weights import expected_shapes
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from headstart.errors import CheckpointError
+from headstart.errors import CheckpointError, HeadstartError
 from headstart.models import CausalLM, ModelFamily, family_for
 from headstart.tokenizer import Tokenizer
 
@@ -113,16 +114,30 @@ class LoadedModel:
 
 
 def load(
-    name: str | None = None, device: str = "cpu", dtype: str | None = None, kernels: str = "auto"
+    name: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    kernels: str = "auto",
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
     to float32 on CPU and bfloat16 elsewhere; kernels: "auto" (GPU kernels on CUDA when
-    available), "reference" or "gpu"."""
+    available), "reference" or "gpu"; load_format: "auto" (the checkpoint's weights) or
+    "dummy" (random weights at its config's shapes: speed measurements without the weights)."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     path = resolve_model_dir(name)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     family = family_for(path)
     tokenizer = Tokenizer.from_dir(path)
-    model = family.load(path, DTYPES[dtype], device, kernels)
+    if load_format == "dummy":
+        if "dummy" not in inspect.signature(family.load).parameters:
+            raise HeadstartError(
+                f"the {family.name} family cannot make random weights (--load-format dummy)"
+            )
+        model = family.load(path, DTYPES[dtype], device, kernels, dummy=True)
+    else:
+        model = family.load(path, DTYPES[dtype], device, kernels)
     return LoadedModel(path, model, tokenizer, family)

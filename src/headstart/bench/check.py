@@ -11,6 +11,9 @@ Checks, in order, each failure named precisely:
 5. ``summary.json`` and ``table.txt`` equal a fresh summary of the rows;
 6. outputs agree across arms where the config says they must (see ``agreement.py``).
 
+A scenario receipt (config ``"kind": "scenario"``) gets the same kind of checks from
+``scenario_check.py``.
+
 Non-goals: judging whether the numbers are *good*; re-running anything.
 """
 
@@ -59,7 +62,7 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _capped(kind: str, items: list[str]) -> list[str]:
+def capped(kind: str, items: list[str]) -> list[str]:
     extra = [f"{kind}: ... and {len(items) - _SHOW} more"] if len(items) > _SHOW else []
     return [f"{kind}: {i}" for i in items[:_SHOW]] + extra
 
@@ -71,7 +74,7 @@ def _describe(row: R.Row) -> str:
     )
 
 
-def _same(a: Any, b: Any) -> bool:
+def same(a: Any, b: Any) -> bool:
     if (
         isinstance(a, (int, float))
         and isinstance(b, (int, float))
@@ -82,31 +85,35 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _diff(a: Any, b: Any, path: str, out: list[str]) -> None:
+def diff(a: Any, b: Any, path: str, out: list[str]) -> None:
     """Paths where stored ``a`` and recomputed ``b`` differ (numbers within 1e-9)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
             if k not in a or k not in b:
                 out.append(f"{path}.{k}: {'missing' if k not in a else 'unexpected'}")
             else:
-                _diff(a[k], b[k], f"{path}.{k}", out)
+                diff(a[k], b[k], f"{path}.{k}", out)
     elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             out.append(f"{path}: {len(a)} entries stored, {len(b)} recomputed")
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            _diff(x, y, f"{path}[{i}]", out)
-    elif not _same(a, b):
+            diff(x, y, f"{path}[{i}]", out)
+    elif not same(a, b):
         out.append(f"{path}: stored {a!r}, recomputed {b!r}")
 
 
-def _files(folder: Path, report: CheckReport) -> dict[str, Any] | None:
+def files_check(
+    folder: Path, report: CheckReport, required: tuple[str, ...] = REQUIRED
+) -> dict[str, Any] | None:
+    """Check 1 (the manifest, the files it lists and their hashes); the manifest, or None
+    if there is none."""
     path = folder / MANIFEST
     if not path.is_file():
         report.problems.append(f"{MANIFEST} is missing: not a bench receipt, or it was removed")
         return None
     manifest = load_json(path)
     listed = manifest.get("files", {})
-    for name in REQUIRED:
+    for name in required:
         if name not in listed:
             report.problems.append(f"{MANIFEST} does not list {name}")
     for name, meta in listed.items():
@@ -145,7 +152,7 @@ def _load_rows(folder: Path, manifest: dict[str, Any], report: CheckReport) -> l
         for f in R.FIELDS
         if a[f] != b[f]
     ]
-    report.problems += _capped("CSV and JSON rows differ", diffs)
+    report.problems += capped("CSV and JSON rows differ", diffs)
     return js
 
 
@@ -179,11 +186,11 @@ def _design(rows: list[R.Row], config: dict[str, Any], report: CheckReport) -> N
         for k in expected
         if k not in seen
     ]
-    report.problems += _capped("missing row", missing)
-    report.problems += _capped(
+    report.problems += capped("missing row", missing)
+    report.problems += capped(
         "unexpected row", [_describe(r) for r in rows if R.key_of(r) not in expected]
     )
-    report.problems += _capped(
+    report.problems += capped(
         "duplicate row", [f"{k} appears {n} times" for k, n in seen.items() if n > 1]
     )
     wrong = []
@@ -194,7 +201,7 @@ def _design(rows: list[R.Row], config: dict[str, Any], report: CheckReport) -> N
                 f"{_describe(r)}: slot {r['slot']} request {r['request_sha']}, "
                 f"the config implies slot {slot} request {sha}"
             )
-    report.problems += _capped("row does not match the design", wrong)
+    report.problems += capped("row does not match the design", wrong)
 
 
 def _row_values(rows: list[R.Row], report: CheckReport) -> None:
@@ -202,7 +209,7 @@ def _row_values(rows: list[R.Row], report: CheckReport) -> None:
     for r in rows:
         for f, v in R.derive(r).items():
             if not (v is None and r[f] is None) and (
-                v is None or r[f] is None or not _same(r[f], v)
+                v is None or r[f] is None or not same(r[f], v)
             ):
                 derived.append(f"{_describe(r)}: {f} is {r[f]!r}, its timestamps give {v!r}")
         times = [r[k] for k in ("t_send", "t_first", "t_last", "t_done") if r[k] is not None]
@@ -210,9 +217,9 @@ def _row_values(rows: list[R.Row], report: CheckReport) -> None:
             order.append(f"{_describe(r)}: timestamps out of order {times}")
         if r["error"] or r["status"] != 200:
             failed.append(f"{_describe(r)}: status {r['status']}: {r['error']}")
-    report.problems += _capped("derived field does not match", derived)
-    report.problems += _capped("timestamps", order)
-    report.problems += _capped("request failed", failed)
+    report.problems += capped("derived field does not match", derived)
+    report.problems += capped("timestamps", order)
+    report.problems += capped("request failed", failed)
 
 
 def check_receipt(folder: str | Path) -> CheckReport:
@@ -222,7 +229,11 @@ def check_receipt(folder: str | Path) -> CheckReport:
     if not folder.is_dir():
         report.problems.append(f"{folder} is not a folder")
         return report
-    manifest = _files(folder, report)
+    if _kind(folder) == "scenario":
+        from headstart.bench.scenario_check import check_scenario_receipt
+
+        return check_scenario_receipt(folder, report)
+    manifest = files_check(folder, report)
     if manifest is None:
         return report
     try:
@@ -247,17 +258,31 @@ def check_receipt(folder: str | Path) -> CheckReport:
         )
         return report
     diffs: list[str] = []
-    _diff(stored, fresh, "summary", diffs)
-    report.problems += _capped("summary.json does not match the rows", diffs)
+    diff(stored, fresh, "summary", diffs)
+    report.problems += capped("summary.json does not match the rows", diffs)
     if table != format_table(fresh, run_title(config)):
         report.problems.append("table.txt does not match the summary recomputed from the rows")
     mismatches = fresh["agreement"]["mismatches"]
-    report.problems += _capped(f"outputs disagree (--agree {config['agree']})", mismatches)
+    report.problems += capped(f"outputs disagree (--agree {config['agree']})", mismatches)
     if mismatches and config["agree"] == "all" and not any("@1:" in m for m in mismatches):
         report.notes.append(
             "only concurrent requests disagree: if the server's batched "
             "kernels are not batch-invariant, run with --agree single"
         )
+    client_note(folder, report)
+    return report
+
+
+def _kind(folder: Path) -> str:
+    """The receipt's kind from its config ("prompts" when unreadable: check 1 says why)."""
+    try:
+        return str(load_json(folder / "config.json").get("kind", "prompts"))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return "prompts"
+
+
+def client_note(folder: Path, report: CheckReport) -> None:
+    """Note when the bench client's sources differ from the ones that wrote the receipt."""
     try:
         recorded = load_json(folder / "env.json")["client"]["sha256"]
         if recorded != client_hash()["sha256"]:
@@ -267,7 +292,6 @@ def check_receipt(folder: str | Path) -> CheckReport:
             )
     except (OSError, KeyError, json.JSONDecodeError):
         report.notes.append("env.json has no client hash")
-    return report
 
 
 def verify(folder: str | Path) -> CheckReport:

@@ -14,16 +14,20 @@ Non-goals: deciding what to send (``workload.py``) or when (``runner.py``); aggr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from headstart.bench.rows import Row, derive
+
+#: Seconds a response may take to end after its ``data: [DONE]`` (see :func:`_drain`).
+DRAIN_S = 1.0
 
 
 @dataclass
@@ -69,9 +73,16 @@ def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
 
 
 async def measure(
-    client: httpx.AsyncClient, url: str, payload: bytes, t0: float, headers: dict[str, str]
+    client: httpx.AsyncClient,
+    url: str,
+    payload: bytes,
+    t0: float,
+    headers: dict[str, str],
+    on_delta: Callable[[float], None] | None = None,
 ) -> tuple[Row, Output]:
     """Send one streamed request; return its raw row fields (no identity fields) and output.
+    ``on_delta``, if given, is called with the arrival time (seconds since ``t0``) of every
+    non-empty delta as it arrives, so a caller can keep each token's time or act on progress.
 
     Never raises for HTTP or stream problems: they land in the row's ``status``/``error`` so a
     failed request is recorded (and then fails ``bench check``) instead of vanishing.
@@ -97,7 +108,7 @@ async def measure(
                 body = (await r.aread()).decode(errors="replace")
                 row["error"] = f"HTTP {r.status_code}: {body[:300]}"
             else:
-                await _read_stream(r, row, out)
+                await _read_stream(r, row, out, t0, on_delta)
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     if not row["error"] and row["t_done"] is None:
@@ -111,14 +122,22 @@ async def measure(
     return row, out
 
 
-async def _read_stream(r: httpx.Response, row: Row, out: Output) -> None:
-    async for line in r.aiter_lines():
+async def _read_stream(
+    r: httpx.Response,
+    row: Row,
+    out: Output,
+    t0: float,
+    on_delta: Callable[[float], None] | None,
+) -> None:
+    lines = r.aiter_lines()
+    async for line in lines:
         now = time.perf_counter()  # before parsing: the time the bytes arrived
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
             row["t_done"] = now
+            await _drain(lines)
             return
         chunk = json.loads(data)
         if "error" in chunk:
@@ -143,6 +162,19 @@ async def _read_stream(r: httpx.Response, row: Row, out: Output) -> None:
                 if row["t_first"] is None:
                     row["t_first"] = now
                 row["t_last"] = now
+                if on_delta is not None:
+                    on_delta(now - t0)
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read what follows ``[DONE]`` (the end of the chunked body): a response read to its end
+    hands its connection back to the pool kept alive, where one left unread would be closed
+    and the stream's next request would pay for a new connection. A server that leaves the
+    stream open after ``[DONE]`` gets :data:`DRAIN_S`, then the connection is closed."""
+    with contextlib.suppress(httpx.HTTPError, TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
 
 
 async def burst(

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from headstart.bench.scenarios import SCENARIO_MAX_TOKENS, SCENARIOS
 from headstart.errors import HeadstartError
 
 EPILOG = """\
@@ -31,10 +32,24 @@ arms:
 workload, per arm per order, for each prompt: one cold (first-use) request, then --bursts
 rounds of one burst per --streams count; round 0 is reported as "primed".
 
+prefill scenarios (--scenario; token-id prompts on /v1/completions, each new to the server;
+--repeats R per arm per order, the median and each repeat reported):
+  long    one new prompt of --prompt-tokens P (8192): its TTFT
+  burst   --streams N (16) new prompts of P (31) tokens at once: max and median TTFT; the
+          first burst (a server may still compile shapes) is reported apart from the R later
+  turn    a --history-tokens H (2000) history (warms the prompt cache), then it plus
+          --turn-tokens M (30) new ones: the turn's TTFT, and the same prompt cold
+  beside  --streams S (8) streams decoding --decode-tokens D (512) when a new P-token (8192)
+          prompt arrives: its TTFT, the decoders' worst inter-token gap during its prefill
+          and over the repeat, and their median gap
+  The prompt workload's --bursts, --agree, --token-ids, --thinking and --salt do not apply
+  (scenario prompts are always salted); --streams is one count.
+
 examples:
   headstart bench --arm base=http://127.0.0.1:8000 --arm new=http://127.0.0.1:8001
   headstart bench --arm 'a=cmd:headstart serve --port {port} --model ./ckpt --device cuda' \\
                   --arm 'b=cmd:vllm serve ./ckpt --port {port}' --streams 1 16 --bursts 3
+  headstart bench --scenario burst --streams 16 --prompt-tokens 31 --arm vllm=http://h:8000
   headstart bench check bench-receipts/20260101T000000
 """
 
@@ -108,9 +123,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--max-tokens",
         type=int,
-        default=128,
+        default=None,
         metavar="N",
-        help="fixed output length, with ignore_eos (default: 128)",
+        help="fixed output length, with ignore_eos (default: 128; scenarios: "
+        f"{SCENARIO_MAX_TOKENS})",
     )
     w.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="(default: 0, greedy)"
@@ -123,9 +139,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--streams",
         type=int,
         nargs="+",
-        default=[1, 16],
+        default=None,
         metavar="N",
-        help="concurrent streams per burst (default: 1 16)",
+        help="concurrent streams per burst (default: 1 16); scenarios burst and beside: "
+        "one count (default: 16 and 8)",
     )
     w.add_argument(
         "--bursts",
@@ -152,6 +169,56 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=600.0,
         metavar="S",
         help="seconds per request (default: 600)",
+    )
+    s = p.add_argument_group("prefill scenarios (see below)")
+    s.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default=None,
+        help="run this scenario instead of the prompt workload",
+    )
+    s.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="P",
+        help="new prompt length (default: long, beside 8192; burst 31)",
+    )
+    s.add_argument(
+        "--history-tokens",
+        type=int,
+        default=None,
+        metavar="H",
+        help="turn: the cached history (default: 2000)",
+    )
+    s.add_argument(
+        "--turn-tokens",
+        type=int,
+        default=None,
+        metavar="M",
+        help="turn: new tokens after the history (default: 30)",
+    )
+    s.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        metavar="D",
+        help="beside: tokens each decoding stream generates (default: 512); the long "
+        "prompt should reach its first token before they end",
+    )
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="R",
+        help="repeats per arm per order (default: 3; burst sends its first burst and R more)",
+    )
+    s.add_argument(
+        "--token-range",
+        default=None,
+        metavar="LO:HI",
+        help="prompt token ids are drawn from [LO, HI), which must lie inside every "
+        "arm's vocabulary (default: 1000:4000)",
     )
     r = p.add_argument_group("receipt")
     r.add_argument(
@@ -191,15 +258,65 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     chk.add_argument("receipt", help="the receipt folder")
 
 
+def _token_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(lo), int(hi)
+    except ValueError:
+        raise HeadstartError(f"--token-range {text!r}: expected LO:HI, e.g. 1000:4000") from None
+
+
+def _scenario(args: argparse.Namespace):  # -> scenarios.Scenario | None
+    """The scenario the options ask for, or None (the prompt workload); raises
+    HeadstartError for options that belong to the other kind of run."""
+    from headstart.bench.scenarios import make_scenario
+
+    sizes = ("prompt_tokens", "history_tokens", "turn_tokens", "decode_tokens", "repeats")
+    if args.scenario is None:
+        given = [n for n in (*sizes, "token_range") if getattr(args, n) is not None]
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            raise HeadstartError(f"{flags}: only with --scenario")
+        return None
+    workload = {
+        "--prompts": args.prompts,
+        "--builtin": args.builtin,
+        "--prompt-id": args.prompt_id,
+        "--max-prompts": args.max_prompts,
+    }
+    given = [flag for flag, value in workload.items() if value]
+    if given:
+        raise HeadstartError(f"{', '.join(given)}: not with --scenario (its prompts are token ids)")
+    streams = args.streams or [None]
+    if len(streams) > 1:
+        raise HeadstartError("--scenario takes one --streams count")
+    lo, hi = _token_range(args.token_range) if args.token_range else (None, None)
+    return make_scenario(
+        args.scenario,
+        streams=streams[0],
+        token_lo=lo,
+        token_hi=hi,
+        **{n: getattr(args, n) for n in sizes},
+    )
+
+
 def _plan(args: argparse.Namespace):  # -> runner.Plan (imported lazily)
     from headstart.bench.arms import parse_arms
     from headstart.bench.runner import Plan
     from headstart.bench.workload import Sampling, builtin_prompts, load_prompt_file, select_prompts
 
-    for name in ("orders", "max_tokens", "bursts"):
-        if getattr(args, name) < 1:
-            raise HeadstartError(f"--{name.replace('_', '-')} must be at least 1")
-    if any(s < 1 for s in args.streams):
+    scenario = _scenario(args)
+    max_tokens = args.max_tokens
+    if max_tokens is None:
+        max_tokens = 128 if scenario is None else SCENARIO_MAX_TOKENS
+    streams = args.streams or [1, 16]
+    counts = {"--orders": args.orders, "--max-tokens": max_tokens, "--bursts": args.bursts}
+    for flag, value in counts.items():
+        if value < 1:
+            raise HeadstartError(f"{flag} must be at least 1")
+    if any(s < 1 for s in streams):
         raise HeadstartError("--streams values must be at least 1")
     extra = {}
     if args.extra_body:
@@ -214,25 +331,27 @@ def _plan(args: argparse.Namespace):  # -> runner.Plan (imported lazily)
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise HeadstartError(f"--api-key-env: ${args.api_key_env} is not set")
-    builtin = args.builtin or ("none" if args.prompts else "all")
-    prompts = builtin_prompts(builtin)
-    for f in args.prompts:
-        prompts += load_prompt_file(f)
+    prompts = []
+    if scenario is None:
+        prompts = builtin_prompts(args.builtin or ("none" if args.prompts else "all"))
+        for f in args.prompts:
+            prompts += load_prompt_file(f)
+        prompts = select_prompts(prompts, args.prompt_id, args.max_prompts)
     out = Path(args.out or f"bench-receipts/{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}")
     if out.exists() and any(out.iterdir()):
         raise HeadstartError(f"--out {out} exists and is not empty; give a new folder")
     return Plan(
         arms=parse_arms(args.arm),
-        prompts=select_prompts(prompts, args.prompt_id, args.max_prompts),
+        prompts=prompts,
         sampling=Sampling(
-            max_tokens=args.max_tokens,
+            max_tokens=max_tokens,
             temperature=args.temperature,
             seed=args.seed,
             thinking=args.thinking,
             token_ids=args.token_ids,
             extra=extra,
         ),
-        streams=list(dict.fromkeys(args.streams)),
+        streams=list(dict.fromkeys(streams)),
         bursts=args.bursts,
         orders=args.orders,
         agree=args.agree,
@@ -245,6 +364,7 @@ def _plan(args: argparse.Namespace):  # -> runner.Plan (imported lazily)
         hash_models=args.hash_models,
         plot=args.plot,
         progress=args.progress,
+        scenario=scenario,
     )
 
 

@@ -13,6 +13,14 @@ Layout (every file but the manifest is listed in the manifest with its sha256)::
     ttft.png        TTFT per arm and stream count (absent without matplotlib)
     logs/ARM-oK.log each command arm's server output, per order
 
+A scenario run (``--scenario``; config.json has ``"kind": "scenario"``) writes the manifest,
+config.json, env.json and logs as above, and::
+
+    requests.json   every request's record (scenario_summary.RECORD_SCHEMA), the arrival
+                    time of each of its deltas included
+    summary.json    summaries recomputed from requests.json (``bench check`` redoes this)
+    table.txt       the printed table
+
 Job: write that folder, and read its pieces back for ``check``. Non-goals: judging it.
 """
 
@@ -25,6 +33,13 @@ from typing import Any
 from headstart.bench import rows as R
 from headstart.bench.env import sha256_file
 from headstart.bench.plot import plot_ttft
+from headstart.bench.scenario_summary import (
+    RECORD_SCHEMA,
+    Record,
+    format_scenario_table,
+    scenario_title,
+    summarize_scenario,
+)
 from headstart.bench.summary import format_table, summarize
 
 SCHEMA_VERSION = 1
@@ -38,6 +53,8 @@ REQUIRED = (
     "summary.json",
     "table.txt",
 )
+#: The files a scenario receipt must list.
+SCENARIO_REQUIRED = ("config.json", "env.json", "requests.json", "summary.json", "table.txt")
 
 
 def run_title(config: dict[str, Any]) -> str:
@@ -52,7 +69,7 @@ def run_title(config: dict[str, Any]) -> str:
     )
 
 
-def _dump(path: Path, obj: Any) -> None:
+def dump(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, ensure_ascii=False, sort_keys=False) + "\n")
 
 
@@ -66,34 +83,52 @@ def write_receipt(
 ) -> dict:
     """Write the receipt (see the module docstring); returns the summary."""
     folder.mkdir(parents=True, exist_ok=True)
-    _dump(folder / "config.json", config)
-    _dump(folder / "env.json", env)
+    dump(folder / "config.json", config)
+    dump(folder / "env.json", env)
     (folder / "requests.csv").write_text(R.to_csv(rows))
     (folder / "requests.json").write_text(R.to_json(rows))
-    _dump(folder / "outputs.json", outputs)
+    dump(folder / "outputs.json", outputs)
     # Summarise what was written, not what is in memory: exactly what check will recompute.
     stored = R.from_json((folder / "requests.json").read_text())
     summary = summarize(stored, config)
-    _dump(folder / "summary.json", summary)
+    dump(folder / "summary.json", summary)
     (folder / "table.txt").write_text(format_table(summary, run_title(config)))
     if plot:
         plot_ttft(stored, summary["arms"], folder / "ttft.png")
-    write_manifest(folder, len(rows))
+    write_manifest(folder, {"requests.csv": len(rows), "requests.json": len(rows)})
     return summary
 
 
-def write_manifest(folder: Path, n_rows: int) -> None:
+def write_scenario_receipt(
+    folder: Path, config: dict[str, Any], env: dict[str, Any], records: list[Record]
+) -> dict[str, Any]:
+    """Write a scenario receipt (see the module docstring); returns the summary."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dump(folder / "config.json", config)
+    dump(folder / "env.json", env)
+    dump(folder / "requests.json", {"fields": list(RECORD_SCHEMA), "requests": records})
+    # Summarise what was written, not what is in memory: exactly what check will recompute.
+    stored = load_records((folder / "requests.json").read_text())
+    summary = summarize_scenario(stored, config)
+    dump(folder / "summary.json", summary)
+    (folder / "table.txt").write_text(format_scenario_table(summary, scenario_title(config)))
+    write_manifest(folder, {"requests.json": len(records)})
+    return summary
+
+
+def write_manifest(folder: Path, rows: dict[str, int]) -> None:
+    """The manifest of everything in ``folder``; ``rows``: row count of each row file."""
     files = {
         str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    _dump(
+    dump(
         folder / MANIFEST,
         {
             "schema": SCHEMA_VERSION,
             "tool": "headstart bench",
-            "rows": {"requests.csv": n_rows, "requests.json": n_rows},
+            "rows": rows,
             "files": files,
         },
     )
@@ -101,3 +136,29 @@ def write_manifest(folder: Path, n_rows: int) -> None:
 
 def load_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def load_records(text: str) -> list[Record]:
+    """The records of a scenario receipt's ``requests.json``. Raises ValueError naming the
+    first record whose fields or types differ from :data:`RECORD_SCHEMA`."""
+    doc = json.loads(text)
+    if doc.get("fields") != list(RECORD_SCHEMA):
+        raise ValueError("'fields' differ from the scenario record schema")
+    for i, rec in enumerate(doc["requests"]):
+        if set(rec) != set(RECORD_SCHEMA):
+            raise ValueError(f"record {i}: fields {sorted(set(rec) ^ set(RECORD_SCHEMA))} differ")
+        for f, kind in RECORD_SCHEMA.items():
+            if not _typed(rec[f], kind, f in ("arm", "order", "slot", "rep", "role", "stream")):
+                raise ValueError(f"record {i}: field {f!r} has {rec[f]!r}")
+    return doc["requests"]
+
+
+def _typed(v: Any, kind: type, required: bool) -> bool:
+    if kind is list:
+        return isinstance(v, list) and all(_typed(t, float, True) for t in v)
+    if kind is str:
+        return isinstance(v, str)
+    if v is None:
+        return not required
+    number = (int,) if kind is int else (int, float)
+    return isinstance(v, number) and not isinstance(v, bool)

@@ -4,6 +4,8 @@ Job: for each order (arms as given, then reversed, alternating), for each arm: s
 server process (command arms) or use the URL, send each prompt's cold request and its bursts
 (``workload.schedule``), and collect the rows; then record the environment, write the
 receipt, check it, and print the table last. A progress bar on stderr counts requests.
+The arm loop (:func:`run_arms`) is shared with the prefill scenarios (``scenario_run.py``),
+which a plan with ``scenario`` set runs instead.
 
 Non-goals: measuring (``client.py``), summarising (``summary.py``), judging (``check.py``).
 """
@@ -15,6 +17,7 @@ import datetime as dt
 import secrets
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,11 @@ from tqdm import tqdm
 
 from headstart.bench import env as envmod
 from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, wait_ready
-from headstart.bench.check import check_receipt
+from headstart.bench.check import CheckReport, check_receipt
 from headstart.bench.client import burst
 from headstart.bench.receipt import run_title, write_receipt
 from headstart.bench.rows import Row
+from headstart.bench.scenarios import Scenario
 from headstart.bench.summary import format_table
 from headstart.bench.workload import Prompt, Sampling, request_body, request_sha, salt_for, schedule
 
@@ -52,6 +56,9 @@ class Plan:
     hash_models: bool = True
     plot: bool = True
     progress: bool = True
+    #: When set, the run is this prefill scenario (``scenario_run.py``) instead of the prompt
+    #: workload; ``prompts``, ``streams``, ``bursts``, ``agree`` and ``salt`` are then unused.
+    scenario: Scenario | None = None
 
     @property
     def salted(self) -> bool:
@@ -66,6 +73,23 @@ class Plan:
         return len(self.prompts) * sum(s for _, s, _ in schedule(self.streams, self.bursts))
 
 
+@dataclass(frozen=True)
+class Target:
+    """One ready arm in one order: what a run's ``work`` sends to, and the bar it counts
+    finished requests on."""
+
+    arm: str
+    order: int
+    slot: int
+    url: str
+    model: str | None  # sent as "model"; None: the server has no /v1/models id
+    bar: tqdm
+
+    def done(self) -> None:
+        """Count one finished request."""
+        self.bar.update(1)
+
+
 class _Sink:
     """Collects rows and distinct outputs of one run."""
 
@@ -77,16 +101,12 @@ class _Sink:
 async def _workload(
     plan: Plan,
     run_id: str,
-    arm: str,
-    order: int,
-    slot: int,
-    url: str,
-    model: str | None,
+    target: Target,
     t0: float,
-    bar: tqdm,
     sink: _Sink,
 ) -> None:
-    headers = {"Content-Type": "application/json", **_headers(plan)}
+    arm, order, slot, model = target.arm, target.order, target.slot, target.model
+    headers = {"Content-Type": "application/json", **auth_headers(plan)}
     width = max(plan.streams) + 4
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
     async with httpx.AsyncClient(timeout=plan.request_timeout, limits=limits) as client:
@@ -99,12 +119,12 @@ async def _workload(
             for phase, streams, rep in schedule(plan.streams, plan.bursts):
                 results = await burst(
                     client,
-                    url + prompt.endpoint,
+                    target.url + prompt.endpoint,
                     body,
                     streams,
                     t0,
                     headers,
-                    on_done=lambda: bar.update(1),
+                    on_done=target.done,
                 )
                 for i, (row, output) in enumerate(results):
                     sink.rows.append(
@@ -124,14 +144,18 @@ async def _workload(
                     sink.outputs.setdefault(row["fingerprint"], output.as_json())
 
 
-def _headers(plan: Plan) -> dict[str, str]:
+def auth_headers(plan: Plan) -> dict[str, str]:
+    """The Authorization header of every request, if the plan has an API key."""
     return {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
 
 
-def _run_arm(
-    plan: Plan, run_id: str, spec: ArmSpec, order: int, slot: int, t0: float, bar: tqdm, sink: _Sink
-) -> dict[str, Any]:
-    """One arm in one order; returns its launch record."""
+#: What a run sends to one ready arm.
+Work = Callable[[Target], Awaitable[None]]
+
+
+def _run_arm(plan: Plan, spec: ArmSpec, order: int, slot: int, bar: tqdm, work: Work) -> dict:
+    """One arm in one order: start or reach its server, run ``work`` on it, stop it again;
+    returns its launch record."""
     bar.set_description(f"{spec.name} (order {order})")
     bar.set_postfix_str("starting" if spec.command else "connecting")
     started = time.perf_counter()
@@ -156,11 +180,11 @@ def _run_arm(
         else:
             wait_ready(url, plan.ready_timeout)
         launch["ready_s"] = time.perf_counter() - started
-        info = server_info(url, _headers(plan))
+        info = server_info(url, auth_headers(plan))
         model = plan.model_name or model_id(info)
         launch.update(server=info, model=model)
         bar.set_postfix_str("")
-        asyncio.run(_workload(plan, run_id, spec.name, order, slot, url, model, t0, bar, sink))
+        asyncio.run(work(Target(spec.name, order, slot, url, model, bar)))
     finally:
         if proc is not None:
             bar.set_postfix_str("stopping")
@@ -168,13 +192,44 @@ def _run_arm(
     return launch
 
 
+def run_arms(plan: Plan, total: int, work: Work) -> list[dict[str, Any]]:
+    """Every arm in every order (alternating, ``arms.arm_orders``), ``work`` on each, under a
+    progress bar of ``total`` requests; returns the launch records in run order."""
+    orders = arm_orders([a.name for a in plan.arms], plan.orders)
+    by_name = {a.name: a for a in plan.arms}
+    launches = []
+    with tqdm(
+        total=total, unit="req", file=sys.stderr, dynamic_ncols=True, disable=not plan.progress
+    ) as bar:
+        for k, order in enumerate(orders):
+            for slot, name in enumerate(order):
+                launches.append(_run_arm(plan, by_name[name], k, slot, bar, work))
+    return launches
+
+
+def new_run_id() -> str:
+    """A run's id: its UTC start time and a random tag (salts use it, so it is unique)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+def finish(plan: Plan, report: CheckReport, table: str) -> int:
+    """Print the check report and the receipt's path (stderr), then the table last (stdout);
+    0 if the check passed, else 1."""
+    print(report.text(), file=sys.stderr)
+    print(f"receipt: {plan.out}", file=sys.stderr)
+    sys.stderr.flush()
+    print(table, end="")
+    return 0 if report.ok else 1
+
+
 def run(plan: Plan, argv: list[str]) -> int:
     """Run the bench and write the receipt; 0 if ``bench check`` passes on it, else 1."""
-    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+    if plan.scenario is not None:
+        from headstart.bench.scenario_run import run_scenario
+
+        return run_scenario(plan, argv)
+    run_id = new_run_id()
     plan.out.mkdir(parents=True, exist_ok=True)
-    names = [a.name for a in plan.arms]
-    orders = arm_orders(names, plan.orders)
-    by_name = {a.name: a for a in plan.arms}
     # Before any server starts: hashing large model files must not overlap a measurement.
     env = envmod.collect({a.name: a.command for a in plan.arms}, plan.hash_models)
     config: dict[str, Any] = {
@@ -184,7 +239,7 @@ def run(plan: Plan, argv: list[str]) -> int:
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "arms": [a.as_json() for a in plan.arms],
         "orders": plan.orders,
-        "order_list": orders,
+        "order_list": arm_orders([a.name for a in plan.arms], plan.orders),
         "streams": plan.streams,
         "bursts": plan.bursts,
         "sampling": asdict(plan.sampling),
@@ -195,20 +250,12 @@ def run(plan: Plan, argv: list[str]) -> int:
         "launches": [],
     }
     sink = _Sink()
-    total = plan.requests_per_arm() * len(names) * plan.orders
+    total = plan.requests_per_arm() * len(plan.arms) * plan.orders
     t0 = time.perf_counter()
-    with tqdm(
-        total=total, unit="req", file=sys.stderr, dynamic_ncols=True, disable=not plan.progress
-    ) as bar:
-        for k, order in enumerate(orders):
-            for slot, name in enumerate(order):
-                config["launches"].append(
-                    _run_arm(plan, run_id, by_name[name], k, slot, t0, bar, sink)
-                )
+
+    async def work(target: Target) -> None:
+        await _workload(plan, run_id, target, t0, sink)
+
+    config["launches"] = run_arms(plan, total, work)
     summary = write_receipt(plan.out, config, env, sink.rows, sink.outputs, plot=plan.plot)
-    report = check_receipt(plan.out)
-    print(report.text(), file=sys.stderr)
-    print(f"receipt: {plan.out}", file=sys.stderr)
-    sys.stderr.flush()
-    print(format_table(summary, run_title(config)), end="")  # last, on stdout
-    return 0 if report.ok else 1
+    return finish(plan, check_receipt(plan.out), format_table(summary, run_title(config)))

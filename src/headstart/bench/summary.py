@@ -71,7 +71,10 @@ def _collect(records: Iterable[Row], metrics: tuple[str, ...]) -> dict[tuple, di
     return out
 
 
-def _ratio(arm: list[float | None], base: list[float | None]) -> dict[str, Any]:
+def balanced_ratio(arm: list[float | None], base: list[float | None]) -> dict[str, Any]:
+    """Per-order ratios ``arm[k] / base[k]`` (None where either is missing) and their
+    geometric mean over the orders that have one ("balanced": drift cancels between the
+    alternating orders)."""
     per_order = [a / b if a is not None and b else None for a, b in zip(arm, base, strict=False)]
     logs = [math.log(r) for r in per_order if r is not None and r > 0]
     return {"per_order": per_order, "balanced": math.exp(statistics.fmean(logs)) if logs else None}
@@ -103,7 +106,7 @@ def summarize(rows: list[Row], config: dict[str, Any]) -> dict[str, Any]:
                     "phase": phase,
                     "streams": streams,
                     "metric": m,
-                    **_ratio(metrics[m]["order_means"], base[m]["order_means"]),
+                    **balanced_ratio(metrics[m]["order_means"], base[m]["order_means"]),
                 }
             )
     return {

@@ -1,14 +1,16 @@
 """The serving engine: one thread that runs the model over every active stream, step after step.
 
-Other threads talk to it through :meth:`Engine.submit` and :meth:`Engine.abort` (both thread-safe,
-non-blocking); results flow back through each request's ``sink`` callback, called on the engine
-thread with a :class:`~headstart.engine.output.Piece` per token and one final
-:class:`~headstart.engine.output.Finish` or :class:`Failed`. After the final event a request
-gets nothing more; an aborted request gets nothing at all. A failure in one request's part of a
-step (sampling, output, a verify round) ends that request alone; a failure of a whole step fails
-the requests of that step, and the engine goes on. A step: commands, admission (with prompt-cache
-restores), the scheduler's plan, drafts, one :class:`~headstart.engine.runner.ModelRunner` run,
-snapshots, then per request sampling or verification, and delivery.
+Other threads talk to it through :meth:`Engine.submit`, :meth:`Engine.abort` and
+:meth:`Engine.end_all` (thread-safe, non-blocking: they put commands into its
+:class:`~headstart.engine.inbox.Inbox`); results flow back through each request's ``sink``
+callback, called on the engine thread with a :class:`~headstart.engine.output.Piece` per token
+and one final :class:`~headstart.engine.output.Finish` or :class:`Failed`. After the final event
+a request gets nothing more; an aborted request gets nothing at all. A failure in one request's
+part of a step (sampling, output, a verify round) ends that request alone; a failure of a whole
+step fails the requests of that step, and the engine goes on. A step: commands, admission (with
+prompt-cache restores), the scheduler's plan, drafts, one
+:class:`~headstart.engine.runner.ModelRunner` run, snapshots, then per request sampling or
+verification, and delivery.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from headstart.engine.config import EngineConfig
 from headstart.engine.draw import draw_rows
+from headstart.engine.inbox import Abort, Add, EndAll, Inbox
 from headstart.engine.output import Event, Failed, Finish, OutputStream, Piece
 from headstart.engine.prompt_cache_tiers import PromptCache
 from headstart.engine.request import EngineRequest, Live
@@ -54,11 +57,8 @@ class Engine:
         graphs (see :class:`EngineConfig`); :meth:`start` starts the thread."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.num_slots, self.context, self.max_queue = (
-            config.num_slots,
-            config.context,
-            config.max_queue,
-        )
+        self.num_slots, self.context = config.num_slots, config.context
+        self.max_queue = config.max_queue
         self.scheduler = Scheduler(
             self.num_slots,
             self.max_queue,
@@ -66,22 +66,16 @@ class Engine:
             config.scheduling.step_tokens,
         )
         self.sampler = Sampler()
-        self.spec = (
-            None
-            if drafter is None
-            else Speculator(
+        self.spec: Speculator | None = None
+        if drafter is not None:
+            self.spec = Speculator(
                 drafter, model, self.num_slots, self.context, tokenizer.vocab_size, config.spec
             )
-        )
         self.runner = ModelRunner(model, config, self.spec)
         self.cache = PromptCache(self.runner.pool, config.cache, model.cfg.vocab_size)
         self.runner.warm_up()
         self._live: dict[str, Live] = {}  # engine thread only
-        self._lock = threading.Lock()
-        self._commands: list[tuple[str, object]] = []
-        self._active = 0  # submitted and not yet ended; guarded by _lock
-        self._wake = threading.Event()
-        self._stopping = False
+        self._inbox = Inbox(self.num_slots, self.max_queue, self.context)
         self._thread = threading.Thread(target=self._loop, name="headstart-engine", daemon=True)
         self.steps = 0
 
@@ -90,45 +84,27 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
+        """End the thread after its current step; requests still in flight finish "abort"."""
+        self._inbox.close()
         self._thread.join(timeout=30)
 
     def submit(self, req: EngineRequest) -> None:
         """Queue a request; raises QueueFull when slots and queue are all taken, ValueError when
         it cannot fit the context."""
-        if not req.prompt_ids or req.max_new_tokens < 1:
-            raise ValueError("a request needs a prompt and at least one token to generate")
-        if len(req.prompt_ids) + req.max_new_tokens > self.context:
-            raise ValueError(
-                f"{len(req.prompt_ids)} prompt tokens + {req.max_new_tokens} new "
-                f"tokens exceed the context of {self.context}"
-            )
-        with self._lock:
-            if self._active >= self.num_slots + self.max_queue:
-                raise QueueFull(
-                    f"all {self.num_slots} slots are busy and {self.max_queue} requests are waiting"
-                )
-            self._active += 1
-            self._commands.append(("add", req))
-        self._wake.set()
+        self._inbox.submit(req)
 
     def abort(self, request_id: str) -> None:
         """End a request wherever it is and free its slot; it receives no further events."""
-        self._command("abort", request_id)
+        self._inbox.abort(request_id)
 
     def end_all(self, reason: str = "abort") -> None:
         """Finish every request now with a final event (used when shutting down)."""
-        self._command("end_all", reason)
-
-    def _command(self, kind: str, arg: object) -> None:
-        with self._lock:
-            self._commands.append((kind, arg))
-        self._wake.set()
+        self._inbox.end_all(reason)
 
     @property
     def active(self) -> int:
-        return self._active
+        """Requests submitted and not yet ended (queued or running)."""
+        return self._inbox.active
 
     def stats(self) -> dict[str, int]:
         s = self.scheduler
@@ -138,7 +114,7 @@ class Engine:
             "waiting": s.num_waiting,
             "slots": self.num_slots,
             "free_slots": len(s.free_slots),
-            "active": self._active,
+            "active": self._inbox.active,
             "steps": self.steps,
             **self.cache.stats(),
             **{f"spec_{k}": v for k, v in spec.items()},
@@ -146,7 +122,7 @@ class Engine:
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
+        while not self._inbox.closed:
             self._apply_commands()
             self._admit()
             try:
@@ -156,8 +132,7 @@ class Engine:
                 self._fail_all(list(self._live.values()), e)
                 continue
             if not work:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                self._inbox.wait(timeout=0.5)
                 continue
             try:
                 self._step(work)
@@ -168,42 +143,33 @@ class Engine:
             self._end(live, Finish("abort", completion_tokens=live.out.produced))
 
     def _apply_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        for kind, arg in commands:
-            if kind == "add":
-                self._add(arg)  # type: ignore[arg-type]
-            elif kind == "abort":
-                live = self._live.get(arg)  # type: ignore[arg-type]
-                if live is not None:
-                    self._end(live, None)
-            elif kind == "end_all":
-                for live in list(self._live.values()):
-                    self._end(live, live.out.finish(str(arg)))
+        for command in self._inbox.drain():
+            match command:
+                case Add(req):
+                    self._add(req)
+                case Abort(request_id):
+                    live = self._live.get(request_id)
+                    if live is not None:
+                        self._end(live, None)
+                case EndAll(reason):
+                    for live in list(self._live.values()):
+                        self._end(live, live.out.finish(reason))
 
     def _add(self, req: EngineRequest) -> None:
         try:
-            seq = Seq(
-                req.id,
-                list(req.prompt_ids),
-                req.max_new_tokens,
-                boundaries=self.cache.boundaries(len(req.prompt_ids), req.snapshot_at),
-            )
+            boundaries = self.cache.boundaries(len(req.prompt_ids), req.snapshot_at)
+            seq = Seq(req.id, list(req.prompt_ids), req.max_new_tokens, boundaries=boundaries)
             out = OutputStream(self.tokenizer, req.params, self.eos_token_ids, req.max_new_tokens)
             features = (
                 FeatureQueue(self.spec.window) if self.spec is not None and req.draft else None
             )
             live = Live(req, seq, out, make_generator(req.params.seed), features)
-            # Admission is bounded in submit(); here the queue always has room.
+            # Admission is bounded by the inbox (Inbox.submit); here the queue always has room.
             self.scheduler.add(seq)
         except Exception as e:  # this request cannot start; the others are unaffected
             log.exception("request %s could not be queued", req.id)
-            with self._lock:
-                self._active -= 1
-            try:
-                req.sink(_failed(e))
-            except Exception:
-                log.exception("sink of request %s failed", req.id)
+            self._inbox.ended()
+            _send_final(req, _failed(e))
             return
         self._live[req.id] = live
 
@@ -245,21 +211,18 @@ class Engine:
     def _step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
         drafts = self.spec.drafts(self._draft_jobs(work)) if self.spec is not None else {}
-        step = Step.of(
-            work, drafts, taps=any(self._live[w.seq.id].features is not None for w in work)
-        )
+        taps = any(self._live[w.seq.id].features is not None for w in work)  # a drafting stream
+        step = Step.of(work, drafts, taps=taps)
         out = self.runner.run(step)
-        plain = [j for j in range(len(work)) if j not in drafts]
-        self.scheduler.step_done([work[j] for j in plain])
+        plain = [j for j in range(len(work)) if j not in drafts]  # rows committed as they are
+        committed = [work[j] for j in plain]
+        self.scheduler.step_done(committed)
         for j in plain:  # features of committed prompt and decode rows
             queue = self._live[work[j].seq.id].features
             if queue is not None and out.taps is not None:
                 queue.add(out.taps[step.rows(j)], work[j].start)
         self.cache.take_snapshots(
-            [work[j] for j in plain],
-            out.logits,
-            [step.last_row(j) for j in plain],
-            self._features_at,
+            committed, out.logits, [step.last_row(j) for j in plain], self._features_at
         )
         sampling = [j for j in plain if work[j].samples]
         if sampling:
@@ -271,15 +234,8 @@ class Engine:
             live = self._live.get(work[j].seq.id)
             if live is not None:
                 taps = out.taps[step.rows(j)] if out.taps is not None else None
-                self._per_request(
-                    live,
-                    self._settle_round,
-                    live,
-                    work[j].start,
-                    draft,
-                    out.logits[step.logit_rows(j)],
-                    taps,
-                )
+                logits = out.logits[step.logit_rows(j)]
+                self._per_request(self._settle_round, live, work[j].start, draft, logits, taps)
 
     def _features_at(self, seq: Seq, end: int) -> torch.Tensor | None:
         queue = self._live[seq.id].features
@@ -290,15 +246,10 @@ class Engine:
         jobs = {}
         for j, w in enumerate(work):
             live = self._live[w.seq.id]
-            if (
-                live.features is not None
-                and w.samples
-                and len(w.tokens) == 1
-                and not (w.seq.prefilling)
-            ):
-                room = min(
-                    live.out.max_new_tokens - live.out.produced, self.context - w.start
-                )  # tokens this stream may still emit / hold
+            decoding = w.samples and len(w.tokens) == 1 and not w.seq.prefilling
+            if live.features is not None and decoding:
+                # Drafts past what the stream may still emit, or hold, would be wasted.
+                room = min(live.out.max_new_tokens - live.out.produced, self.context - w.start)
                 jobs[j] = DraftJob(w.seq.slot, w.tokens[0], w.start, room, live.features)
         return jobs
 
@@ -332,16 +283,13 @@ class Engine:
                 self._fail(live, d)
         for live, d in zip(lives, drawn, strict=True):
             if not isinstance(d, Exception):
-                self._per_request(live, self._emit_sampled, live, *d)
+                self._per_request(self._emit_sampled, live, *d)
 
     def _emit_sampled(self, live: Live, result: SampleResult, i: int) -> None:
         token = result.token_ids[i]
-        if self._emit(
-            live,
-            token,
-            result.logprobs[i] if result.logprobs else None,
-            result.top_logprobs[i] if result.top_logprobs and live.req.params.logprobs else None,
-        ):
+        logprob = result.logprobs[i] if result.logprobs else None
+        top = result.top_logprobs[i] if result.top_logprobs and live.req.params.logprobs else None
+        if self._emit(live, token, logprob, top):
             self.scheduler.append_token(live.seq, token)
 
     def _emit(
@@ -357,19 +305,16 @@ class Engine:
             return False
         return True
 
-    def _per_request(self, live: Live, fn: Callable[..., None], *args) -> None:
-        """Run one request's part of a step; a failure there ends that request alone."""
+    def _per_request(self, fn: Callable[..., None], live: Live, *args: object) -> None:
+        """Run one request's part of a step, ``fn(live, *args)``; a failure there ends that
+        request alone."""
         try:
-            fn(*args)
+            fn(live, *args)
         except Exception as e:
             self._fail(live, e)
 
     def _fail(self, live: Live, e: Exception) -> None:
-        log.error(
-            "request %s failed in its part of a step",
-            live.req.id,
-            exc_info=(type(e), e, e.__traceback__),
-        )
+        log.error("request %s failed in its part of a step", live.req.id, exc_info=e)
         self._end(live, _failed(e))
 
     def _fail_all(self, lives: list[Live], e: Exception) -> None:
@@ -392,17 +337,21 @@ class Engine:
         self.scheduler.finish(live.seq)
         if isinstance(final, Finish):
             final.cached_tokens = live.seq.cached
-        with self._lock:
-            self._active -= 1
+        self._inbox.ended()
         if final is not None:
-            try:
-                live.req.sink(final)
-            except Exception:
-                log.exception("sink of request %s failed on its final event", live.req.id)
+            _send_final(live.req, final)
 
 
 def _failed(e: Exception) -> Failed:
     return Failed(f"internal error: {type(e).__name__}: {e}")
+
+
+def _send_final(req: EngineRequest, final: Event) -> None:
+    """Deliver a request's last event; a broken sink is logged, as nothing more goes to it."""
+    try:
+        req.sink(final)
+    except Exception:
+        log.exception("sink of request %s failed on its final event", req.id)
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:

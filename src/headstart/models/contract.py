@@ -117,7 +117,9 @@ class ModelFamily:
     """A model family, as the registry knows it.
 
     ``load(model_dir, dtype, device, kernels)`` builds the model (raising
-    :class:`~headstart.errors.CheckpointError` / ``ConfigError`` naming the file and field).
+    :class:`~headstart.errors.CheckpointError` / ``ConfigError`` naming the file and field);
+    a family that can make random weights at the config's shapes (``serve --load-format
+    dummy``) also takes ``dummy=True``.
     A checkpoint belongs to the family when one of its ``config.json`` ``architectures`` is in
     ``architectures`` or its ``model_type`` is in ``model_types``."""
 

@@ -146,6 +146,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="target rows of context the drafter keeps per stream",
     )
     p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights at the checkpoint's shapes, from its config.json alone "
+        "(speed measurements without the weights, as vLLM's --load-format dummy)",
+    )
+    p.add_argument(
         "--kernels",
         default="auto",
         choices=["auto", "reference", "gpu"],
@@ -174,6 +181,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=1024,
         help="replay new prompts of up to N tokens from CUDA graphs captured at start-up, "
         "several prompts per replay, each padded to 16, 32, ... tokens (0: none)",
+    )
+    p.add_argument(
+        "--prefill-graph-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most padded rows (prompts x width) of one prompt graph (default: "
+        "--max-batched-tokens)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -455,7 +470,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
 
     started = time.monotonic()
     log.info("loading %s ...", args.model or "the embedded default model")
-    loaded = load(args.model, args.device, args.dtype, args.kernels)
+    loaded = load(args.model, args.device, args.dtype, args.kernels, args.load_format)
     log.info(
         "loaded %s (%s) in %.1fs", loaded.path.name, loaded.family.name, time.monotonic() - started
     )
@@ -505,7 +520,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         graphs=GraphConfig(
             enabled=False if args.no_graphs else None,
             prefill_tokens=args.prefill_graph_tokens,
-            prefill_rows=max(budget, args.prefill_graph_tokens),
+            prefill_rows=args.prefill_graph_rows or max(budget, args.prefill_graph_tokens),
             windows=args.window_graphs,
             continuations=args.continuation_graphs,
         ),

@@ -76,35 +76,38 @@ def _causality(raw: dict, dc: dict, types: list[str], layers: int) -> list[bool]
     return [t == "sliding_attention" for t in types]
 
 
-def load_drafter_config(
-    path: Path, target_layers: int, target_hidden: int, target_vocab: int
-) -> DrafterConfig:
-    """The drafter's ``config.json``, checked against its target; ConfigError names the field."""
-    file = str(path / "config.json")
-    raw = _read_config(file)
-    dc = raw.get("dflash_config") or {}
-    if not isinstance(dc, dict):
-        raise ConfigError("dflash_config", file, "must be an object")
+def _positive(src: dict, key: str, file: str, default: int | None = None) -> int:
+    """``src[key]`` (``default`` when absent) as a positive integer; ConfigError otherwise."""
+    v = src.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(key, file, f"must be a positive integer, got {v!r}")
+    return v
 
-    def integer(src: dict, key: str, where: str, default: int | None = None) -> int:
-        v = src.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(where + key, file, f"must be a positive integer, got {v!r}")
-        return v
 
-    layers = integer(raw, "num_hidden_layers", "")
-    hidden = integer(raw, "hidden_size", "")
+def _attention_shape(raw: dict, file: str, target_hidden: int) -> tuple[int, int, int, int]:
+    """``(hidden_size, heads, kv_heads, head_dim)``; the hidden size must be the target's, as
+    the drafter reads the target's embeddings and feeds its LM head."""
+    hidden = _positive(raw, "hidden_size", file)
     if hidden != target_hidden:
         raise ConfigError(
             "hidden_size", file, f"{hidden} differs from the target's {target_hidden}"
         )
-    heads, kv = integer(raw, "num_attention_heads", ""), integer(raw, "num_key_value_heads", "")
+    heads = _positive(raw, "num_attention_heads", file)
+    kv = _positive(raw, "num_key_value_heads", file)
     if heads % kv:
         raise ConfigError("num_key_value_heads", file, f"{kv} does not divide {heads}")
-    head_dim = integer(raw, "head_dim", "", hidden // heads)
+    return hidden, heads, kv, _positive(raw, "head_dim", file, hidden // heads)
+
+
+def _target_layer_ids(
+    raw: dict, dc: dict, file: str, layers: int, target_layers: int
+) -> tuple[int, ...]:
+    """The target layers whose hidden states the drafter reads (DFlash's default if unlisted)."""
     ids = dc.get("target_layer_ids")
     if ids is None:
-        ids = default_target_layer_ids(integer(raw, "num_target_layers", "", target_layers), layers)
+        ids = default_target_layer_ids(
+            _positive(raw, "num_target_layers", file, target_layers), layers
+        )
     if (
         not isinstance(ids, (list, tuple))
         or not ids
@@ -116,6 +119,12 @@ def load_drafter_config(
             file,
             f"must be distinct layer indices below {target_layers}, got {ids!r}",
         )
+    return tuple(ids)
+
+
+def _block_tokens(raw: dict, dc: dict, file: str, target_vocab: int) -> tuple[int, int]:
+    """``(mask_token_id, block_size)``: the filler of a block's drafted positions, and the
+    block's length (the anchor and at least one drafted token)."""
     mask = dc.get("mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target_vocab:
         raise ConfigError(
@@ -126,16 +135,36 @@ def load_drafter_config(
     block = dc.get("block_size", raw.get("block_size", 16))
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise ConfigError("dflash_config.block_size", file, f"must be >= 2, got {block!r}")
-    rope = raw.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", rope.get("rope_theta", 1e6) if isinstance(rope, dict) else 1e6)
+    return mask, block
+
+
+def _layer_types(raw: dict, file: str, layers: int) -> list[str]:
     types = raw.get("layer_types") or ["full_attention"] * layers
     if not isinstance(types, list) or len(types) != layers:
         raise ConfigError("layer_types", file, f"must list {layers} layer types")
+    return types
+
+
+def load_drafter_config(
+    path: Path, target_layers: int, target_hidden: int, target_vocab: int
+) -> DrafterConfig:
+    """The drafter's ``config.json``, checked against its target; ConfigError names the field."""
+    file = str(path / "config.json")
+    raw = _read_config(file)
+    dc = raw.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise ConfigError("dflash_config", file, "must be an object")
+    layers = _positive(raw, "num_hidden_layers", file)
+    hidden, heads, kv, head_dim = _attention_shape(raw, file, target_hidden)
+    ids = _target_layer_ids(raw, dc, file, layers, target_layers)
+    mask, block = _block_tokens(raw, dc, file, target_vocab)
+    rope = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta", rope.get("rope_theta", 1e6) if isinstance(rope, dict) else 1e6)
+    types = _layer_types(raw, file, layers)
     window = raw.get("sliding_window") or 0
-    causal = _causality(raw, dc, types, layers)
     return DrafterConfig(
         hidden_size=hidden,
-        intermediate_size=integer(raw, "intermediate_size", ""),
+        intermediate_size=_positive(raw, "intermediate_size", file),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv,
@@ -144,8 +173,8 @@ def load_drafter_config(
         rope_theta=float(theta),
         block_size=block,
         mask_token_id=mask,
-        target_layer_ids=tuple(ids),
-        causal=tuple(causal),
+        target_layer_ids=ids,
+        causal=tuple(_causality(raw, dc, types, layers)),
         sliding_window=tuple(int(window) if t == "sliding_attention" else 0 for t in types),
     )
 
@@ -182,6 +211,33 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Plain RMSNorm (the drafter's; no +1)."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _block_mask(
+    ctx_pos: torch.Tensor, pos: torch.Tensor, causal: bool, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which keys each block query may attend to, ``[n, B, W+B]``, and which key rows hold
+    anything, ``[n, W+B]``; keys are the ring's ``W`` context rows (positions ``ctx_pos``
+    ``[n, W]``, -1 = empty), then the block's ``B`` rows (positions ``pos`` ``[n, B]``).
+
+    A query sees every filled context row before the block, and the block's rows: all of them,
+    or only those up to itself when ``causal``; ``window`` > 0 also limits it to the last
+    ``window`` positions. Device ops only (it runs inside captured graphs).
+    """
+    n, B = pos.shape
+    key_pos = torch.cat([ctx_pos, pos], dim=1)  # [n, W+B]
+    valid = key_pos[:, None, :] >= 0  # [n, 1, W+B]
+    valid = valid & (key_pos[:, None, :] < pos[:, :1, None])  # context: before the block
+    block_cols = torch.zeros_like(valid)
+    block_cols[..., ctx_pos.shape[1] :] = True
+    if causal:
+        block_ok = key_pos[:, None, :] <= pos[:, :, None]
+    else:
+        block_ok = torch.ones(n, B, key_pos.shape[1], dtype=torch.bool, device=pos.device)
+    allowed = torch.where(block_cols, block_ok, valid.expand(n, B, -1))
+    if window:
+        allowed &= (pos[:, :, None] - key_pos[:, None, :]) < window
+    return allowed, valid[:, 0] | block_cols[:, 0]
 
 
 @dataclass
@@ -340,24 +396,12 @@ class DFlashDrafter:
             vb = linear(a, w[p + "self_attn.v_proj.weight"]).view(n, B, nkv, hd)
             keys = torch.cat([pool.keys[i][slot_t], kb.transpose(1, 2)], dim=2)  # [n,nkv,W+B,hd]
             values = torch.cat([pool.values[i][slot_t], vb.transpose(1, 2)], dim=2)
-            key_pos = torch.cat([ctx_pos, pos], dim=1)  # [n, W+B]
-            valid = key_pos[:, None, :] >= 0  # [n, 1, W+B]
-            valid = valid & (key_pos[:, None, :] < pos[:, :1, None])  # context: before the block
-            block_cols = torch.zeros_like(valid)
-            block_cols[..., ctx_pos.shape[1] :] = True
-            if c.causal[i]:
-                block_ok = key_pos[:, None, :] <= pos[:, :, None]
-            else:
-                block_ok = torch.ones(n, B, key_pos.shape[1], dtype=torch.bool, device=dev)
-            allowed = torch.where(block_cols, block_ok, valid.expand(n, B, -1))
-            if c.sliding_window[i]:
-                allowed &= (pos[:, :, None] - key_pos[:, None, :]) < c.sliding_window[i]
+            allowed, readable = _block_mask(ctx_pos, pos, c.causal[i], c.sliding_window[i])
             qh = q.permute(0, 2, 1, 3).reshape(n, nkv, (nh // nkv) * B, hd)
             scores = (qh @ keys.transpose(2, 3)).float() * hd**-0.5  # [n, nkv, g*B, W+B]
             mask = allowed.repeat(1, nh // nkv, 1)[:, None]  # [n, 1, g*B, W+B]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             # Empty ring rows may hold anything (NaN included): zero them, 0 * NaN is NaN.
-            readable = valid[:, 0] | block_cols[:, 0]
             values = values.masked_fill(~readable[:, None, :, None], 0)
             o = (probs.to(values.dtype) @ values).view(n, nh, B, hd).permute(0, 2, 1, 3)
             x = x + linear(o.reshape(n, B, nh * hd), w[p + "self_attn.o_proj.weight"])

@@ -21,10 +21,16 @@ CHAT = ChatFormat(
 )
 
 
-def _load(model_dir: Path, dtype: torch.dtype, device: torch.device | str, kernels: str):
+def _load(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kernels: str,
+    dummy: bool = False,
+):
     from headstart.models.qwen35.model import Qwen35Model
 
-    return Qwen35Model.load(model_dir, dtype, device, kernels)
+    return Qwen35Model.load(model_dir, dtype, device, kernels, dummy=dummy)
 
 
 FAMILY = ModelFamily(

@@ -331,6 +331,40 @@ def _validate(cfg: ModelConfig, text: _Reader) -> None:
             )
 
 
+def _generation_config(
+    model_dir: Path, eos: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[tuple[str, float], ...]]:
+    """The eos ids and sampling defaults of ``generation_config.json``, if the folder has one.
+
+    Its eos ids, when it lists any, replace ``eos`` (those of ``config.json``), as in HF.
+    """
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return eos, ()
+    gen = _Reader(_read_json(path), str(path))
+    eos = _eos_ids(gen, "eos_token_id") or eos
+    defaults = tuple(
+        (key, gen.float(key))
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        if gen.has(key)
+    )
+    return eos, defaults
+
+
+def _dtype(top: _Reader, text: _Reader) -> str:
+    """The weights' dtype: either key, text config first (then the wrapper's), else bfloat16."""
+    dtype = (
+        text.data.get("dtype")
+        or text.data.get("torch_dtype")
+        or top.data.get("dtype")
+        or top.data.get("torch_dtype")
+        or "bfloat16"
+    )
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise text.error("dtype", f"unsupported dtype {dtype!r}")
+    return dtype
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read ``config.json`` (+ optional ``generation_config.json``) of a checkpoint folder.
 
@@ -344,23 +378,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     num_layers = text.int("num_hidden_layers")
     theta, factor = _rope(text)
     eos = _eos_ids(text, "eos_token_id") or _eos_ids(top, "eos_token_id")
-    generation: list[tuple[str, float]] = []
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        gen = _Reader(_read_json(gen_path), str(gen_path))
-        eos = _eos_ids(gen, "eos_token_id") or eos
-        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if gen.has(key):
-                generation.append((key, gen.float(key)))
-    dtype = (
-        text.data.get("dtype")
-        or text.data.get("torch_dtype")
-        or top.data.get("dtype")
-        or top.data.get("torch_dtype")
-        or "bfloat16"
-    )
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise text.error("dtype", f"unsupported dtype {dtype!r}")
+    eos, generation = _generation_config(model_dir, eos)
+    dtype = _dtype(top, text)
     # The wrapper repeats tie_word_embeddings at the top level, which HF's wrapper model reads.
     tie = top.bool("tie_word_embeddings", default=text.bool("tie_word_embeddings", default=False))
 
@@ -386,7 +405,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         eos_token_ids=eos,
         dtype=dtype,
         quantization=_quantization(top, text),
-        generation_defaults=tuple(generation),
+        generation_defaults=generation,
     )
     _validate(cfg, text)
     return cfg

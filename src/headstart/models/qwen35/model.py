@@ -102,12 +102,20 @@ class Qwen35Model:
         kernels: Kernels | str = "auto",
         unpack_bytes: int = UNPACK_BYTES,
         arena: bool = True,
+        dummy: bool = False,
     ) -> Qwen35Model:
-        """Load a checkpoint folder; tensors are read one at a time as the model takes them."""
+        """Load a checkpoint folder; tensors are read one at a time as the model takes them.
+        ``dummy``: random weights at the config's shapes instead (only config.json is read)."""
         cfg = load_config(model_dir)
+        if dummy:
+            from headstart.models.qwen35.dummy import random_weights
+
+            weights = random_weights(cfg, device, dtype)
+        else:
+            weights = load_weights(model_dir, cfg, dtype, device, lazy=True)
         return cls(
             cfg,
-            load_weights(model_dir, cfg, dtype, device, lazy=True),
+            weights,
             dtype,
             device,
             kernels,

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call that measures the prefill scenarios of `headstart bench` through `headstart
+# serve`, client-side, at the 2B bf16 and 27B 4-bit shapes (random weights: --load-format dummy,
+# so no checkpoint is written). Run from the repository root on the device machine, after
+# `bash benchmarks/device_wheels.sh` here and with `.whl` carried:
+#   bash benchmarks/prefill_session.sh [2b] [27b]
+# Results: $OUT/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases), and a
+# table of every scenario last.
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
+shapes=${*:-2b 27b}
+port=18888
+server=
+stop() { [ -n "$server" ] && kill -- "-$server" 2>/dev/null; wait 2>/dev/null; server=; }
+trap stop EXIT
+for shape in $shapes; do
+  fmt=bf16
+  [ "$shape" = 27b ] && fmt=4bit
+  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --format "$fmt" --config-only \
+    --out "/tmp/m-$shape" >/dev/null
+  port=$((port + 1))
+  setsid python3 -m headstart serve "/tmp/m-$shape" --load-format dummy --port "$port" \
+    --context 16384 --parallel 16 ${SERVE_FLAGS:-} >"$out/$shape-serve.log" 2>&1 &
+  server=$!
+  python3 - "$port" <<'EOF' || { tail -20 "$out/$shape-serve.log"; stop; continue; }
+import sys, time, urllib.request
+deadline = time.time() + 400
+while time.time() < deadline:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v1/models", timeout=2)
+        sys.exit(0)
+    except Exception:
+        time.sleep(1)
+sys.exit(1)
+EOF
+  grep -E "step budget|ready in|loaded" "$out/$shape-serve.log"
+  # burst first: its first burst is the server's first after start-up.
+  for sc in burst long turn beside; do
+    timeout 240 python3 -m headstart bench --arm "headstart=http://127.0.0.1:$port" --orders 1 \
+      --scenario "$sc" --out "$out/$shape-$sc" --no-progress >"$out/$shape-$sc.log" 2>&1
+    echo "== $shape $sc (rc $?)"
+    tail -12 "$out/$shape-$sc.log"
+  done
+  stop
+done

@@ -1,0 +1,276 @@
+"""Summaries of a scenario run, computed only from its raw request records and config.
+
+Job: the record schema of a scenario receipt (:data:`RECORD_SCHEMA`); per repeat, the
+scenario's measurements (:func:`repeat_metrics`: TTFTs, cached tokens, and for ``beside`` the
+decoders' inter-token gaps); per (row, arm), the median, maximum and each repeat's value;
+ratios to the baseline arm balanced over orders; and the text table. Deterministic:
+``bench check`` recomputes :func:`summarize_scenario` from the stored records.
+
+An inter-token gap is the time between two consecutive non-empty deltas of one stream as
+the client received them (a delta that carries several tokens counts once); a stream's TTFT
+is not a gap.
+
+Non-goals: reading or writing files; deciding pass/fail (``scenario_check.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from headstart.bench.summary import balanced_ratio
+
+Record = dict[str, Any]
+
+#: Field -> type of one request record of a scenario receipt (``requests.json``). Times are
+#: seconds since the run's start on the client's ``time.perf_counter()`` clock; None: did not
+#: happen. ``t_send`` ... ``error`` mean what they mean in ``rows.SCHEMA``.
+RECORD_SCHEMA: dict[str, type] = {
+    "arm": str,
+    "order": int,
+    "slot": int,
+    "scenario": str,
+    "rep": int,  # repeat; in ``burst`` rep 0 is the first burst
+    "role": str,  # long | burst | history | turn | cold | decoder (``scenarios.Request``)
+    "stream": int,  # index of the request within its step
+    "prompt_len": int,  # token ids sent as the prompt
+    "max_tokens": int,
+    "request_sha": str,  # sha256 of the body without "model" (``workload.request_sha``)
+    "t_send": float,
+    "t_first": float,
+    "t_last": float,
+    "t_done": float,
+    "ttft_s": float,
+    "decode_tok_s": float,
+    "e2e_s": float,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "cached_tokens": int,
+    "n_deltas": int,
+    "finish_reason": str,
+    "fingerprint": str,
+    "status": int,
+    "error": str,
+    "times": list,  # arrival time of every non-empty delta: times[0] = t_first, [-1] = t_last
+}
+#: The fields that name a record; a receipt holds each key exactly once.
+RECORD_KEY = ("arm", "order", "rep", "role", "stream")
+
+#: Rows of each scenario's table, in table order.
+LABELS: dict[str, tuple[str, ...]] = {
+    "long": ("long",),
+    "burst": ("first", "later"),
+    "turn": ("turn", "cold"),
+    "beside": ("beside",),
+}
+#: Metric -> (table name, unit, scale, digits). Metrics ending in ``_s`` are times.
+METRICS: dict[str, tuple[str, str, float, int]] = {
+    "ttft_s": ("ttft", "ms", 1e3, 1),
+    "ttft_max_s": ("ttft max", "ms", 1e3, 1),
+    "ttft_median_s": ("ttft median", "ms", 1e3, 1),
+    "cached_tokens": ("cached", "tokens", 1, 0),
+    "long_ttft_s": ("long ttft", "ms", 1e3, 1),
+    "prefill_gap_max_s": ("gap max in prefill", "ms", 1e3, 1),
+    "gap_max_s": ("gap max", "ms", 1e3, 1),
+    "gap_median_s": ("gap median", "ms", 1e3, 2),
+    "decoders_through": ("decoding through", "streams", 1, 0),
+}
+
+
+def gaps(times: Sequence[float]) -> list[float]:
+    """The gaps between consecutive delta arrival times of one stream."""
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def gaps_during(times: Sequence[float], start: float, end: float) -> list[float]:
+    """The gaps of one stream whose interval overlaps the window ``(start, end)``: a stall
+    that spans the whole window counts, as do ones that begin before it or end after it."""
+    return [b - a for a, b in itertools.pairwise(times) if b > start and a < end]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    """Median of the values, or None if one is missing (a failed request has no time; the
+    check reports it, the summary does not paper over it)."""
+    return None if not values or any(v is None for v in values) else statistics.median(values)
+
+
+def _max(values: Sequence[float | None]) -> float | None:
+    return None if not values or any(v is None for v in values) else max(values)
+
+
+def _beside(recs: list[Record]) -> dict[str, Any]:
+    (long,) = [r for r in recs if r["role"] == "long"]
+    decoders = [r for r in recs if r["role"] == "decoder"]
+    every = [g for d in decoders for g in gaps(d["times"])]
+    first = long["t_first"]
+    during = through = None
+    if first is not None:
+        # The window is the long prompt's prefill as the client sees it: send to first token.
+        during = [g for d in decoders for g in gaps_during(d["times"], long["t_send"], first)]
+        # A decoder that ended before the long prompt's first token cannot show a stall after
+        # its end: the table says how many decoded through the whole window.
+        through = sum(1 for d in decoders if d["times"] and d["times"][-1] > first)
+    return {
+        "long_ttft_s": long["ttft_s"],
+        "prefill_gap_max_s": max(during) if during else None,
+        "gap_max_s": max(every) if every else None,
+        "gap_median_s": statistics.median(every) if every else None,
+        "decoders_through": through,
+    }
+
+
+def repeat_metrics(scenario: str, rep: int, recs: list[Record]) -> list[tuple[str, dict]]:
+    """The measurements of one repeat of one arm in one order, as (row label, metrics)."""
+    by_role: dict[str, list[Record]] = defaultdict(list)
+    for r in sorted(recs, key=lambda r: r["stream"]):
+        by_role[r["role"]].append(r)
+
+    def one(role: str) -> dict[str, Any]:
+        (r,) = by_role[role]
+        return {"ttft_s": r["ttft_s"], "cached_tokens": r["cached_tokens"]}
+
+    if scenario == "long":
+        return [("long", one("long"))]
+    if scenario == "burst":
+        ttfts = [r["ttft_s"] for r in by_role["burst"]]
+        metrics = {"ttft_max_s": _max(ttfts), "ttft_median_s": _median(ttfts)}
+        return [("first" if rep == 0 else "later", metrics)]
+    if scenario == "turn":
+        return [("turn", one("turn")), ("cold", one("cold"))]
+    if scenario == "beside":
+        return [("beside", _beside(recs))]
+    raise ValueError(f"unknown scenario {scenario!r}")
+
+
+def _stats(values: list[Any], orders: list[int], n_orders: int) -> dict[str, Any]:
+    """``values[i]`` was measured in order ``orders[i]``; None values are left out."""
+    present = [v for v in values if v is not None]
+    per_order = [
+        [v for v, k in zip(values, orders, strict=True) if k == o] for o in range(n_orders)
+    ]
+    return {
+        "n": len(present),
+        "median": statistics.median(present) if present else None,
+        "max": max(present) if present else None,
+        "each": values,
+        "order_medians": [_median(vs) for vs in per_order],
+    }
+
+
+def summarize_scenario(records: list[Record], config: dict[str, Any]) -> dict[str, Any]:
+    """The summary document of a scenario run (see the module docstring)."""
+    arms = [a["name"] for a in config["arms"]]
+    n_orders = int(config["orders"])
+    scenario = config["scenario"]["name"]
+    grouped: dict[tuple, list[Record]] = defaultdict(list)
+    for r in records:
+        grouped[(r["arm"], r["order"], r["rep"])].append(r)
+    repeats = [
+        {"arm": arm, "order": order, "rep": rep, "label": label, "metrics": metrics}
+        for (arm, order, rep) in sorted(grouped, key=lambda k: (arms.index(k[0]), k[1], k[2]))
+        for label, metrics in repeat_metrics(scenario, rep, grouped[(arm, order, rep)])
+    ]
+    groups = []
+    for label in LABELS[scenario]:
+        for arm in arms:
+            mine = [r for r in repeats if r["arm"] == arm and r["label"] == label]
+            if not mine:
+                continue
+            orders = [r["order"] for r in mine]
+            metrics = {
+                m: _stats([r["metrics"][m] for r in mine], orders, n_orders)
+                for m in mine[0]["metrics"]
+            }
+            groups.append({"label": label, "arm": arm, "metrics": metrics})
+    base = {g["label"]: g["metrics"] for g in groups if g["arm"] == arms[0]}
+    ratios = [
+        {
+            "label": g["label"],
+            "arm": g["arm"],
+            "baseline": arms[0],
+            "metric": m,
+            **balanced_ratio(stats["order_medians"], base[g["label"]][m]["order_medians"]),
+        }
+        for g in groups
+        if g["arm"] != arms[0] and g["label"] in base
+        for m, stats in g["metrics"].items()
+        if m.endswith("_s")
+    ]
+    return {
+        "scenario": scenario,
+        "arms": arms,
+        "baseline": arms[0],
+        "orders": n_orders,
+        "repeats": repeats,
+        "groups": groups,
+        "ratios": ratios,
+    }
+
+
+def scenario_title(config: dict[str, Any]) -> str:
+    """The line above the table, from the config alone (so check can rebuild the table)."""
+    sc, s = config["scenario"], config["sampling"]
+    what = {
+        "long": f"one new prompt of {sc['prompt_tokens']} tokens",
+        "burst": f"{sc['streams']} new prompts of {sc['prompt_tokens']} tokens at once, "
+        "the first burst apart",
+        "turn": f"{sc['turn_tokens']} new tokens on a cached {sc['history_tokens']}-token "
+        "history, and the same prompt cold",
+        "beside": f"a new {sc['prompt_tokens']}-token prompt beside {sc['streams']} streams "
+        f"decoding {sc['decode_tokens']} tokens",
+    }[sc["name"]]
+    arms = ", ".join(a["name"] for a in config["arms"])
+    return (
+        f"headstart bench {config['run_id']}: scenario {sc['name']}: {what}; arms {arms}; "
+        f"{config['orders']} orders x {sc['repeats']} repeats; {s['max_tokens']} tokens out; "
+        f"token ids {sc['token_lo']}..{sc['token_hi'] - 1}; temperature {s['temperature']}; "
+        f"seed {s['seed']}"
+    )
+
+
+def _fmt(v: float | None, scale: float, digits: int) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+#: Table columns: (header, width); "each" (every repeat, in run order) comes last, unpadded.
+_COLUMNS = (("row", 8), ("metric", 20), ("unit", 8), ("arm", 12), ("n", 4))
+_NUMBERS = (("median", 10), ("max", 10), ("vs base", 9))
+
+
+def format_scenario_table(summary: dict[str, Any], title: str = "") -> str:
+    """The human table: per row label, metric and arm, the median and maximum over every
+    repeat, the arm's balanced ratio to the baseline (times only), and each repeat's value
+    in run order (order 0's repeats first)."""
+    ratio = {(r["label"], r["arm"], r["metric"]): r["balanced"] for r in summary["ratios"]}
+    arm_w = max(12, *(len(a) + 2 for a in summary["arms"]))
+    widths = [w if h != "arm" else arm_w for h, w in _COLUMNS]
+
+    def line(left: list[str], right: list[str], each: str) -> str:
+        cells = [c.ljust(w) for c, w in zip(left, widths, strict=True)]
+        cells += [c.rjust(w) for c, (_, w) in zip(right, _NUMBERS, strict=True)]
+        return ("".join(cells) + "  " + each).rstrip()
+
+    head = line([h for h, _ in _COLUMNS], [h for h, _ in _NUMBERS], "each")
+    lines = [title] if title else []
+    lines += [head, "-" * len(head)]
+    for g in summary["groups"]:
+        for m, st in g["metrics"].items():
+            name, unit, scale, digits = METRICS[m]
+            if not m.endswith("_s"):
+                vs = ""
+            elif g["arm"] == summary["baseline"]:
+                vs = "base"
+            else:
+                vs = _fmt(ratio.get((g["label"], g["arm"], m)), 1, 3)
+            each = " ".join(_fmt(v, scale, digits) for v in st["each"])
+            lines.append(
+                line(
+                    [g["label"], name, unit, g["arm"], str(st["n"])],
+                    [_fmt(st["median"], scale, digits), _fmt(st["max"], scale, digits), vs],
+                    each,
+                )
+            )
+    return "\n".join(lines) + "\n"

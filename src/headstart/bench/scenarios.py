@@ -1,0 +1,222 @@
+"""Prefill scenarios (``headstart bench --scenario NAME``): what each one sends, exactly.
+
+Job: the scenario settings (:class:`Scenario`), the token-id prompts, and the requests of
+every repeat in the order they are sent (:func:`repeat_steps`). Pure: the runner sends what
+this module lists, and ``bench check`` rebuilds the same list from the receipt's config to
+verify every request.
+
+Prompts are lists of token ids sent to ``/v1/completions`` (OpenAI's API and vLLM accept
+them), so a prompt's length is exact whatever the server's tokenizer. Ids come from
+``[token_lo, token_hi)``, a range below any real vocabulary (the default, 1000..4000, also
+fits the embedded default model's 4096 ordinary tokens). Each prompt starts with
+:data:`SALT_TOKENS` ids drawn from a key naming the run, arm, order, repeat and request, so a
+server that outlives a run (a URL arm) finds no cached prefix; the rest is a filler shared
+by all prompts, so prompts of one length differ only in their salt.
+
+The scenarios, per repeat (``repeats`` of them; ``burst`` sends one more, its first):
+
+- ``long``: one new prompt of ``prompt_tokens``.
+- ``burst``: ``streams`` new prompts of ``prompt_tokens``, sent together (rep 0 is the run's
+  first burst on this arm and order, where a server may still compile shapes).
+- ``turn``: a history of ``history_tokens`` (warms the prompt cache; not reported), then the
+  same history plus ``turn_tokens`` new ones (the new turn), then a history plus the same
+  new tokens under a fresh salt (the cold comparison).
+- ``beside``: ``streams`` decoders (short prompts, ``decode_tokens`` each) start together;
+  once each has streamed :data:`DECODING_DELTAS` deltas, a new prompt of ``prompt_tokens``
+  arrives beside them.
+
+Non-goals: sending (``scenario_run.py``) and summarising (``scenario_summary.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+from typing import Any
+
+from headstart.bench.workload import Sampling
+from headstart.errors import HeadstartError
+
+SCENARIOS = ("long", "burst", "turn", "beside")
+#: Ids at the front of every prompt that come from its salt key (the rest is shared filler).
+SALT_TOKENS = 8
+#: Prompt length of each decoding stream of ``beside`` (short: their prefill is not measured).
+DECODER_PROMPT_TOKENS = 32
+#: Deltas every decoder of ``beside`` has streamed before the long prompt is sent: past its
+#: own prefill and first steps, so it is decoding when the long prompt arrives.
+DECODING_DELTAS = 4
+#: Output tokens of the measured prompts unless ``--max-tokens`` says otherwise: TTFT needs
+#: one, a few more show the stream went on.
+SCENARIO_MAX_TOKENS = 8
+
+#: The sizes each scenario uses besides ``repeats`` and the token range, with its defaults
+#: where they differ from :class:`Scenario`'s.
+SIZES: dict[str, dict[str, int | None]] = {
+    "long": {"prompt_tokens": 8192},
+    "burst": {"prompt_tokens": 31, "streams": 16},
+    "turn": {"history_tokens": None, "turn_tokens": None},
+    "beside": {"prompt_tokens": 8192, "streams": 8, "decode_tokens": None},
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One scenario and its sizes (see the module docstring for what each size means)."""
+
+    name: str
+    prompt_tokens: int = 8192
+    streams: int = 1
+    history_tokens: int = 2000
+    turn_tokens: int = 30
+    decode_tokens: int = 512
+    repeats: int = 3
+    token_lo: int = 1000
+    token_hi: int = 4000
+
+    @property
+    def reps(self) -> int:
+        """Repeats sent: ``burst`` adds its first burst (rep 0) before the ``repeats``."""
+        return self.repeats + 1 if self.name == "burst" else self.repeats
+
+    @property
+    def width(self) -> int:
+        """Requests in flight at once, so connections to hold open."""
+        return {"burst": self.streams, "beside": self.streams + 1}.get(self.name, 1)
+
+    def as_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _flag(size: str) -> str:
+    return "--" + size.replace("_", "-")
+
+
+def make_scenario(name: str, **given: int | None) -> Scenario:
+    """The scenario ``name`` with its defaults, overridden by the ``given`` sizes that are
+    not None. Raises HeadstartError for a size the scenario does not use (so no option is
+    silently ignored) and naming the first size out of range."""
+    if name not in SCENARIOS:
+        raise HeadstartError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    given = {k: v for k, v in given.items() if v is not None}
+    common = ("repeats", "token_lo", "token_hi")
+    unused = [_flag(k) for k in given if k not in SIZES[name] and k not in common]
+    if unused:
+        raise HeadstartError(f"{', '.join(unused)}: not used by --scenario {name}")
+    defaults = {k: v for k, v in SIZES[name].items() if v is not None}
+    sc = Scenario(name, **{**defaults, **given})
+    floors = {
+        "streams": 1,
+        "turn_tokens": 1,
+        "decode_tokens": DECODING_DELTAS + 1,
+        "repeats": 1,
+        "token_lo": 0,
+    }
+    # Only the prompt sizes the scenario sends must hold a salt.
+    if name in ("long", "burst", "beside"):
+        floors["prompt_tokens"] = SALT_TOKENS
+    if name == "turn":
+        floors["history_tokens"] = SALT_TOKENS
+    for key, low in floors.items():
+        if getattr(sc, key) < low:
+            raise HeadstartError(f"{_flag(key)} must be at least {low} for --scenario {name}")
+    if sc.token_hi - sc.token_lo < 16:
+        raise HeadstartError("--token-range LO:HI needs HI - LO >= 16 so salts stay distinct")
+    return sc
+
+
+def token_stream(seed: str, n: int, lo: int, hi: int) -> list[int]:
+    """``n`` token ids in ``[lo, hi)``, a pure function of ``seed``: sha256 in counter mode,
+    so every machine and Python version (and ``bench check``) builds the same prompt."""
+    out: list[int] = []
+    block = 0
+    while len(out) < n:
+        digest = hashlib.sha256(f"{seed}#{block}".encode()).digest()
+        out += [lo + int.from_bytes(digest[i : i + 4], "big") % (hi - lo) for i in range(0, 32, 4)]
+        block += 1
+    return out[:n]
+
+
+def salted_prompt(key: str, n: int, lo: int, hi: int) -> list[int]:
+    """A prompt of exactly ``n`` ids (``n >= SALT_TOKENS``): the salt of ``key`` first (so no
+    cached prefix of another prompt can match past it), then the shared filler."""
+    if n < SALT_TOKENS:
+        raise ValueError(f"a salted prompt needs at least {SALT_TOKENS} tokens, not {n}")
+    return token_stream("salt " + key, SALT_TOKENS, lo, hi) + token_stream(
+        "filler", n - SALT_TOKENS, lo, hi
+    )
+
+
+def salt_base(run_id: str, arm: str, order: int, scenario: str) -> str:
+    """The part of every salt key that names one arm in one order of one run. The arm is in
+    it so that two arms that are secretly one server still see only new prompts."""
+    return f"bench {run_id} {arm} o{order} {scenario}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a repeat. ``role``: long | burst | history | turn | cold | decoder."""
+
+    rep: int
+    role: str
+    stream: int
+    ids: tuple[int, ...]
+    max_tokens: int
+
+
+def repeat_steps(sc: Scenario, max_tokens: int, base: str, rep: int) -> list[list[Request]]:
+    """The requests of repeat ``rep``, as steps sent one after another; the requests of a
+    step are sent together (in ``beside``, the ``long`` one once the decoders decode).
+    ``max_tokens`` is the measured prompts' output length; ``base`` is :func:`salt_base`."""
+    lo, hi = sc.token_lo, sc.token_hi
+
+    def prompt(role: str, stream: int, n: int) -> tuple[int, ...]:
+        return tuple(salted_prompt(f"{base} r{rep} {role} {stream}", n, lo, hi))
+
+    def req(role: str, stream: int, ids: tuple[int, ...], tokens: int = max_tokens) -> Request:
+        return Request(rep, role, stream, ids, tokens)
+
+    if sc.name == "long":
+        return [[req("long", 0, prompt("long", 0, sc.prompt_tokens))]]
+    if sc.name == "burst":
+        return [[req("burst", s, prompt("burst", s, sc.prompt_tokens)) for s in range(sc.streams)]]
+    if sc.name == "turn":
+        # The turn extends the history by the filler that follows it, and the cold prompt is
+        # the same tokens under another salt: the two differ only in what the cache holds.
+        history = prompt("history", 0, sc.history_tokens)
+        turn = prompt("history", 0, sc.history_tokens + sc.turn_tokens)
+        assert turn[: len(history)] == history
+        cold = prompt("cold", 0, sc.history_tokens + sc.turn_tokens)
+        return [[req("history", 0, history)], [req("turn", 0, turn)], [req("cold", 0, cold)]]
+    assert sc.name == "beside", sc.name
+    decoders = [
+        req("decoder", s, prompt("decoder", s, DECODER_PROMPT_TOKENS), sc.decode_tokens)
+        for s in range(sc.streams)
+    ]
+    return [[*decoders, req("long", 0, prompt("long", 0, sc.prompt_tokens))]]
+
+
+def all_steps(sc: Scenario, max_tokens: int, base: str) -> list[list[Request]]:
+    """Every step of every repeat of one arm in one order, in sending order."""
+    return [step for rep in range(sc.reps) for step in repeat_steps(sc, max_tokens, base, rep)]
+
+
+def requests_per_arm(sc: Scenario) -> int:
+    """Requests one arm gets in one order (the base does not change the count)."""
+    return sum(len(step) for step in all_steps(sc, 1, ""))
+
+
+def token_body(req: Request, sampling: Sampling) -> dict[str, Any]:
+    """The streamed ``/v1/completions`` request, without ``model`` (each arm adds its own):
+    the token ids as ``prompt``, a fixed output length with ``ignore_eos``, a usage chunk."""
+    body: dict[str, Any] = {
+        "prompt": list(req.ids),
+        "max_tokens": req.max_tokens,
+        "temperature": sampling.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    body.update(sampling.extra)
+    return body

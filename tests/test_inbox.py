@@ -1,0 +1,89 @@
+"""The engine's inbox on its own: validation, the admission bound, command order, waking."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from headstart.engine.inbox import Abort, Add, EndAll, Inbox
+from headstart.engine.request import EngineRequest
+from headstart.engine.scheduler import QueueFull
+from headstart.sampling import SamplingParams
+
+
+def request(rid: str, prompt: int = 3, new: int = 2) -> EngineRequest:
+    return EngineRequest(rid, list(range(1, prompt + 1)), SamplingParams(), new, lambda e: None)
+
+
+def test_submit_refuses_what_cannot_run_before_counting_it():
+    inbox = Inbox(num_slots=1, max_queue=1, context=8)
+    with pytest.raises(ValueError, match="a prompt and at least one token"):
+        inbox.submit(request("empty", prompt=0))
+    with pytest.raises(ValueError, match="at least one token"):
+        inbox.submit(request("none", new=0))
+    with pytest.raises(ValueError, match="exceed the context of 8"):
+        inbox.submit(request("long", prompt=6, new=3))
+    assert inbox.active == 0 and inbox.drain() == []
+
+
+def test_admission_is_bounded_by_slots_plus_queue_until_requests_end():
+    inbox = Inbox(num_slots=2, max_queue=1, context=64)
+    for i in range(3):
+        inbox.submit(request(f"r{i}"))
+    with pytest.raises(QueueFull, match="all 2 slots are busy and 1 requests are waiting"):
+        inbox.submit(request("r3"))
+    assert inbox.active == 3
+    inbox.ended()  # one ended on the engine thread: room for one more
+    inbox.submit(request("r4"))
+    assert inbox.active == 3
+
+
+def test_drain_takes_every_command_once_in_order():
+    inbox = Inbox(num_slots=4, max_queue=0, context=64)
+    a = request("a")
+    inbox.submit(a)
+    inbox.abort("a")
+    inbox.end_all("shutdown")
+    assert inbox.drain() == [Add(a), Abort("a"), EndAll("shutdown")]
+    assert inbox.drain() == []
+
+
+def test_a_command_or_close_wakes_a_waiting_engine_thread():
+    inbox = Inbox(num_slots=1, max_queue=0, context=64)
+    woke = threading.Event()
+
+    def engine_thread() -> None:
+        inbox.wait(timeout=30)
+        woke.set()
+
+    for wake in (lambda: inbox.abort("x"), inbox.close):
+        woke.clear()
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        time.sleep(0.05)
+        wake()
+        assert woke.wait(timeout=5)
+        t.join()
+    assert inbox.closed
+
+
+def test_concurrent_submits_never_exceed_the_bound():
+    inbox = Inbox(num_slots=3, max_queue=2, context=64)
+    accepted, refused = [], []
+
+    def client(i: int) -> None:
+        try:
+            inbox.submit(request(f"r{i}"))
+            accepted.append(i)
+        except QueueFull:
+            refused.append(i)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(accepted) == 5 and len(refused) == 27 and inbox.active == 5
+    assert sorted(c.req.id for c in inbox.drain()) == sorted(f"r{i}" for i in accepted)
