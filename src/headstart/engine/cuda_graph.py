@@ -66,7 +66,9 @@ class _Replayable:
                     fn()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=mempool):
+            # thread_local: CUDA calls of other threads (the server's, a test's) during a
+            # capture must not invalidate it, only this thread's own.
+            with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
                 self.out = fn()
 
     def replay(self) -> ForwardOutput | None:

@@ -10,7 +10,10 @@ runs it, the outputs come back laid out as the eager forward's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -22,6 +25,16 @@ from headstart.engine.scheduler import Work
 from headstart.engine.spec.proposal import Speculator
 from headstart.engine.spec.verification import Draft
 from headstart.models.contract import CausalLM, ForwardOutput
+
+log = logging.getLogger("headstart.engine")
+
+
+@contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """Log how long a start-up phase took (what start-up is spent on)."""
+    started = time.monotonic()
+    yield
+    log.info("%s in %.1fs", what, time.monotonic() - started)
 
 
 def chunk_of(w: Work, draft: Draft | None = None) -> SeqChunk:
@@ -130,7 +143,8 @@ class ModelRunner:
         draft graphs too). Then, with a drafter, measure what the planner weighs, as steps will
         run (so no timing includes compilation)."""
         if self.graphed:
-            self.warm_eager(self.scratch)
+            with _phase("warm-up of the eager paths"):
+                self.warm_eager(self.scratch)
             self._capture()
         if self.spec is not None and self.spec.block >= 2:
             features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
@@ -167,55 +181,61 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def _capture(self) -> None:
-        from headstart.engine.cuda_graph import (
-            ContinuationGraphs,
-            DecodeGraphs,
-            PromptGraphs,
-            RollbackGraphs,
-            WindowGraphs,
-        )
+        from headstart.engine.cuda_graph import ContinuationGraphs, DecodeGraphs, PromptGraphs
 
         g, model, pool, s, taps = self.graph_config, self.model, self.pool, self.scratch, self.taps
-        self.decode_graphs = DecodeGraphs(model, pool, self.num_slots, s, taps, capture=g.capture)
+        with _phase("decode graphs"):
+            self.decode_graphs = DecodeGraphs(
+                model, pool, self.num_slots, s, taps, capture=g.capture
+            )
         mempool = self.decode_graphs.mempool  # shared: no two graphs replay at once
         if g.prefill_tokens >= 1:
-            self.prompt_graphs = PromptGraphs(
-                model,
-                pool,
-                self.num_slots,
-                min(g.prefill_tokens, self.context - 1),
-                max(g.prefill_rows, g.prefill_tokens),
-                s,
-                taps,
-                capture=g.capture,
-                mempool=mempool,
-            )
+            with _phase("prompt graphs"):
+                self.prompt_graphs = PromptGraphs(
+                    model,
+                    pool,
+                    self.num_slots,
+                    min(g.prefill_tokens, self.context - 1),
+                    max(g.prefill_rows, g.prefill_tokens),
+                    s,
+                    taps,
+                    capture=g.capture,
+                    mempool=mempool,
+                )
         if g.continuations and g.continuation_tokens >= 2:
-            self.continuation_graphs = ContinuationGraphs(
-                model, pool, g.continuation_tokens, s, taps, capture=g.capture, mempool=mempool
-            )
-        spec = self.spec
-        if g.windows and spec is not None and spec.block >= 2:
-            self.window_graphs = WindowGraphs(
-                model,
-                pool,
-                self.num_slots,
-                range(2, spec.block + 1),
-                s,
-                taps,
-                capture=g.capture,
-                mempool=mempool,
-            )
-            self.rollback_graphs = RollbackGraphs(
-                model,
-                pool,
-                self.window_graphs.records,
-                spec.block,
-                s,
-                capture=g.capture,
-                mempool=mempool,
-            )
-            spec.capture_graphs(self.num_slots, g.capture, mempool)
+            with _phase("continuation graphs"):
+                self.continuation_graphs = ContinuationGraphs(
+                    model, pool, g.continuation_tokens, s, taps, capture=g.capture, mempool=mempool
+                )
+        if g.windows and self.spec is not None and self.spec.block >= 2:
+            with _phase("speculative graphs"):
+                self._capture_rounds(mempool)
+
+    def _capture_rounds(self, mempool: object) -> None:
+        """A speculative round's graphs: chain verify windows, their rollbacks, proposals."""
+        from headstart.engine.cuda_graph import RollbackGraphs, WindowGraphs
+
+        g, spec, s = self.graph_config, self.spec, self.scratch
+        self.window_graphs = WindowGraphs(
+            self.model,
+            self.pool,
+            self.num_slots,
+            range(2, spec.block + 1),
+            s,
+            self.taps,
+            capture=g.capture,
+            mempool=mempool,
+        )
+        self.rollback_graphs = RollbackGraphs(
+            self.model,
+            self.pool,
+            self.window_graphs.records,
+            spec.block,
+            s,
+            capture=g.capture,
+            mempool=mempool,
+        )
+        spec.capture_graphs(self.num_slots, g.capture, mempool)
 
     def _runnable(self, chunk: SeqChunk) -> Callable[[], object]:
         """``chunk``'s forward as steps run it, to be timed: when rounds run from graphs (window
