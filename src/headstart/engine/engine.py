@@ -8,9 +8,8 @@ and one final :class:`~headstart.engine.output.Finish` or :class:`Failed`. After
 a request gets nothing more; an aborted request gets nothing at all. A failure in one request's
 part of a step (sampling, output, a verify round) ends that request alone; a failure of a whole
 step fails the requests of that step, and the engine goes on. A step: commands, admission (with
-prompt-cache restores), the scheduler's plan, drafts, one
-:class:`~headstart.engine.runner.ModelRunner` run, snapshots, then per request sampling or
-verification, and delivery.
+prompt-cache restores), the plan, drafts, one ``ModelRunner`` run, snapshots, then sampling or
+verification and delivery per request.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.spec.features import FeatureQueue
-from headstart.engine.spec.proposal import STATS, DraftJob, Speculator
+from headstart.engine.spec.proposal import STATS, Speculator
 from headstart.engine.spec.verification import Draft
 from headstart.models.contract import CausalLM
 from headstart.sampling import Sampler, SampleResult, make_generator
@@ -59,11 +58,9 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_slots, self.context = config.num_slots, config.context
         self.max_queue = config.max_queue
+        plan = config.scheduling
         self.scheduler = Scheduler(
-            self.num_slots,
-            self.max_queue,
-            config.scheduling.prefill_chunk,
-            config.scheduling.step_tokens,
+            self.num_slots, self.max_queue, plan.prefill_chunk, plan.step_tokens
         )
         self.sampler = Sampler()
         self.spec: Speculator | None = None
@@ -210,7 +207,10 @@ class Engine:
     # -- a step ------------------------------------------------------------------------------
     def _step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
-        drafts = self.spec.drafts(self._draft_jobs(work)) if self.spec is not None else {}
+        drafts = {}
+        if self.spec is not None:  # a draft job for each decoding row of a drafting stream
+            jobs = {j: self._live[w.seq.id].draft_job(w, self.context) for j, w in enumerate(work)}
+            drafts = self.spec.drafts({j: job for j, job in jobs.items() if job is not None})
         taps = any(self._live[w.seq.id].features is not None for w in work)  # a drafting stream
         step = Step.of(work, drafts, taps=taps)
         out = self.runner.run(step)
@@ -240,18 +240,6 @@ class Engine:
     def _features_at(self, seq: Seq, end: int) -> torch.Tensor | None:
         queue = self._live[seq.id].features
         return queue.ending_at(end) if queue is not None else None
-
-    def _draft_jobs(self, work: list[Work]) -> dict[int, DraftJob]:
-        """A draft job, by work index, for each decoding row of a drafting stream."""
-        jobs = {}
-        for j, w in enumerate(work):
-            live = self._live[w.seq.id]
-            decoding = w.samples and len(w.tokens) == 1 and not w.seq.prefilling
-            if live.features is not None and decoding:
-                # Drafts past what the stream may still emit, or hold, would be wasted.
-                room = min(live.out.max_new_tokens - live.out.produced, self.context - w.start)
-                jobs[j] = DraftJob(w.seq.slot, w.tokens[0], w.start, room, live.features)
-        return jobs
 
     def _settle_round(
         self, live: Live, start: int, draft: Draft, logits: torch.Tensor, taps: torch.Tensor | None

@@ -9,7 +9,9 @@ import torch
 
 from headstart.engine.output import Event, OutputStream
 from headstart.engine.scheduler import Sequence as Seq
+from headstart.engine.scheduler import Work
 from headstart.engine.spec.features import FeatureQueue
+from headstart.engine.spec.proposal import DraftJob
 from headstart.sampling import SamplingParams
 
 
@@ -36,3 +38,13 @@ class Live:
     out: OutputStream
     rng: torch.Generator | None
     features: FeatureQueue | None = None  # set when this stream drafts
+
+    def draft_job(self, w: Work, context: int) -> DraftJob | None:
+        """A draft round for this step's work ``w`` when the stream drafts and ``w`` is its
+        decoding row; None otherwise."""
+        decoding = w.samples and len(w.tokens) == 1 and not w.seq.prefilling
+        if self.features is None or not decoding:
+            return None
+        # Drafts past what the stream may still emit, or hold, would be wasted.
+        room = min(self.out.max_new_tokens - self.out.produced, context - w.start)
+        return DraftJob(w.seq.slot, w.tokens[0], w.start, room, self.features)
