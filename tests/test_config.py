@@ -216,3 +216,21 @@ def test_fuzzed_configs_raise_only_config_error(tmp_path, ops):
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
     assert cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0
     assert len(cfg.layer_types) == cfg.num_hidden_layers and cfg.rotary_dim % 2 == 0
+
+
+def test_default_step_budget_is_sized_to_model_and_device():
+    """About 0.2 s of prefill compute per step at the device's peak, a power of two in
+    512..8192; the CPU and unknown sizes keep 512."""
+    from headstart.engine.config import default_step_tokens
+
+    h200 = (9, 0, 132)
+    assert default_step_tokens(26_900_000_000, "cuda", h200) == 2048  # 27B
+    assert default_step_tokens(1_900_000_000, "cuda", h200) == 8192  # 2B: capped
+    assert default_step_tokens(16_000_000_000, "cuda", h200) == 4096
+    assert default_step_tokens(26_900_000_000, "cuda", (8, 0, 108)) == 1024  # A100: half
+    assert default_step_tokens(26_900_000_000, "cuda", (8, 9, 128)) == 512  # a 4090-class part
+    assert default_step_tokens(26_900_000_000, "cpu", (0, 0, 0)) == 512
+    assert default_step_tokens(None, "cuda", h200) == 512
+    for n in (10**8, 10**9, 10**10, 10**11, 10**12):
+        b = default_step_tokens(n, "cuda", h200)
+        assert 512 <= b <= 8192 and b & (b - 1) == 0

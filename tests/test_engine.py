@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from engine_helpers import Collector
 
@@ -256,3 +258,47 @@ def test_tiny_temperatures_and_huge_top_k_are_taken(loaded, engine):
     c = Collector()
     engine.submit(EngineRequest("k", ids, huge_k, 8, c))
     assert c.done.wait(60) and c.tokens == alone(loaded, ids, no_k)
+
+
+@pytest.mark.slow
+def test_decoding_beside_a_long_prefill_equals_decoding_alone(loaded, engines):
+    """Three streams decode while a long prompt arrives and is prefilled in budget-sized
+    chunks beside their decode rows (every step holds both): each stream's tokens, the long
+    prompt's included, are those it gets alone; and the long prompt really was chunked with
+    decode rows riding along."""
+    budget = 24
+    e = engines(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        EngineConfig(4, 512, scheduling=SchedulingConfig(budget, budget)),
+    )
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    short = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
+    long = loaded.tokenizer.encode("def g(a, b):\n    return a * b + " * 12)
+    assert len(long) > 4 * budget
+    shapes = []
+    real_plan = e.scheduler.plan
+
+    def plan():
+        work = real_plan()
+        shapes.append(sorted(len(w.tokens) for w in work))
+        return work
+
+    e.scheduler.plan = plan
+    cs = []
+    for i, ids in enumerate(short):
+        cs.append(Collector())
+        e.submit(EngineRequest(f"s{i}", ids, params, params.max_tokens, cs[-1]))
+    deadline = time.monotonic() + 60
+    while not all(len(c.tokens) >= 3 for c in cs):  # they are decoding now
+        assert not any(c.done.is_set() for c in cs) and time.monotonic() < deadline
+        time.sleep(0.001)
+    cs.append(Collector())
+    e.submit(EngineRequest("long", long, params, params.max_tokens, cs[-1]))
+    for c in cs:
+        assert c.done.wait(120) and isinstance(c.finish, Finish)
+    for ids, c in zip([*short, long], cs, strict=True):
+        assert c.tokens == alone(loaded, ids, params)
+    mixed = [s for s in shapes if s.count(1) >= 1 and max(s) > 1 and sum(s) == budget]
+    assert len(mixed) >= 3, shapes  # full budget steps: a prompt chunk beside decode rows

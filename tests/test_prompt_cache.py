@@ -50,6 +50,32 @@ def test_lookup_passes_over_unusable_entries_and_counts_once():
     assert (idx.stats.hits, idx.stats.misses) == (1, 1)
 
 
+def test_superseded_entries_are_evicted_first():
+    """An entry that is a strict prefix of another (an earlier turn of a conversation) goes
+    before any conversation's newest entry, least recently used first among them; the newest
+    goes only when nothing superseded is left. Counts follow entries as they come and go."""
+    idx = PromptCacheIndex(budget_bytes=50)
+    idx.insert([1, 2], 10, "a1")
+    idx.insert([5], 10, "b1")
+    idx.insert([1, 2, 3], 10, "a2")  # supersedes a1
+    idx.insert([5, 6], 10, "b2")  # supersedes b1
+    idx.lookup([1, 2])  # a1 is now more recent than b1, a2 and b2
+    idx.insert([9], 10, "c")  # full: 50 bytes
+    assert idx.insert([8], 10, "d")[0].payload == "b1"  # superseded, least recently used
+    assert idx.insert([7], 10, "e")[0].payload == "a1"  # the other superseded one
+    assert [e.payload for e in idx.insert([4], 10, "f")] == ["a2"]  # then plain LRU
+    assert not idx.extended
+    idx.insert([4, 4], 10, "g")  # supersedes f; evicts b2 (LRU, nothing superseded before)
+    idx.insert([3, 3, 3], 10, "h")
+    assert idx.contains([4, 4]) and not idx.contains([4])
+    # A prefix stored after the entry that extends it is superseded from the start.
+    idx2 = PromptCacheIndex(budget_bytes=30)
+    idx2.insert([1, 2, 3], 10, "long")
+    idx2.insert([1], 10, "short")
+    idx2.insert([9], 10, "x")
+    assert idx2.insert([8], 10, "y")[0].payload == "short"
+
+
 def test_token_cap_and_disabled():
     idx = PromptCacheIndex(budget_bytes=100, max_tokens=3)
     idx.insert([1, 2, 3, 4], 1, "x")
@@ -119,13 +145,71 @@ def test_partial_hit_from_a_boundary_snapshot(loaded, engines):
     assert got.finish.cached_tokens == len(head) and got.tokens == want
 
 
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_agent_loop_restores_prompt_and_answer(engines, tmp_path, with_drafter):
+    """Each turn sends the last prompt, its answer and 40 new tokens (a tool result): every
+    turn restores at least the last prompt and all but the last answer token (the end of
+    generation snapshot), and answers token for token as an engine without the cache; with a
+    drafter too (its verify rounds leave a settled slot, whichever token ends the answer)."""
+    import tiny
+
+    from headstart.engine.spec.drafter import DFlashDrafter
+
+    target = tiny.target_with_drafter(tmp_path, seed=7, block=4)
+    tok = tiny.small_tokenizer()
+
+    def engine(cache_mib):
+        config = EngineConfig(
+            2,
+            512,
+            scheduling=SchedulingConfig(32, 64),
+            cache=CacheConfig(bytes=cache_mib << 20, interval=0),
+        )
+        drafter = DFlashDrafter.load(target.drafter_dir, target) if with_drafter else None
+        return engines(target, tok, (), config, drafter=drafter)
+
+    cached, cold = engine(64), engine(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    answered = 0
+    ids = [(7 * i) % 150 + 5 for i in range(60)]
+    for turn in range(4):
+        got = ask(cached, ids, params, f"t{turn}")
+        want = ask(cold, ids, params, f"c{turn}")
+        assert got.tokens == want.tokens, turn
+        if turn:
+            assert got.finish.cached_tokens >= answered, turn
+        answered = len(ids) + len(got.tokens) - 1  # prompt and answer, but the last token
+        ids = ids + got.tokens + [(11 * i + turn) % 150 + 5 for i in range(40)]
+
+
+def test_a_seam_in_the_answer_is_counted_and_restores_only_what_matches(loaded, engines):
+    """The next prompt carries the answer with one token changed (as when re-encoding the
+    answer's text gives other tokens than the model produced): the restore stops before the
+    answer, the seam is counted, and the tokens are those of an engine without the cache."""
+    e, cold = make_engine(engines, loaded, interval=0), make_engine(engines, loaded, cache_mib=0)
+    ids = prompt(loaded, "def add(a, b):\n")
+    answer = ask(e, ids, GREEDY, "t1").tokens
+    changed = [*answer[:3], (answer[3] + 1) % 4000 + 5, *answer[4:]]
+    nxt = ids + changed + prompt(loaded, "\n# now subtract\n")
+    got = ask(e, nxt, GREEDY, "t2")
+    assert len(ids) <= got.finish.cached_tokens < len(ids) + 4  # never past the changed token
+    assert got.tokens == ask(cold, nxt, GREEDY, "cold").tokens
+    assert e.stats()["cache_seams"] == 1
+    same = ids + answer[:-1] + prompt(loaded, "\n# again\n")  # the answer as generated
+    assert ask(e, same, GREEDY, "t3").finish.cached_tokens == len(ids) + len(answer) - 1
+    assert e.stats()["cache_seams"] == 1
+
+
 def test_long_prompt_snapshots_at_fixed_interval(loaded, engines):
     ids = prompt(loaded, "x = [i * i for i in range(10)]\n" * 20)
     assert len(ids) > 100
     e = make_engine(engines, loaded, interval=40)
     ask(e, ids, GREEDY, "long")
     lengths = sorted(len(k) for k in e.cache.device.entries)
-    assert lengths == list(range(40, len(ids), 40)) + [len(ids)]
+    # ... and the end of the generation: the prompt and the answer tokens fed back (all but
+    # the last, which was sampled and never went through the model).
+    end = len(ids) + GREEDY.max_tokens - 1
+    assert lengths == [*range(40, len(ids), 40), len(ids), end]
     variant = ids[:-3] + prompt(loaded, "pass")
     cold = make_engine(engines, loaded, cache_mib=0)
     want = ask(cold, variant, GREEDY, "cold").tokens
@@ -226,8 +310,11 @@ def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines):
     e = make_engine(engines, loaded, interval=0, max_snapshots=1, host_bytes=64 << 20)
     prompts = [prompt(loaded, f"config_{i} = load({i!r})\n") for i in range(3)]
     first = [ask(e, ids, GREEDY, f"p{i}").tokens for i, ids in enumerate(prompts)]
-    assert len(e.cache.device.entries) == 1 and len(e.cache.host.entries) == 2
-    assert e.cache.host.contains(prompts[0]) and e.cache.device.contains(prompts[2])
+    # Each request leaves its prompt's snapshot and its generation's (prompt + answer): the
+    # newest generation on the device, the five before it demoted to the host tier.
+    assert len(e.cache.device.entries) == 1 and len(e.cache.host.entries) == 5
+    assert e.cache.device.contains(prompts[2] + first[2][:-1])
+    assert all(e.cache.host.contains(p) for p in prompts)
     again = ask(e, prompts[0], GREEDY, "again")
     assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
     assert e.stats()["cache_host_hits"] == 1

@@ -347,49 +347,46 @@ def test_template_sees_client_tokens_as_text(tok: Tokenizer) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# token_boundary
+# tokens_within
 # ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-def test_token_boundary_after_assistant_header(tok: Tokenizer, thinking: bool) -> None:
+def test_tokens_within_after_assistant_header(tok: Tokenizer, thinking: bool) -> None:
     messages, tools = PLAIN_CONVERSATIONS["system_multi_turn"]
     enc = tok.encode_chat(messages, tools=tools, enable_thinking=thinking)
     pos = enc.text.rfind(ASSISTANT_HEADER) + len(ASSISTANT_HEADER)
     prefix = tok.encode(enc.text[:pos])
-    assert enc.token_boundary(pos) == len(prefix)
+    assert enc.tokens_within(pos) == len(prefix)
     assert enc.ids[: len(prefix)] == prefix
     assert 0 < len(prefix) < len(enc.ids)
 
 
-def test_token_boundary_with_injected_text(tok: Tokenizer) -> None:
+def test_tokens_within_with_injected_text(tok: Tokenizer) -> None:
     messages, tools = PLACES["user"](INJECTION)
     enc = tok.encode_chat(messages, tools=tools)
     pos = enc.text.rfind(ASSISTANT_HEADER) + len(ASSISTANT_HEADER)
-    n = enc.token_boundary(pos)
-    assert n is not None
+    n = enc.tokens_within(pos)
     assert tok.decode(enc.ids[:n]) == enc.text[:pos]
     assert enc.ids[n - 1] == tok.encode("\n")[0]
 
 
-def test_token_boundary_inside_tokens(tok: Tokenizer) -> None:
+def test_tokens_within_inside_tokens(tok: Tokenizer) -> None:
     enc = tok.encode_chat([{"role": "user", "content": "hé there"}])
-    assert enc.token_boundary(0) == 0
-    assert enc.token_boundary(len(enc.text)) == len(enc.ids)
-    assert enc.token_boundary(1) is None  # inside <|im_start|>
-    assert enc.token_boundary(len("<|im_start|>")) == 1
-    for bad in (-1, len(enc.text) + 1):
-        with pytest.raises(ValueError):
-            enc.token_boundary(bad)
-    # Every position: a clean split is exactly where the tokens before it spell the prefix.
+    assert enc.tokens_within(0) == 0 and enc.tokens_within(-5) == 0
+    assert enc.tokens_within(len(enc.text)) == len(enc.ids)
+    assert enc.tokens_within(len(enc.text) + 9) == len(enc.ids)
+    assert enc.tokens_within(1) == 0  # inside <|im_start|>
+    assert enc.tokens_within(len("<|im_start|>")) == 1
+    # Every position: the most leading tokens whose text is a prefix of the text before it.
     for pos in range(len(enc.text) + 1):
-        n = enc.token_boundary(pos)
-        if n is not None:
-            assert tok.decode(enc.ids[:n]) == enc.text[:pos]
-    # "é" is two byte tokens sharing one character: no split between them.
+        n = enc.tokens_within(pos)
+        assert enc.text[:pos].startswith(tok.decode(enc.ids[:n]))
+        assert n == len(enc.ids) or not enc.text[:pos].startswith(tok.decode(enc.ids[: n + 1]))
+    # "é" is two byte tokens sharing one character: none of them before its end.
     at = enc.text.index("é")
-    n = enc.token_boundary(at)
-    assert n is not None and enc.token_boundary(at + 1) == n + 2
+    n = enc.tokens_within(at)
+    assert enc.tokens_within(at + 1) == n + 2
 
 
 # ------------------------------------------------------------------------------------------

@@ -153,20 +153,10 @@ class ChatEncoding:
         if len(self.ids) != len(self.token_ends):
             raise ValueError(f"{len(self.ids)} ids but {len(self.token_ends)} token ends")
 
-    def token_boundary(self, char_pos: int) -> int | None:
-        """The number of tokens that cover exactly ``text[:char_pos]``, or ``None``.
-
-        ``n`` when a token ends exactly at ``char_pos`` (the last such token is token ``n - 1``,
-        so ``ids[:n]`` spell ``text[:char_pos]`` and nothing more): a clean split. ``None`` when
-        ``char_pos`` falls inside a token. ``0`` for ``0``. Raises ``ValueError`` outside
-        ``0..len(text)``. Uses the stored offsets; nothing is re-encoded.
-        """
-        if not 0 <= char_pos <= len(self.text):
-            raise ValueError(f"char_pos {char_pos} is outside the text (0..{len(self.text)})")
-        n = bisect_right(self.token_ends, char_pos)
-        if n == 0:
-            return 0 if char_pos == 0 else None
-        return n if self.token_ends[n - 1] == char_pos else None
+    def tokens_within(self, char_pos: int) -> int:
+        """The number of leading tokens whose text lies inside ``text[:char_pos]`` (all of
+        it when ``char_pos`` ends a token, one fewer when it falls inside one)."""
+        return bisect_right(self.token_ends, max(0, min(char_pos, len(self.text))))
 
 
 # --------------------------------------------------------------------------------------------

@@ -221,9 +221,9 @@ class Engine:
             queue = self._live[work[j].seq.id].features
             if queue is not None and out.taps is not None:
                 queue.add(out.taps[step.rows(j)], work[j].start)
-        self.cache.take_snapshots(
-            committed, out.logits, [step.last_row(j) for j in plain], self._features_at
-        )
+        features = {w.seq.id: self._live[w.seq.id].features_before for w in committed}
+        last_rows = [step.last_row(j) for j in plain]
+        self.cache.take_snapshots(committed, out.logits, last_rows, features)
         sampling = [j for j in plain if work[j].samples]
         if sampling:
             self._sample_and_deliver(
@@ -237,10 +237,6 @@ class Engine:
                 logits = out.logits[step.logit_rows(j)]
                 self._per_request(self._settle_round, live, work[j].start, draft, logits, taps)
 
-    def _features_at(self, seq: Seq, end: int) -> torch.Tensor | None:
-        queue = self._live[seq.id].features
-        return queue.ending_at(end) if queue is not None else None
-
     def _settle_round(
         self, live: Live, start: int, draft: Draft, logits: torch.Tensor, taps: torch.Tensor | None
     ) -> None:
@@ -249,16 +245,17 @@ class Engine:
         assert self.spec is not None
         logits[:, self.tokenizer.vocab_size :] = float("-inf")
         verdict, path = self.spec.judge(logits, draft, live.req.params, live.rng, self.sampler)
+        # The path's rows (anchor + accepted drafts) are committed, the others undone, before
+        # any token is delivered: a request that ends on one of them leaves a settled slot.
+        self.runner.commit(live.seq.slot, path)
+        self.scheduler.accept(live.seq, verdict.tokens, start + len(path))
+        if taps is not None and live.features is not None:
+            live.features.add(taps[path], start)
         for token, lp, top in zip(
             verdict.tokens, verdict.logprobs, verdict.top_logprobs, strict=True
         ):
             if not self._emit(live, token, lp, top):
                 return
-        # The path's rows (anchor + accepted drafts) are committed, the others undone.
-        self.runner.commit(live.seq.slot, path)
-        self.scheduler.accept(live.seq, verdict.tokens, start + len(path))
-        if taps is not None and live.features is not None:
-            live.features.add(taps[path], start)
 
     # -- delivery ----------------------------------------------------------------------------
     def _sample_and_deliver(self, lives: list[Live], logits: torch.Tensor) -> None:
@@ -322,9 +319,10 @@ class Engine:
         """Free the slot exactly once and deliver the final event (None: deliver nothing)."""
         if self._live.pop(live.req.id, None) is None:
             return
-        self.scheduler.finish(live.seq)
-        if isinstance(final, Finish):
+        if isinstance(final, Finish):  # the slot still holds the answer: snapshot it
             final.cached_tokens = live.seq.cached
+            self.cache.take_final(live.seq, live.features_before)
+        self.scheduler.finish(live.seq)
         self._inbox.ended()
         if final is not None:
             _send_final(live.req, final)

@@ -10,8 +10,10 @@ their tensors.
 
 :class:`PromptCacheIndex` is the bookkeeping (torch-free): entries keyed by their token prefix,
 longest-prefix lookup confirmed token by token (a dict keyed by the prefix tuple compares every
-token on a hash match), a byte budget with least-recently-used eviction, an optional cap on tokens
-per entry, and counters for the metrics.
+token on a hash match), a byte budget with least-recently-used eviction that drops superseded
+entries first (an entry that is a strict prefix of another: the earlier turns of a conversation
+whose newer snapshot covers them), an optional cap on tokens per entry, and counters for the
+metrics.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class PromptCacheIndex:
     max_tokens: int = 0  # 0: no cap on tokens per entry
     entries: OrderedDict[tuple[int, ...], CacheEntry] = field(default_factory=OrderedDict)
     lengths: Counter[int] = field(default_factory=Counter)  # entry lengths, for lookup
+    # Entry -> how many other entries it is a strict prefix of (absent: none).
+    extended: Counter[tuple[int, ...]] = field(default_factory=Counter)
     bytes_held: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
 
@@ -102,7 +106,12 @@ class PromptCacheIndex:
             return []
         evicted = []
         while self.bytes_held + nbytes > self.budget_bytes and self.entries:
-            evicted.append(self._remove(next(iter(self.entries))))
+            evicted.append(self._remove(self._victim()))
+        self._count_prefixes(key, +1)
+        # Entries this one is a prefix of (an earlier turn stored after a later one's).
+        above = sum(1 for k in self.entries if len(k) > len(key) and k[: len(key)] == key)
+        if above:
+            self.extended[key] = above
         self.entries[key] = CacheEntry(key, nbytes, payload)
         self.lengths[len(key)] += 1
         self.bytes_held += nbytes
@@ -110,8 +119,29 @@ class PromptCacheIndex:
         self.stats.evictions += len(evicted)
         return evicted
 
+    def _count_prefixes(self, key: tuple[int, ...], delta: int) -> None:
+        """``key`` arrives (+1) or leaves (-1): the entries that are its strict prefixes gain or
+        lose one entry that extends them."""
+        for length in [n for n in self.lengths if n < len(key)]:
+            prefix = key[:length]
+            if prefix in self.entries:
+                self.extended[prefix] += delta
+                if self.extended[prefix] <= 0:
+                    del self.extended[prefix]
+
+    def _victim(self) -> tuple[int, ...]:
+        """The entry eviction drops next: the least recently used superseded entry (a strict
+        prefix of another entry), else the least recently used one."""
+        if self.extended:
+            for key in self.entries:  # least recently used first
+                if key in self.extended:
+                    return key
+        return next(iter(self.entries))
+
     def _remove(self, key: tuple[int, ...]) -> CacheEntry:
         entry = self.entries.pop(key)
+        self.extended.pop(key, None)
+        self._count_prefixes(key, -1)
         self.lengths[len(key)] -= 1
         if not self.lengths[len(key)]:
             del self.lengths[len(key)]
@@ -124,11 +154,12 @@ class PromptCacheIndex:
         return None
 
     def evict_oldest(self) -> CacheEntry | None:
-        """Drop the least recently used entry (to free fixed storage); None when empty."""
+        """Drop the entry eviction picks (see :meth:`_victim`; to free fixed storage); None
+        when empty."""
         if not self.entries:
             return None
         self.stats.evictions += 1
-        return self._remove(next(iter(self.entries)))
+        return self._remove(self._victim())
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ longest match into a new stream's slot, and offers every forward's results for s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,14 +51,20 @@ class PromptCache:
     * Snapshots (:meth:`take_snapshots`): after a forward, a sequence whose rows just ended at
       one of its boundaries, or at the end of its prompt before any output (then with that
       row's logits), is snapshotted into the device tier unless that prefix is cached already
-      or the tier refuses it (over budget, or longer than ``max_tokens``). A failed snapshot
-      is logged and is a later miss, nobody's failure.
-    * Eviction: the device tier drops least recently used entries, to stay within its byte
-      budget or when the snapshot store has no free row; each entry it drops is copied to the
-      host tier (if there is one and it lacks that prefix), whose own budget evicts its least
-      recently used entries for good. The host tier only receives entries demoted this way.
+      or the tier refuses it (over budget, or longer than ``max_tokens``); so is every
+      finished generation, prompt and answer (:meth:`take_final`, without logits). A failed
+      snapshot is logged and is a later miss, nobody's failure.
+    * Eviction: the device tier drops least recently used entries, superseded ones first (a
+      strict prefix of another entry: an earlier turn of a conversation whose newer snapshot
+      covers it), to stay within its byte budget or when the snapshot store has no free row;
+      each entry it drops is copied to the host tier (if there is one and it lacks that
+      prefix), whose own budget evicts its least recently used entries for good. The host
+      tier only receives entries demoted this way.
     * Statistics (:meth:`stats`): the device tier's entries, bytes, hits, misses, restored
-      tokens, evictions and failed restores; the host tier's entries, bytes and hits.
+      tokens, evictions and failed restores; the host tier's entries, bytes and hits; and
+      seams: lookups of a prompt that extends a cached generation's prompt but not its answer
+      as generated (the template or the tokenizer gave the answer other tokens: the longest
+      prefix that matches token for token is restored, never more).
 
     Without a device budget the cache is off: no boundaries, no lookups, no snapshots.
     """
@@ -69,6 +76,11 @@ class PromptCache:
         self.interval = config.interval
         self.logit_bytes = vocab_size * 4  # a snapshot's logits row, float32
         self.fail_restores = 0  # test hook: make the next N restores raise
+        # A cached generation's prompt -> its snapshot's tokens (prompt + answer), the newest
+        # 4 x max_snapshots of them: what seam counting compares a prompt with.
+        self.generations: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+        self.generation_cap = 4 * config.max_snapshots
+        self.seams = 0
         self.store: SnapshotStore | None = None
         if self.enabled:
             # Rows for the fixed part of snapshots: as many as the budget could hold, capped so
@@ -109,7 +121,22 @@ class PromptCache:
             for entry in [index.lookup(prompt, usable=usable)]
             if entry is not None
         ]
-        return max(found, key=lambda m: m.entry.length, default=None)
+        best = max(found, key=lambda m: m.entry.length, default=None)
+        self._count_seam(prompt, best.entry.length if best is not None else 0)
+        return best
+
+    def _count_seam(self, prompt: Sequence[int], matched: int) -> None:
+        """Count a seam when ``prompt`` extends a cached generation's prompt, is longer than
+        its prompt + answer, and yet the match stopped short of that generation's snapshot."""
+        for length in {len(p) for p in self.generations if len(p) < len(prompt)}:
+            answered = self.generations.get(tuple(prompt[:length]))
+            if (
+                answered is not None
+                and matched < len(answered) < len(prompt)
+                and (self.device.contains(answered) or self.host.contains(answered))
+            ):
+                self.seams += 1
+                return
 
     def restore(self, match: Match, slot: int, owner: str = "") -> Snapshot | None:
         """Copy ``match`` into ``slot`` (for request ``owner``); its snapshot, or None when the
@@ -136,11 +163,11 @@ class PromptCache:
         work: Sequence[Work],
         logits: torch.Tensor,
         last_rows: Sequence[int],
-        features: Callable[[Seq, int], torch.Tensor | None],
+        features: Mapping[str, Callable[[int], torch.Tensor | None]],
     ) -> None:
         """After a forward over ``work`` (``last_rows[j]``: the logits row of item j's last
-        row): take the snapshots the class docstring describes. ``features(seq, end)``: the
-        drafter features of ``seq``'s rows before ``end``, or None."""
+        row): take the snapshots the class docstring describes. ``features[seq.id](end)``: the
+        drafter features of the sequence's rows before ``end``, or None."""
         if not self.enabled:
             return
         for w, row in zip(work, last_rows, strict=True):
@@ -154,7 +181,7 @@ class PromptCache:
         w: Work,
         logits: torch.Tensor,
         row: int,
-        features: Callable[[Seq, int], torch.Tensor | None],
+        features: Mapping[str, Callable[[int], torch.Tensor | None]],
     ) -> None:
         seq = w.seq
         end = w.start + len(w.tokens)
@@ -166,8 +193,26 @@ class PromptCache:
                 seq.prompt[:end],
                 seq.slot,
                 logits[row] if at_end else None,
-                lambda: features(seq, end),
+                lambda: features[seq.id](end),
             )
+
+    def take_final(self, seq: Seq, features: Callable[[int], torch.Tensor | None]) -> None:
+        """At the end of ``seq``'s generation, before its slot is freed: snapshot the prompt
+        and the answer tokens that went through the model (the slot holds exactly those), so
+        a next prompt that extends prompt + answer (the next turn of a conversation, an agent
+        loop) restores all of it. No logits: it serves only longer prompts. ``features(end)``:
+        the drafter's features before ``end``."""
+        if not self.enabled or seq.computed <= len(seq.prompt):
+            return
+        tokens = (seq.prompt + seq.output)[: seq.computed]
+        try:
+            if self.insert(tokens, seq.slot, None, lambda: features(seq.computed)):
+                self.generations[tuple(seq.prompt)] = tuple(tokens)
+                self.generations.move_to_end(tuple(seq.prompt))
+                while len(self.generations) > self.generation_cap:
+                    self.generations.popitem(last=False)
+        except Exception:  # a snapshot not taken is a later cache miss, nobody's failure
+            log.exception("end-of-generation snapshot of %s failed; not cached", seq.id)
 
     def insert(
         self,
@@ -227,4 +272,5 @@ class PromptCache:
             "cache_restored_tokens": d.stats.restored_tokens,
             "cache_evictions": d.stats.evictions,
             "cache_failed_restores": d.stats.failed_restores,
+            "cache_seams": self.seams,
         }

@@ -48,3 +48,7 @@ class Live:
         # Drafts past what the stream may still emit, or hold, would be wasted.
         room = min(self.out.max_new_tokens - self.out.produced, context - w.start)
         return DraftJob(w.seq.slot, w.tokens[0], w.start, room, self.features)
+
+    def features_before(self, end: int) -> torch.Tensor | None:
+        """The drafter's features of this stream's rows before ``end`` (None: no drafting)."""
+        return self.features.ending_at(end) if self.features is not None else None

@@ -12,8 +12,8 @@ registered in :mod:`headstart.models`:
   reading and updating its slot of the pool, returning :class:`ForwardOutput`;
 - optionally, speculative-decoding surgery (``rollback``, ``commit_tree``, window records) when a
   drafter targets it;
-- its **chat format** (:class:`ChatFormat`): where the next turn of a conversation diverges, the
-  reasoning tags, the tool-call syntax. The server reads these; it knows no family's strings.
+- its **chat format** (:class:`ChatFormat`): the reasoning tags, the tool-call syntax. The
+  server reads these; it knows no family's strings.
 
 Everything here is a description; nothing imports a family.
 """
@@ -99,15 +99,14 @@ class ToolCallParsing(Protocol):
 class ChatFormat:
     """What the server needs to know of a family's chat format.
 
-    ``assistant_header``: the text that opens the model's turn in a rendered prompt; the next
-    turn of the conversation renders the same text up to its end, so a snapshot there serves it
-    (None: no such snapshot). ``thinks``: the model reasons inside ``<think>…</think>`` (the
-    convention of Qwen3, DeepSeek-R1 and Nemotron), returned apart as ``reasoning_content``.
+    Where the next turn of a conversation diverges is not part of it: the server finds that
+    from the chat template itself (``server/turns.py``). ``thinks``: the model reasons inside
+    ``<think>…</think>`` (the convention of Qwen3, DeepSeek-R1 and Nemotron), returned apart as
+    ``reasoning_content``.
     ``tool_calls``: builds a parser of tool calls in the answer from the request's ``tools``
     (None: no parsing; calls stay text).
     """
 
-    assistant_header: str | None = None
     thinks: bool = False
     tool_calls: Callable[[list[dict[str, Any]]], ToolCallParsing] | None = None
 

@@ -37,6 +37,7 @@ from headstart.server.guard import ERROR, LOGGED, Guard, disconnected, read_body
 from headstart.server.metrics import Metrics
 from headstart.server.reasoning import ReasoningSplitter
 from headstart.server.request_log import RequestLog, request_record
+from headstart.server.turns import divergence
 from headstart.tokenizer import Tokenizer
 
 log = logging.getLogger("headstart.server")
@@ -431,11 +432,16 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
         kwargs = {**state.template_defaults, **req.chat_template_kwargs}
         req = req.model_copy(update={"chat_template_kwargs": kwargs})
     enc = P.chat_prompt(state.tokenizer, req)
-    header = state.chat.assistant_header
-    at = enc.text.rfind(header) if header else -1
-    boundary = enc.token_boundary(at + len(header)) if at >= 0 else None
+    at = divergence(
+        state.tokenizer.apply_chat_template,
+        [m.template_dict() for m in req.messages],
+        enc.text,
+        req.tools,
+        **req.chat_template_kwargs,
+    )
+    boundary = enc.tokens_within(at) if at is not None else 0
     # A snapshot there helps the next turn only when something follows it in this prompt.
-    snapshot_at = (boundary,) if boundary is not None and 0 < boundary < len(enc.ids) else ()
+    snapshot_at = (boundary,) if 0 < boundary < len(enc.ids) else ()
     return _Prepared(req, [enc.ids], enc.text, snapshot_at)
 
 

@@ -253,6 +253,11 @@ class _PromptCacheCollector(Collector):
             "headstart_prompt_cache_host_hits",
             "Lookups answered from the host-memory tier.",
         ),
+        "cache_seams": (
+            "headstart_prompt_cache_seams",
+            "Prompts extending a cached generation's prompt whose answer tokens differed "
+            "from the generated ones (restored up to where they agree).",
+        ),
         "spec_rounds": ("headstart_spec_decode_rounds", "Verify windows run."),
         "spec_drafted": ("headstart_spec_decode_draft_tokens", "Draft tokens proposed."),
         "spec_accepted": ("headstart_spec_decode_accepted_tokens", "Draft tokens accepted."),

@@ -14,11 +14,8 @@ __all__ = ["CHAT", "CHAT_TEMPLATE_PATH", "FAMILY"]
 #: The Qwen3.5-9B chat template, verbatim (see ``headstart.tokenizer`` for its provenance).
 CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template.jinja"
 
-#: The Qwen3.5 chat template opens the model's turn with this header; the next turn renders the
-#: same text up to here (thinking dropped from history), so a snapshot here serves it.
-CHAT = ChatFormat(
-    assistant_header="<|im_start|>assistant\n", thinks=True, tool_calls=ToolCallParser
-)
+#: Qwen3.5 reasons inside <think>…</think> and calls tools in its XML-ish syntax.
+CHAT = ChatFormat(thinks=True, tool_calls=ToolCallParser)
 
 
 def _load(
