@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 from server_proc import ServerProcess
 
 from headstart.loading import load
+from headstart.server.protocol import parse_chat_request
 
 pytestmark = pytest.mark.slow  # every test here talks to a real `headstart serve`
 
@@ -85,3 +88,59 @@ def test_cache_metrics(servers):
         line for line in text.splitlines() if line.startswith("headstart_prompt_cache_hits_total")
     ]
     assert float(hits[0].split()[-1]) >= 1
+
+
+def test_tool_call_loop_reuses_every_turn(servers):
+    """A chat agent loop: each turn appends the model's answer as an assistant message with a
+    tool call, then the tool's result, and asks again (tools declared). Every turn restores at
+    least what the previous prompt shares with it and answers as a server without the cache;
+    the raw-completion loop is tests/test_prompt_cache.py's agent loop."""
+    cached, fresh = servers
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "description": "Read a file.",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+    tok = load().tokenizer
+    messages = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Fix the bug in app.py."},
+    ]
+    previous = None
+    for turn in range(4):
+        got = chat(cached.url, messages, tools=tools)
+        want = chat(fresh.url, messages, tools=tools)
+        assert got.choices[0].message == want.choices[0].message, turn
+        # The prompt as the server renders it (tool-call arguments parsed into objects).
+        body = json.dumps({"model": MODEL, "messages": messages, "tools": tools}).encode()
+        req = parse_chat_request(body)
+        prompt = tok.apply_chat_template([m.template_dict() for m in req.messages], tools=tools)
+        if previous is not None:
+            shared = 0
+            while shared < min(len(prompt), len(previous)) and prompt[shared] == previous[shared]:
+                shared += 1
+            assert got.usage.prompt_tokens_details.cached_tokens > 0, turn
+            assert (
+                len(tok.encode(prompt[:shared])) - 2
+                <= got.usage.prompt_tokens_details.cached_tokens
+            )
+        previous = prompt
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": f'{{"path": "file_{turn}.py"}}'},
+        }
+        messages = [
+            *messages,
+            {
+                "role": "assistant",
+                "content": got.choices[0].message.content or "",
+                "tool_calls": [call],
+            },
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"line {turn}\n" * 8},
+        ]
