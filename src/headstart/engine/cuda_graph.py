@@ -33,6 +33,7 @@ import torch
 
 from headstart.batch import DecodeRows, ForwardBatch
 from headstart.models.contract import CausalLM, ForwardOutput
+from headstart.progress import progress
 from headstart.state import StatePool
 
 
@@ -111,11 +112,14 @@ class DecodeGraphs:
         self.rows = torch.arange(max_streams, device=dev)
         self.graphs: dict[int, _Replayable] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
-        for n in sorted(buckets_for(max_streams), reverse=True):  # largest first: shared pool
-            batch = self._batch(n)
-            self.graphs[n] = _Replayable(
-                lambda b=batch: model.forward_ex(b, pool, self.taps), capture, self.mempool
-            )
+        sizes = sorted(buckets_for(max_streams), reverse=True)  # largest first: shared pool
+        with progress("decode graphs", len(sizes)) as tick:
+            for n in sizes:
+                batch = self._batch(n)
+                self.graphs[n] = _Replayable(
+                    lambda b=batch: model.forward_ex(b, pool, self.taps), capture, self.mempool
+                )
+                tick()
 
     def _batch(self, n: int) -> ForwardBatch:
         rows = self.rows[:n]
@@ -199,19 +203,23 @@ class PromptGraphs:
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Replayable] = {}
-        for n, w in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: shared pool
-            # One warm-up run: the decode graphs and the engine's warm-up already initialised
-            # everything lazy; the run compiles and tunes kernels for this shape.
-            self.graphs[n, w] = _Replayable(
-                lambda n=n, w=w: model.forward_ex(
-                    ForwardBatch.padded_of(self.ids[: n * w], self.slots[:n], self.lengths[:n], w),
-                    pool,
-                    tuple(taps),
-                ),
-                capture,
-                mempool,
-                warmups=1,
-            )
+        with progress("prompt graphs", len(shapes)) as tick:
+            for n, w in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: shared pool
+                # One warm-up run: the decode graphs and the engine's warm-up already initialised
+                # everything lazy; the run compiles and tunes kernels for this shape.
+                self.graphs[n, w] = _Replayable(
+                    lambda n=n, w=w: model.forward_ex(
+                        ForwardBatch.padded_of(
+                            self.ids[: n * w], self.slots[:n], self.lengths[:n], w
+                        ),
+                        pool,
+                        tuple(taps),
+                    ),
+                    capture,
+                    mempool,
+                    warmups=1,
+                )
+                tick()
         self.max_tokens = max(w for _, w in shapes)
 
     def shape_for(self, lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -438,17 +446,19 @@ class ContinuationGraphs:
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Replayable] = {}
-        for n in range(self.max_tokens, 1, -1):
-            self.graphs[n] = _Replayable(
-                lambda n=n: model.forward_ex(
-                    ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
-                    pool,
-                    tuple(taps),
-                ),
-                capture,
-                mempool,
-                warmups=1,
-            )
+        with progress("continuation graphs", self.max_tokens - 1) as tick:
+            for n in range(self.max_tokens, 1, -1):
+                self.graphs[n] = _Replayable(
+                    lambda n=n: model.forward_ex(
+                        ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
+                        pool,
+                        tuple(taps),
+                    ),
+                    capture,
+                    mempool,
+                    warmups=1,
+                )
+                tick()
 
     def covers(self, n: int) -> bool:
         return n in self.graphs

@@ -32,6 +32,7 @@ from headstart.models.qwen35.speculative import GDNRecord, WindowRecords
 from headstart.models.qwen35.weights import Weight, load_weights, stand_ins
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import Rotary, rms_norm
+from headstart.progress import progress
 from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool
 
@@ -78,12 +79,28 @@ class Qwen35Model:
         def place(_: str, t: Weight) -> Weight:
             return t
 
+        final = len(shapes)  # weights the model ends with (fused ones count once), for progress
         if arena:
             plan = ArenaPlan()
-            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, plan.add)
+            planned: list[str] = []
+
+            def add(name: str, t: Weight) -> Weight:
+                planned.append(name)
+                return plan.add(name, t)
+
+            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add)
             self.arena = plan.allocate(self.device)
             place = self.arena.fill
-        self.w, self.head = consume(weights, cfg, self.kernels, dtype, unpack, unpack_bytes, place)
+            final = len(planned)
+        with progress("loading weights", final) as tick:
+
+            def placed(name: str, t: Weight) -> Weight:
+                tick()
+                return place(name, t)
+
+            self.w, self.head = consume(
+                weights, cfg, self.kernels, dtype, unpack, unpack_bytes, placed
+            )
         if self.arena is not None:
             self.arena.check_complete()
         self.rotary = Rotary.create(cfg.rotary_dim, cfg.rope_theta, self.device)
