@@ -23,6 +23,7 @@ from headstart.engine.config import (
 )
 from headstart.engine.cuda_graph import PromptGraphs
 from headstart.engine.engine import EngineRequest, Finish, wait_idle
+from headstart.engine.runner import chunk_of
 from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.sampling import SamplingParams
 
@@ -357,3 +358,39 @@ def test_engine_with_continuation_graphs_equals_eager(target, tokenizer, engines
         assert e.stats()["cache_hits"] >= len(grown)
     assert outputs[1] == outputs[0]
     assert counts["n"] > 0
+
+
+def test_every_step_of_new_prompts_and_decode_rows_replays_from_graphs(target, tokenizer, engines):
+    """The shapes a burst can take at run time are all captured at start-up, so no first burst
+    pays compilation: the scheduler's steps, enumerated for up to four streams, each a new
+    prompt of 1 .. 20 tokens (the captured lengths) or a decode row, in any mix and order,
+    within the step budget, replay from graphs (prompt groups, decode rows, continued chunks);
+    only what is outside the captured sizes runs eagerly."""
+    import itertools
+
+    from headstart.engine.scheduler import Scheduler
+    from headstart.engine.scheduler import Sequence as Seq
+
+    e = emulated(engines, target, tokenizer, num_slots=4)
+    runner = e.runner
+    steps = 0
+    for n in range(1, 5):
+        for kinds in itertools.product([1, 2, 7, 16, 20, "decode"], repeat=n):
+            s = Scheduler(4, 4, 48, 48)
+            for i, k in enumerate(kinds):
+                prompt = [5] * (3 if k == "decode" else k)
+                seq = Seq(f"r{i}", prompt, 8)
+                s.add(seq)
+            for seq in s.admit():
+                if seq.id in {f"r{i}" for i, k in enumerate(kinds) if k == "decode"}:
+                    s.restored(seq, len(seq.prompt))  # as after its prefill: decoding
+                    s.append_token(seq, 7)
+            work = s.plan()
+            chunks = [chunk_of(w) for w in work]
+            assert runner._graph_plan(chunks) is not None, kinds
+            steps += 1
+    assert steps == sum(6**n for n in range(1, 5))
+    # Outside the captured sizes: eager (a prompt longer than the prompt graphs, a 1-token
+    # chunk that continues a prompt).
+    assert runner._graph_plan([SeqChunk(0, 0, (5,) * 21, 1)]) is None
+    assert runner._graph_plan([SeqChunk(0, 3, (5,), 0)]) is None
