@@ -92,6 +92,24 @@ class _Replayable:
         return self.out  # None for a graph with no outputs (a rollback)
 
 
+def _capture_each(
+    label: str,
+    keys: Sequence[Any],
+    forward: Callable[[Any], ForwardOutput],
+    capture: bool,
+    mempool: object | None,
+    warmups: int = 2,
+) -> dict[Any, _Replayable]:
+    """One replayable ``forward(key)`` per key, in the given order (largest first, so a shared
+    memory pool fits them all), with a progress bar on a terminal."""
+    graphs: dict[Any, _Replayable] = {}
+    with progress(label, len(keys)) as tick:
+        for key in keys:
+            graphs[key] = _Replayable(lambda key=key: forward(key), capture, mempool, warmups)
+            tick()
+    return graphs
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -110,16 +128,15 @@ class DecodeGraphs:
         self.slots = torch.full((max_streams,), scratch_slot, dtype=torch.int64, device=dev)
         self.fresh = torch.ones(max_streams, dtype=torch.bool, device=dev)
         self.rows = torch.arange(max_streams, device=dev)
-        self.graphs: dict[int, _Replayable] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
-        sizes = sorted(buckets_for(max_streams), reverse=True)  # largest first: shared pool
-        with progress("decode graphs", len(sizes)) as tick:
-            for n in sizes:
-                batch = self._batch(n)
-                self.graphs[n] = _Replayable(
-                    lambda b=batch: model.forward_ex(b, pool, self.taps), capture, self.mempool
-                )
-                tick()
+        batches = {n: self._batch(n) for n in buckets_for(max_streams)}
+        self.graphs = _capture_each(
+            "decode graphs",
+            sorted(batches, reverse=True),
+            lambda n: model.forward_ex(batches[n], pool, self.taps),
+            capture,
+            self.mempool,
+        )
 
     def _batch(self, n: int) -> ForwardBatch:
         rows = self.rows[:n]
@@ -202,24 +219,22 @@ class PromptGraphs:
         self.lengths = torch.ones(max_streams, dtype=torch.int64, device=dev)
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], _Replayable] = {}
-        with progress("prompt graphs", len(shapes)) as tick:
-            for n, w in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: shared pool
-                # One warm-up run: the decode graphs and the engine's warm-up already initialised
-                # everything lazy; the run compiles and tunes kernels for this shape.
-                self.graphs[n, w] = _Replayable(
-                    lambda n=n, w=w: model.forward_ex(
-                        ForwardBatch.padded_of(
-                            self.ids[: n * w], self.slots[:n], self.lengths[:n], w
-                        ),
-                        pool,
-                        tuple(taps),
-                    ),
-                    capture,
-                    mempool,
-                    warmups=1,
-                )
-                tick()
+
+        def forward(shape: tuple[int, int]) -> ForwardOutput:
+            n, w = shape
+            batch = ForwardBatch.padded_of(self.ids[: n * w], self.slots[:n], self.lengths[:n], w)
+            return model.forward_ex(batch, pool, tuple(taps))
+
+        # One warm-up run each: the decode graphs and the engine's warm-up already initialised
+        # everything lazy; the run compiles and tunes kernels for the shape.
+        self.graphs = _capture_each(
+            "prompt graphs",
+            sorted(shapes, key=lambda s: -s[0] * s[1]),
+            forward,
+            capture,
+            mempool,
+            warmups=1,
+        )
         self.max_tokens = max(w for _, w in shapes)
 
     def shape_for(self, lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -445,20 +460,18 @@ class ContinuationGraphs:
         self.start = torch.ones(1, dtype=torch.int64, device=dev)
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Replayable] = {}
-        with progress("continuation graphs", self.max_tokens - 1) as tick:
-            for n in range(self.max_tokens, 1, -1):
-                self.graphs[n] = _Replayable(
-                    lambda n=n: model.forward_ex(
-                        ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
-                        pool,
-                        tuple(taps),
-                    ),
-                    capture,
-                    mempool,
-                    warmups=1,
-                )
-                tick()
+        self.graphs = _capture_each(
+            "continuation graphs",
+            range(self.max_tokens, 1, -1),
+            lambda n: model.forward_ex(
+                ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
+                pool,
+                tuple(taps),
+            ),
+            capture,
+            mempool,
+            warmups=1,
+        )
 
     def covers(self, n: int) -> bool:
         return n in self.graphs
