@@ -15,6 +15,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("fla")
 
 
+def test_auto_device_is_the_gpu():
+    """`headstart serve` and `run` without --device use the GPU when there is one."""
+    from headstart.loading import resolve_device
+
+    assert resolve_device("auto") == "cuda"
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     # Real head sizes (hd 256, Dk = Dv = 128) so the GPU kernels run their production shapes.
