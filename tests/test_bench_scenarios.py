@@ -552,6 +552,10 @@ def test_scenario_defaults_and_limits():
         (["--scenario", "turn", "--turn-tokens", "0"], "--turn-tokens must be at least 1"),
         (["--scenario", "turn", "--prompt-tokens", "64"], "--prompt-tokens: not used by"),
         (["--scenario", "long", "--streams", "4"], "--streams: not used by --scenario long"),
+        (["--turns", "3"], "--turns: only with --scenario"),
+        (["--scenario", "turn", "--turns", "3"], "--turns: not used by --scenario turn"),
+        (["--scenario", "agent", "--turns", "1"], "--turns must be at least 2"),
+        (["--scenario", "agent", "--streams", "2"], "--streams: not used by --scenario agent"),
     ],
 )
 def test_scenario_options_are_checked_before_anything_starts(argv, message, tmp_path, capsys):

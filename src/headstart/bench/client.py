@@ -6,7 +6,8 @@ output fingerprint); one burst -> N such requests started together. Every timest
 
 Works against any OpenAI-compatible server: it reads ``choices[].delta.content``,
 ``reasoning_content``/``reasoning`` (chat) or ``choices[].text`` (completions), the final
-``usage`` chunk, and, when asked for, token strings from streamed ``logprobs``.
+``usage`` chunk, and, when asked for, token strings from streamed ``logprobs`` (and the ids
+in them, :func:`token_ids`).
 
 Non-goals: deciding what to send (``workload.py``) or when (``runner.py``); aggregation.
 """
@@ -61,6 +62,25 @@ def _take_tokens(choice: dict[str, Any], out: Output) -> None:
         out.tokens.extend(str(e.get("token")) for e in lp["content"])
     elif isinstance(lp.get("tokens"), list):  # completions: ["...", ...]
         out.tokens.extend(str(t) for t in lp["tokens"])
+
+
+#: How a token is named in ``logprobs`` with ``return_tokens_as_token_ids`` (vLLM, headstart).
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def token_ids(tokens: list[str] | None) -> list[int] | None:
+    """The ids of streamed ``logprobs`` tokens named ``"token_id:N"``; None if there were no
+    logprobs or any token is named otherwise (a server that ignored
+    ``return_tokens_as_token_ids`` names them by their text, which is not an id)."""
+    if tokens is None:
+        return None
+    ids = []
+    for t in tokens:
+        digits = t.removeprefix(TOKEN_ID_PREFIX)
+        if digits == t or not (digits.isascii() and digits.isdigit()):
+            return None
+        ids.append(int(digits))
+    return ids
 
 
 def _pieces(choice: dict[str, Any]) -> tuple[str, str]:

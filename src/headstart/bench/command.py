@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from headstart.bench.scenarios import SCENARIO_MAX_TOKENS, SCENARIOS
+from headstart.bench.scenarios import AGENT_MAX_TOKENS, SCENARIO_MAX_TOKENS, SCENARIOS
 from headstart.errors import HeadstartError
 
 EPILOG = """\
@@ -42,6 +42,14 @@ prefill scenarios (--scenario; token-id prompts on /v1/completions, each new to 
   beside  --streams S (8) streams decoding --decode-tokens D (512) when a new P-token (8192)
           prompt arrives: its TTFT, the decoders' worst inter-token gap during its prefill
           and over the repeat, and their median gap
+  agent   an agent loop of --turns N (20) turns, one after another: a P-token (2000) first
+          prompt, then per turn the last prompt, the token ids the server answered it
+          with (--max-tokens, default 64; the server must return them for logprobs with
+          return_tokens_as_token_ids) and an M-token (500) tool result; then the last
+          prompt with a new salt (cold). Per turn: TTFT, prompt and cached tokens; the
+          median and max TTFT of turns 2..N, the first turn's, the reuse shortfall (cached
+          minus the previous prompt and all but its last answer token: 0 or more is full
+          reuse) and the cold TTFT. --repeats defaults to 1
   The prompt workload's --bursts, --agree, --token-ids, --thinking and --salt do not apply
   (scenario prompts are always salted); --streams is one count.
 
@@ -50,6 +58,7 @@ examples:
   headstart bench --arm 'a=cmd:headstart serve --port {port} --model ./ckpt --device cuda' \\
                   --arm 'b=cmd:vllm serve ./ckpt --port {port}' --streams 1 16 --bursts 3
   headstart bench --scenario burst --streams 16 --prompt-tokens 31 --arm vllm=http://h:8000
+  headstart bench --scenario agent --turns 20 --orders 1 --arm vllm=http://h:8000
   headstart bench check bench-receipts/20260101T000000
 """
 
@@ -126,7 +135,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="fixed output length, with ignore_eos (default: 128; scenarios: "
-        f"{SCENARIO_MAX_TOKENS})",
+        f"{SCENARIO_MAX_TOKENS}, agent {AGENT_MAX_TOKENS})",
     )
     w.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="(default: 0, greedy)"
@@ -182,7 +191,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="P",
-        help="new prompt length (default: long, beside 8192; burst 31)",
+        help="new prompt length (default: long, beside 8192; burst 31; agent, its first "
+        "turn: 2000)",
     )
     s.add_argument(
         "--history-tokens",
@@ -196,7 +206,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="M",
-        help="turn: new tokens after the history (default: 30)",
+        help="turn: new tokens after the history (default: 30); agent: the tool result "
+        "that ends each turn after the first (default: 500)",
+    )
+    s.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        metavar="N",
+        help="agent: turns of the conversation (default: 20)",
     )
     s.add_argument(
         "--decode-tokens",
@@ -211,7 +229,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="R",
-        help="repeats per arm per order (default: 3; burst sends its first burst and R more)",
+        help="repeats per arm per order (default: 3, agent 1; burst sends its first burst "
+        "and R more)",
     )
     s.add_argument(
         "--token-range",
@@ -273,7 +292,7 @@ def _scenario(args: argparse.Namespace):  # -> scenarios.Scenario | None
     HeadstartError for options that belong to the other kind of run."""
     from headstart.bench.scenarios import make_scenario
 
-    sizes = ("prompt_tokens", "history_tokens", "turn_tokens", "decode_tokens", "repeats")
+    sizes = ("prompt_tokens", "history_tokens", "turn_tokens", "decode_tokens", "turns", "repeats")
     if args.scenario is None:
         given = [n for n in (*sizes, "token_range") if getattr(args, n) is not None]
         if given:
@@ -305,12 +324,13 @@ def _scenario(args: argparse.Namespace):  # -> scenarios.Scenario | None
 def _plan(args: argparse.Namespace):  # -> runner.Plan (imported lazily)
     from headstart.bench.arms import parse_arms
     from headstart.bench.runner import Plan
+    from headstart.bench.scenarios import default_max_tokens
     from headstart.bench.workload import Sampling, builtin_prompts, load_prompt_file, select_prompts
 
     scenario = _scenario(args)
     max_tokens = args.max_tokens
     if max_tokens is None:
-        max_tokens = 128 if scenario is None else SCENARIO_MAX_TOKENS
+        max_tokens = 128 if scenario is None else default_max_tokens(scenario.name)
     streams = args.streams or [1, 16]
     counts = {"--orders": args.orders, "--max-tokens": max_tokens, "--bursts": args.bursts}
     for flag, value in counts.items():

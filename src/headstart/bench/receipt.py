@@ -16,8 +16,8 @@ Layout (every file but the manifest is listed in the manifest with its sha256)::
 A scenario run (``--scenario``; config.json has ``"kind": "scenario"``) writes the manifest,
 config.json, env.json and logs as above, and::
 
-    requests.json   every request's record (scenario_summary.RECORD_SCHEMA), the arrival
-                    time of each of its deltas included
+    requests.json   every request's record (scenario_summary.record_schema), the arrival
+                    time of each of its deltas included (and in agent the ids it generated)
     summary.json    summaries recomputed from requests.json (``bench check`` redoes this)
     table.txt       the printed table
 
@@ -34,9 +34,9 @@ from headstart.bench import rows as R
 from headstart.bench.env import sha256_file
 from headstart.bench.plot import plot_ttft
 from headstart.bench.scenario_summary import (
-    RECORD_SCHEMA,
     Record,
     format_scenario_table,
+    record_schema,
     scenario_title,
     summarize_scenario,
 )
@@ -106,9 +106,10 @@ def write_scenario_receipt(
     folder.mkdir(parents=True, exist_ok=True)
     dump(folder / "config.json", config)
     dump(folder / "env.json", env)
-    dump(folder / "requests.json", {"fields": list(RECORD_SCHEMA), "requests": records})
+    scenario = config["scenario"]["name"]
+    dump(folder / "requests.json", {"fields": list(record_schema(scenario)), "requests": records})
     # Summarise what was written, not what is in memory: exactly what check will recompute.
-    stored = load_records((folder / "requests.json").read_text())
+    stored = load_records((folder / "requests.json").read_text(), scenario)
     summary = summarize_scenario(stored, config)
     dump(folder / "summary.json", summary)
     (folder / "table.txt").write_text(format_scenario_table(summary, scenario_title(config)))
@@ -138,24 +139,27 @@ def load_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def load_records(text: str) -> list[Record]:
-    """The records of a scenario receipt's ``requests.json``. Raises ValueError naming the
-    first record whose fields or types differ from :data:`RECORD_SCHEMA`."""
+def load_records(text: str, scenario: str) -> list[Record]:
+    """The records of a receipt's ``requests.json`` of ``scenario``. Raises ValueError naming
+    the first record whose fields or types differ from ``record_schema(scenario)``."""
+    schema = record_schema(scenario)
     doc = json.loads(text)
-    if doc.get("fields") != list(RECORD_SCHEMA):
-        raise ValueError("'fields' differ from the scenario record schema")
+    if doc.get("fields") != list(schema):
+        raise ValueError(f"'fields' differ from the record schema of scenario {scenario}")
     for i, rec in enumerate(doc["requests"]):
-        if set(rec) != set(RECORD_SCHEMA):
-            raise ValueError(f"record {i}: fields {sorted(set(rec) ^ set(RECORD_SCHEMA))} differ")
-        for f, kind in RECORD_SCHEMA.items():
+        if set(rec) != set(schema):
+            raise ValueError(f"record {i}: fields {sorted(set(rec) ^ set(schema))} differ")
+        for f, kind in schema.items():
             if not _typed(rec[f], kind, f in ("arm", "order", "slot", "rep", "role", "stream")):
                 raise ValueError(f"record {i}: field {f!r} has {rec[f]!r}")
     return doc["requests"]
 
 
-def _typed(v: Any, kind: type, required: bool) -> bool:
+def _typed(v: Any, kind: Any, required: bool) -> bool:
     if kind is list:
         return isinstance(v, list) and all(_typed(t, float, True) for t in v)
+    if kind == list[int]:  # token ids; None where the request failed
+        return v is None or (isinstance(v, list) and all(_typed(t, int, True) for t in v))
     if kind is str:
         return isinstance(v, str)
     if v is None:

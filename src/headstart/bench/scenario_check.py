@@ -3,18 +3,22 @@
 Checks, in order, each failure named precisely:
 
 1. the manifest lists every required file; each file's sha256 and the record count match;
-2. ``requests.json`` holds records of the schema (``scenario_summary.RECORD_SCHEMA``);
+2. ``requests.json`` holds records of the schema (``scenario_summary.record_schema``);
 3. every request the scenario calls for (arm x order x repeat x request) is there exactly
    once, in the right order slot, with the body (token ids, sizes, sampling) the config
-   implies;
+   implies; in ``agent``, each turn's prompt is rebuilt from the previous turn's prompt and
+   the answer ids its record holds, so an edited answer fails the next turn;
 4. each record's derived fields follow from its timestamps, its timestamps and delta times
-   are in order and agree with each other, and no request failed;
+   are in order and agree with each other, no request failed, and an ``agent`` record holds
+   as many answer ids as the server counted tokens;
 5. the steps went out in order: every request of a step was sent after the previous step
    ended, and in ``beside`` the long prompt after each decoder was decoding;
 6. ``summary.json`` and ``table.txt`` equal a fresh summary of the records.
 
-Notes, not failures: a server that counted other prompt lengths than were sent, and
-``beside`` repeats whose decoders ended before the long prompt's first token.
+Notes, not failures: a server that counted other prompt lengths than were sent, ``beside``
+repeats whose decoders ended before the long prompt's first token, and ``agent`` runs where
+the server reported no cached tokens, or some on a first turn or cold reference (whose salt
+should make them new to it).
 
 Non-goals: judging whether the numbers are good; re-running anything.
 """
@@ -41,6 +45,7 @@ from headstart.bench.scenarios import (
     DECODING_DELTAS,
     Request,
     Scenario,
+    agent_steps,
     all_steps,
     salt_base,
     token_body,
@@ -52,16 +57,32 @@ def _describe(r: Record) -> str:
     return f"arm {r['arm']!r} order {r['order']} rep {r['rep']} {r['role']} {r['stream']}"
 
 
-def _steps(config: dict[str, Any]) -> dict[tuple[str, int], tuple[int, list[list[Request]]]]:
-    """(arm, order) -> (slot, the steps it was sent), rebuilt from the config."""
+def _steps(
+    config: dict[str, Any], records: list[Record]
+) -> dict[tuple[str, int], tuple[int, list[list[Request]]]]:
+    """(arm, order) -> (slot, the steps it was sent), rebuilt from the config (and in
+    ``agent`` from the answer ids of the records, as the run built them)."""
     sc = Scenario(**config["scenario"])
     sampling = Sampling(**config["sampling"])
     orders = arm_orders([a["name"] for a in config["arms"]], int(config["orders"]))
+    by_key = {R.key_of(r, RECORD_KEY): r for r in records}
+
+    def steps(arm: str, k: int) -> list[list[Request]]:
+        base = salt_base(config["run_id"], arm, k, sc.name)
+        if sc.name != "agent":
+            return all_steps(sc, sampling.max_tokens, base)
+
+        def answer_of(q: Request) -> tuple[int, ...] | None:
+            # The run went on past a turn only if it succeeded and returned its ids.
+            r = by_key.get((arm, k, q.rep, q.role, q.stream))
+            if r is None or r["error"] or r["status"] != 200 or r["output_ids"] is None:
+                return None
+            return tuple(r["output_ids"])
+
+        return agent_steps(sc, sampling.max_tokens, base, answer_of)
+
     return {
-        (arm, k): (
-            slot,
-            all_steps(sc, sampling.max_tokens, salt_base(config["run_id"], arm, k, sc.name)),
-        )
+        (arm, k): (slot, steps(arm, k))
         for k, order in enumerate(orders)
         for slot, arm in enumerate(order)
     }
@@ -71,7 +92,7 @@ def _design(records: list[Record], config: dict[str, Any], report: CheckReport) 
     """Every designed request present once, in its slot, with the body it should have."""
     sampling = Sampling(**config["sampling"])
     expected: dict[tuple, tuple] = {}
-    for (arm, k), (slot, steps) in _steps(config).items():
+    for (arm, k), (slot, steps) in _steps(config, records).items():
         for step in steps:
             for q in step:
                 sha = request_sha(token_body(q, sampling))
@@ -103,7 +124,7 @@ def _design(records: list[Record], config: dict[str, Any], report: CheckReport) 
 
 
 def _values(records: list[Record], report: CheckReport) -> None:
-    derived, order, failed, lengths = [], [], [], []
+    derived, order, failed, lengths, answers = [], [], [], [], []
     for r in records:
         for f, v in R.derive(r).items():
             if not (v is None and r[f] is None) and (
@@ -125,9 +146,14 @@ def _values(records: list[Record], report: CheckReport) -> None:
             failed.append(f"{_describe(r)}: status {r['status']}: {r['error']}")
         if r["prompt_tokens"] is not None and r["prompt_tokens"] != r["prompt_len"]:
             lengths.append(f"{_describe(r)}: {r['prompt_tokens']} for {r['prompt_len']} ids")
+        ids = r.get("output_ids")  # agent only
+        n = r["completion_tokens"]
+        if ids is not None and n is not None and len(ids) != n:
+            answers.append(f"{_describe(r)}: {len(ids)} for {r['completion_tokens']} tokens")
     report.problems += capped("derived field does not match", derived)
     report.problems += capped("timestamps", order)
     report.problems += capped("request failed", failed)
+    report.problems += capped("answer ids do not match the tokens counted", answers)
     if lengths:
         report.notes += capped("the server counted other prompt lengths than were sent", lengths)
 
@@ -136,7 +162,7 @@ def _sequence(records: list[Record], config: dict[str, Any], report: CheckReport
     """Steps in order, and beside's long prompt sent only once its decoders decoded."""
     by_key = {R.key_of(r, RECORD_KEY): r for r in records}
     late = []
-    for (arm, k), (_, steps) in _steps(config).items():
+    for (arm, k), (_, steps) in _steps(config, records).items():
         ended = None  # when the previous step's last request ended
         for step in steps:
             keys = [(arm, k, q.rep, q.role, q.stream) for q in step]
@@ -176,6 +202,18 @@ def _beside_notes(summary: dict[str, Any], config: dict[str, Any], report: Check
         )
 
 
+def _agent_notes(records: list[Record], report: CheckReport) -> None:
+    fresh = [r for r in records if r["role"] == "cold" or r["stream"] == 0]
+    hits = [f"{_describe(r)}: {r['cached_tokens']} cached" for r in fresh if r["cached_tokens"]]
+    if hits:
+        report.notes += capped("salted prompts found cached tokens (a salt matched?)", hits)
+    if any(r["cached_tokens"] is None for r in records if r["status"] == 200):
+        report.notes.append(
+            "the server reported no cached tokens (usage.prompt_tokens_details.cached_tokens)"
+            " for some requests: their reuse shortfall is unknown"
+        )
+
+
 def check_scenario_receipt(folder: Path, report: CheckReport) -> CheckReport:
     """Run every check on the scenario receipt in ``folder`` (see the module docstring),
     adding to ``report``; never raises for a bad receipt."""
@@ -186,7 +224,7 @@ def check_scenario_receipt(folder: Path, report: CheckReport) -> CheckReport:
         config = load_json(folder / "config.json")
         stored = load_json(folder / "summary.json")
         table = (folder / "table.txt").read_text()
-        records = load_records((folder / "requests.json").read_text())
+        records = load_records((folder / "requests.json").read_text(), config["scenario"]["name"])
     except (OSError, json.JSONDecodeError) as e:
         report.problems.append(f"cannot read the receipt: {e}")
         return report
@@ -215,5 +253,7 @@ def check_scenario_receipt(folder: Path, report: CheckReport) -> CheckReport:
         report.problems.append("table.txt does not match the summary recomputed from the records")
     if config["scenario"]["name"] == "beside":
         _beside_notes(fresh, config, report)
+    if config["scenario"]["name"] == "agent":
+        _agent_notes(records, report)
     client_note(folder, report)
     return report

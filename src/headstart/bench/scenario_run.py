@@ -14,6 +14,12 @@ prompt waits, after the barrier, until every decoder has streamed
 TTFT is taken at the first non-empty
 streamed delta, as in the rest of bench (``client.measure``).
 
+``agent`` sends one turn at a time: each turn's prompt appends the ids the server generated
+for the previous turn (``scenarios.agent_turn``), so the next turn is built only once the
+previous one ended. A failed turn ends its repeat there (``bench check`` reports the failure
+and the turns it left unsent); a turn answered without its token ids ends the run with an
+error, as no later prompt could be built.
+
 The receipt's layout is in ``receipt.py``.
 
 Non-goals: what is sent (``scenarios.py``), summarising (``scenario_summary.py``), judging
@@ -36,25 +42,28 @@ import httpx
 from headstart.bench import env as envmod
 from headstart.bench.arms import arm_orders
 from headstart.bench.check import check_receipt
-from headstart.bench.client import measure
+from headstart.bench.client import measure, token_ids
 from headstart.bench.receipt import write_scenario_receipt
 from headstart.bench.runner import Plan, Target, auth_headers, finish, new_run_id, run_arms
 from headstart.bench.scenario_summary import (
-    RECORD_SCHEMA,
     Record,
     format_scenario_table,
+    record_schema,
     scenario_title,
 )
 from headstart.bench.scenarios import (
     DECODING_DELTAS,
     Request,
     Scenario,
+    agent_cold,
+    agent_turn,
     all_steps,
     requests_per_arm,
     salt_base,
     token_body,
 )
 from headstart.bench.workload import COMPLETIONS, Sampling, request_sha
+from headstart.errors import HeadstartError
 
 
 class Lanes:
@@ -88,9 +97,9 @@ class _Arm:
     lanes: Lanes
     records: list[Record]
 
-    async def send(self, lane: int, req: Request, watch: Callable[[int], None] | None) -> None:
-        """Send ``req`` on ``lane`` and append its record; ``watch(n)`` is called with the
-        number of deltas seen so far at each delta."""
+    async def send(self, lane: int, req: Request, watch: Callable[[int], None] | None) -> Record:
+        """Send ``req`` on ``lane``, append its record and return it; ``watch(n)`` is called
+        with the number of deltas seen so far at each delta."""
         body = token_body(req, self.sampling)
         sha = request_sha(body)
         t = self.target
@@ -104,7 +113,7 @@ class _Arm:
                 watch(len(times))
 
         payload = json.dumps(body).encode()
-        row, _ = await measure(
+        row, out = await measure(
             self.lanes.clients[lane], t.url + COMPLETIONS, payload, self.t0, self.headers, on_delta
         )
         t.done()
@@ -122,41 +131,69 @@ class _Arm:
             **row,
             "times": times,
         }
+        if self.scenario == "agent":
+            record["output_ids"] = token_ids(out.tokens)
         self.records.append(record)
+        return record
 
-    async def step(self, reqs: list[Request], beside: bool) -> None:
+    async def step(self, reqs: list[Request], beside: bool = False) -> list[Record]:
         """Warm one lane per request, wait at a barrier, send them together; with ``beside``
-        the last request (the long prompt) goes once every other one is decoding."""
+        the last request (the long prompt) goes once every other one is decoding. Returns
+        their records in request order."""
         barrier = asyncio.Barrier(len(reqs))
         decoding = [asyncio.Event() for _ in reqs[:-1]] if beside else []
 
-        async def one(lane: int, req: Request) -> None:
+        async def one(lane: int, req: Request) -> Record:
             arriving = beside and lane == len(reqs) - 1
             if not arriving:
                 await self.lanes.warm(lane, self.target.url, self.headers)
             await barrier.wait()
             if not beside:
-                await self.send(lane, req, None)
-            elif arriving:
+                return await self.send(lane, req, None)
+            if arriving:
                 for e in decoding:
                     await e.wait()
                 # Warmed now, not before the barrier: however long the decoders took to
                 # start, its connection is fresh (servers close idle ones after seconds).
                 await self.lanes.warm(lane, self.target.url, self.headers)
-                await self.send(lane, req, None)
+                return await self.send(lane, req, None)
+            event = decoding[lane]
+
+            def watch(n: int) -> None:
+                if n >= DECODING_DELTAS:
+                    event.set()
+
+            try:
+                return await self.send(lane, req, watch)
+            finally:
+                event.set()  # a failed or short stream must not hold the long prompt back
+
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
+
+    async def agent(self, sc: Scenario, max_tokens: int, base: str) -> None:
+        """Every repeat of ``agent``, in the order ``scenarios.agent_steps`` rebuilds: each
+        turn from the previous one and its answer's ids, then the cold reference (see the
+        module docstring for a failed turn or one without ids)."""
+        for rep in range(sc.reps):
+            previous, answer = None, ()
+            for turn in range(sc.turns):
+                req = agent_turn(sc, max_tokens, base, rep, previous, answer)
+                (record,) = await self.step([req])
+                if record["error"] or record["status"] != 200:
+                    break
+                ids, n = record["output_ids"], record["completion_tokens"]
+                if ids is None or (n is not None and len(ids) != n):
+                    got = "none" if ids is None else f"{len(ids)} for {n} tokens"
+                    raise HeadstartError(
+                        f"arm {self.target.arm!r}: agent turn {turn + 1} came back without the "
+                        f"token ids it generated ({got}); --scenario agent appends them to the "
+                        "next prompt, so the server must return them on /v1/completions for "
+                        "logprobs=0 with return_tokens_as_token_ids (as vLLM and headstart do)"
+                    )
+                previous, answer = req, tuple(ids)
             else:
-                event = decoding[lane]
-
-                def watch(n: int) -> None:
-                    if n >= DECODING_DELTAS:
-                        event.set()
-
-                try:
-                    await self.send(lane, req, watch)
-                finally:
-                    event.set()  # a failed or short stream must not hold the long prompt back
-
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+                assert previous is not None  # turns >= 1
+                await self.step([agent_cold(sc, max_tokens, base, previous)])
 
 
 async def _scenario_work(
@@ -167,15 +204,19 @@ async def _scenario_work(
     lanes = Lanes(sc.width, plan.request_timeout)
     arm = _Arm(target, sc.name, plan.sampling, headers, t0, lanes, records)
     try:
-        for step in all_steps(sc, plan.sampling.max_tokens, base):
-            await arm.step(step, beside=sc.name == "beside")
+        if sc.name == "agent":
+            await arm.agent(sc, plan.sampling.max_tokens, base)
+        else:
+            for step in all_steps(sc, plan.sampling.max_tokens, base):
+                await arm.step(step, beside=sc.name == "beside")
     finally:
         await lanes.aclose()
 
 
-def _ordered(records: list[Record]) -> list[Record]:
+def _ordered(records: list[Record], scenario: str) -> list[Record]:
     """Records in sending order, each with the schema's fields in schema order."""
-    out = [{f: r[f] for f in RECORD_SCHEMA} for r in records]
+    schema = record_schema(scenario)
+    out = [{f: r[f] for f in schema} for r in records]
     return sorted(out, key=lambda r: (r["t_send"], r["role"], r["stream"]))
 
 
@@ -209,6 +250,6 @@ def run_scenario(plan: Plan, argv: list[str]) -> int:
         await _scenario_work(sc, plan, run_id, t0, records, target)
 
     config["launches"] = run_arms(plan, total, work)
-    summary = write_scenario_receipt(plan.out, config, env, _ordered(records))
+    summary = write_scenario_receipt(plan.out, config, env, _ordered(records, sc.name))
     table = format_scenario_table(summary, scenario_title(config))
     return finish(plan, check_receipt(plan.out), table)

@@ -1,14 +1,20 @@
 """Summaries of a scenario run, computed only from its raw request records and config.
 
-Job: the record schema of a scenario receipt (:data:`RECORD_SCHEMA`); per repeat, the
-scenario's measurements (:func:`repeat_metrics`: TTFTs, cached tokens, and for ``beside`` the
-decoders' inter-token gaps); per (row, arm), the median, maximum and each repeat's value;
-ratios to the baseline arm balanced over orders; and the text table. Deterministic:
-``bench check`` recomputes :func:`summarize_scenario` from the stored records.
+Job: the record schema of a scenario receipt (:func:`record_schema`); per repeat, the
+scenario's measurements (:func:`repeat_metrics`: TTFTs, cached tokens, for ``beside`` the
+decoders' inter-token gaps, for ``agent`` the reuse shortfall); per (row, arm), the median,
+maximum and each repeat's value; for ``agent`` the same per turn; ratios to the baseline arm
+balanced over orders; and the text table. Deterministic: ``bench check`` recomputes
+:func:`summarize_scenario` from the stored records.
 
 An inter-token gap is the time between two consecutive non-empty deltas of one stream as
 the client received them (a delta that carries several tokens counts once); a stream's TTFT
 is not a gap.
+
+An ``agent`` turn after the first can find cached at most the previous turn's prompt and all
+but the last of its answer's tokens (the last one was sampled, never fed through the model).
+Its *reuse shortfall* is what it found cached minus that; the repeat's is the minimum over
+its turns (:func:`reuse_shortfall`): 0 or more means every turn restored all of it.
 
 Non-goals: reading or writing files; deciding pass/fail (``scenario_check.py``).
 """
@@ -34,8 +40,8 @@ RECORD_SCHEMA: dict[str, type] = {
     "slot": int,
     "scenario": str,
     "rep": int,  # repeat; in ``burst`` rep 0 is the first burst
-    "role": str,  # long | burst | history | turn | cold | decoder (``scenarios.Request``)
-    "stream": int,  # index of the request within its step
+    "role": str,  # long | burst | history | turn | cold | decoder | agent (``scenarios.Request``)
+    "stream": int,  # index of the request within its step; agent: the turn, 0-based
     "prompt_len": int,  # token ids sent as the prompt
     "max_tokens": int,
     "request_sha": str,  # sha256 of the body without "model" (``workload.request_sha``)
@@ -56,6 +62,9 @@ RECORD_SCHEMA: dict[str, type] = {
     "error": str,
     "times": list,  # arrival time of every non-empty delta: times[0] = t_first, [-1] = t_last
 }
+#: The fields an ``agent`` record has after :data:`RECORD_SCHEMA`: the token ids the server
+#: generated (which the next turn's prompt appends); None: it returned none (failed).
+AGENT_FIELDS: dict[str, Any] = {"output_ids": list[int]}
 #: The fields that name a record; a receipt holds each key exactly once.
 RECORD_KEY = ("arm", "order", "rep", "role", "stream")
 
@@ -65,6 +74,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "burst": ("first", "later"),
     "turn": ("turn", "cold"),
     "beside": ("beside",),
+    "agent": ("turns", "first", "cold"),  # turns: turns 2..N; first: turn 1
 }
 #: Metric -> (table name, unit, scale, digits). Metrics ending in ``_s`` are times.
 METRICS: dict[str, tuple[str, str, float, int]] = {
@@ -77,7 +87,17 @@ METRICS: dict[str, tuple[str, str, float, int]] = {
     "gap_max_s": ("gap max", "ms", 1e3, 1),
     "gap_median_s": ("gap median", "ms", 1e3, 2),
     "decoders_through": ("decoding through", "streams", 1, 0),
+    "reuse_shortfall": ("reuse shortfall", "tokens", 1, 0),
+    "prompt_len": ("prompt", "tokens", 1, 0),
+    "cached_fraction": ("cached", "%", 100, 1),
 }
+
+
+def record_schema(scenario: str) -> dict[str, Any]:
+    """Field -> type of the records of ``scenario``: :data:`RECORD_SCHEMA`, and for
+    ``agent`` :data:`AGENT_FIELDS` after it (the other scenarios' receipts stay as they
+    were)."""
+    return {**RECORD_SCHEMA, **AGENT_FIELDS} if scenario == "agent" else dict(RECORD_SCHEMA)
 
 
 def gaps(times: Sequence[float]) -> list[float]:
@@ -87,7 +107,7 @@ def gaps(times: Sequence[float]) -> list[float]:
 
 def gaps_during(times: Sequence[float], start: float, end: float) -> list[float]:
     """The gaps of one stream whose interval overlaps the window ``(start, end)``: a stall
-    that spans the whole window counts, as do ones that begin before it or end after it."""
+    that spans the contiguous window counts, as do ones that begin before it or end after it."""
     return [b - a for a, b in itertools.pairwise(times) if b > start and a < end]
 
 
@@ -111,7 +131,7 @@ def _beside(recs: list[Record]) -> dict[str, Any]:
         # The window is the long prompt's prefill as the client sees it: send to first token.
         during = [g for d in decoders for g in gaps_during(d["times"], long["t_send"], first)]
         # A decoder that ended before the long prompt's first token cannot show a stall after
-        # its end: the table says how many decoded through the whole window.
+        # its end: the table says how many decoded through the contiguous window.
         through = sum(1 for d in decoders if d["times"] and d["times"][-1] > first)
     return {
         "long_ttft_s": long["ttft_s"],
@@ -120,6 +140,61 @@ def _beside(recs: list[Record]) -> dict[str, Any]:
         "gap_median_s": statistics.median(every) if every else None,
         "decoders_through": through,
     }
+
+
+def reuse_shortfall(turns: Sequence[tuple[int, int | None, int | None]]) -> int | None:
+    """The minimum over turns 2.. of ``cached - (previous prompt + previous answer - 1)``,
+    from ``(prompt tokens, answer tokens, cached tokens)`` of consecutive turns in order;
+    None with fewer than two turns or where a count is missing (a server that reports no
+    cached tokens, a failed turn)."""
+    shortfalls = []
+    for (prompt, answer, _), (_, _, cached) in itertools.pairwise(turns):
+        if answer is None or cached is None:
+            return None
+        shortfalls.append(cached - (prompt + answer - 1))
+    return min(shortfalls) if shortfalls else None
+
+
+def turn_metrics(r: Record) -> dict[str, Any]:
+    """One agent turn's (or the cold reference's) numbers: TTFT, the prompt tokens sent, the
+    cached tokens the server reported and their fraction of the prompt (None: not reported)."""
+    cached = r["cached_tokens"]
+    return {
+        "ttft_s": r["ttft_s"],
+        "prompt_len": r["prompt_len"],
+        "cached_tokens": cached,
+        "cached_fraction": None if cached is None else cached / r["prompt_len"],
+    }
+
+
+def _agent(by_role: dict[str, list[Record]]) -> list[tuple[str, dict]]:
+    turns = by_role["agent"]  # by turn
+    # A repeat the run ended early (a failed turn) lacks turns or the cold reference: its
+    # numbers are None, not a crash, so the receipt is still written (and fails the check).
+    contiguous = [r["stream"] for r in turns] == list(range(len(turns)))
+    later = [r["ttft_s"] for r in turns[1:]] if contiguous else []
+    counts = [
+        (
+            r["prompt_len"],
+            None if r["output_ids"] is None else len(r["output_ids"]),
+            r["cached_tokens"],
+        )
+        for r in turns
+    ]
+    first = turns[0] if contiguous and turns else None
+    cold = by_role["cold"][0] if len(by_role["cold"]) == 1 else None
+    return [
+        (
+            "turns",
+            {
+                "ttft_median_s": _median(later),
+                "ttft_max_s": _max(later),
+                "reuse_shortfall": reuse_shortfall(counts) if contiguous else None,
+            },
+        ),
+        ("first", {m: None if first is None else first[m] for m in ("ttft_s", "cached_tokens")}),
+        ("cold", {m: None if cold is None else cold[m] for m in ("ttft_s", "cached_tokens")}),
+    ]
 
 
 def repeat_metrics(scenario: str, rep: int, recs: list[Record]) -> list[tuple[str, dict]]:
@@ -142,6 +217,8 @@ def repeat_metrics(scenario: str, rep: int, recs: list[Record]) -> list[tuple[st
         return [("turn", one("turn")), ("cold", one("cold"))]
     if scenario == "beside":
         return [("beside", _beside(recs))]
+    if scenario == "agent":
+        return _agent(by_role)
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
@@ -199,7 +276,7 @@ def summarize_scenario(records: list[Record], config: dict[str, Any]) -> dict[st
         for m, stats in g["metrics"].items()
         if m.endswith("_s")
     ]
-    return {
+    out = {
         "scenario": scenario,
         "arms": arms,
         "baseline": arms[0],
@@ -208,6 +285,30 @@ def summarize_scenario(records: list[Record], config: dict[str, Any]) -> dict[st
         "groups": groups,
         "ratios": ratios,
     }
+    if scenario == "agent":
+        out["turns"] = _per_turn(records, arms, n_orders, int(config["scenario"]["turns"]))
+    return out
+
+
+def _per_turn(
+    records: list[Record], arms: list[str], n_orders: int, turns: int
+) -> list[dict[str, Any]]:
+    """Per arm and turn (1-based), :func:`turn_metrics` over the repeats, in run order."""
+    out = []
+    for arm in arms:
+        mine = sorted(
+            (r for r in records if r["arm"] == arm and r["role"] == "agent"),
+            key=lambda r: (r["order"], r["rep"]),
+        )
+        for turn in range(turns):
+            at = [r for r in mine if r["stream"] == turn]
+            if not at:
+                continue
+            values = [turn_metrics(r) for r in at]
+            orders = [r["order"] for r in at]
+            metrics = {m: _stats([v[m] for v in values], orders, n_orders) for m in values[0]}
+            out.append({"arm": arm, "turn": turn + 1, "metrics": metrics})
+    return out
 
 
 def scenario_title(config: dict[str, Any]) -> str:
@@ -221,6 +322,9 @@ def scenario_title(config: dict[str, Any]) -> str:
         "history, and the same prompt cold",
         "beside": f"a new {sc['prompt_tokens']}-token prompt beside {sc['streams']} streams "
         f"decoding {sc['decode_tokens']} tokens",
+        "agent": f"an agent loop of {sc['turns']} turns, the first {sc['prompt_tokens']} "
+        f"tokens, each later one the last prompt, its answer and {sc['turn_tokens']} new "
+        "tokens; the last prompt again cold",
     }[sc["name"]]
     arms = ", ".join(a["name"] for a in config["arms"])
     return (
@@ -273,4 +377,46 @@ def format_scenario_table(summary: dict[str, Any], title: str = "") -> str:
                     each,
                 )
             )
+    if summary["scenario"] == "agent":
+        lines += ["", *_turn_lines(summary, arm_w)]
     return "\n".join(lines) + "\n"
+
+
+#: Per-turn table of ``agent``: (header, metric, width); "each" TTFT comes last, unpadded.
+_TURN_COLUMNS = (
+    ("prompt", "prompt_len", 9),
+    ("cached", "cached_tokens", 9),
+    ("cached %", "cached_fraction", 10),
+    ("ttft ms", "ttft_s", 10),
+)
+
+
+def _turn_lines(summary: dict[str, Any], arm_w: int) -> list[str]:
+    """``agent``'s per-turn table (medians over the repeats; each repeat's TTFT in run
+    order), then per arm the worst reuse shortfall over every repeat."""
+    head = "turn".ljust(6) + "arm".ljust(arm_w) + "n".ljust(4)
+    head += "".join(h.rjust(w) for h, _, w in _TURN_COLUMNS) + "  each ttft ms"
+    lines = ["per turn, medians over the repeats:", head, "-" * len(head)]
+    for t in summary["turns"]:
+        st = t["metrics"]
+        cells = str(t["turn"]).ljust(6) + t["arm"].ljust(arm_w) + str(st["ttft_s"]["n"]).ljust(4)
+        for _, m, w in _TURN_COLUMNS:
+            _, _, scale, digits = METRICS[m]
+            cells += _fmt(st[m]["median"], scale, digits).rjust(w)
+        each = " ".join(_fmt(v, 1e3, 1) for v in st["ttft_s"]["each"])
+        lines.append((cells + "  " + each).rstrip())
+    worst = []
+    for g in summary["groups"]:
+        if g["label"] == "turns":
+            values = g["metrics"]["reuse_shortfall"]["each"]
+            known = [v for v in values if v is not None]
+            missing = len(values) - len(known)
+            text = str(min(known)) if known else "-"
+            worst.append(
+                f"{g['arm']} {text}" + (f" ({missing} repeats unknown)" if missing else "")
+            )
+    lines.append(
+        "reuse shortfall, the minimum over every turn of every repeat (0 or more: each turn "
+        "found its previous prompt and all but the last answer token cached): " + ", ".join(worst)
+    )
+    return lines

@@ -24,6 +24,13 @@ The scenarios, per repeat (``repeats`` of them; ``burst`` sends one more, its fi
 - ``beside``: ``streams`` decoders (short prompts, ``decode_tokens`` each) start together;
   once each has streamed :data:`DECODING_DELTAS` deltas, a new prompt of ``prompt_tokens``
   arrives beside them.
+- ``agent``: a growing conversation of ``turns`` turns, one after another. Turn 1 is a new
+  prompt of ``prompt_tokens`` (the system prompt with its tools); turn k+1 is turn k's prompt,
+  then the token ids the server generated for it, then a tool result of ``turn_tokens`` new
+  ids. Then the last turn's prompt under a fresh salt (the cold reference). A turn's prompt
+  depends on the previous answer, so the steps are not known in advance: :func:`agent_turn`
+  and :func:`agent_cold` build each request from the previous one and its answer, and
+  :func:`agent_steps` rebuilds a whole run from the answers (for ``bench check``).
 
 Non-goals: sending (``scenario_run.py``) and summarising (``scenario_summary.py``).
 """
@@ -31,13 +38,14 @@ Non-goals: sending (``scenario_run.py``) and summarising (``scenario_summary.py`
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from headstart.bench.workload import Sampling
 from headstart.errors import HeadstartError
 
-SCENARIOS = ("long", "burst", "turn", "beside")
+SCENARIOS = ("long", "burst", "turn", "beside", "agent")
 #: Ids at the front of every prompt that come from its salt key (the rest is shared filler).
 SALT_TOKENS = 8
 #: Prompt length of each decoding stream of ``beside`` (short: their prefill is not measured).
@@ -48,6 +56,9 @@ DECODING_DELTAS = 4
 #: Output tokens of the measured prompts unless ``--max-tokens`` says otherwise: TTFT needs
 #: one, a few more show the stream went on.
 SCENARIO_MAX_TOKENS = 8
+#: ``agent``'s answer length per turn unless ``--max-tokens`` says otherwise: a short tool
+#: call, long enough that the answer is a real part of the next prompt.
+AGENT_MAX_TOKENS = 64
 
 #: The sizes each scenario uses besides ``repeats`` and the token range, with its defaults
 #: where they differ from :class:`Scenario`'s.
@@ -56,6 +67,8 @@ SIZES: dict[str, dict[str, int | None]] = {
     "burst": {"prompt_tokens": 31, "streams": 16},
     "turn": {"history_tokens": None, "turn_tokens": None},
     "beside": {"prompt_tokens": 8192, "streams": 8, "decode_tokens": None},
+    # One repeat by default: twenty turns of a growing prompt take long already.
+    "agent": {"turns": 20, "prompt_tokens": 2000, "turn_tokens": 500, "repeats": 1},
 }
 
 
@@ -69,6 +82,7 @@ class Scenario:
     history_tokens: int = 2000
     turn_tokens: int = 30
     decode_tokens: int = 512
+    turns: int = 20
     repeats: int = 3
     token_lo: int = 1000
     token_hi: int = 4000
@@ -85,6 +99,11 @@ class Scenario:
 
     def as_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def default_max_tokens(name: str) -> int:
+    """The output length of the measured prompts of scenario ``name`` without ``--max-tokens``."""
+    return AGENT_MAX_TOKENS if name == "agent" else SCENARIO_MAX_TOKENS
 
 
 def _flag(size: str) -> str:
@@ -108,11 +127,13 @@ def make_scenario(name: str, **given: int | None) -> Scenario:
         "streams": 1,
         "turn_tokens": 1,
         "decode_tokens": DECODING_DELTAS + 1,
+        # Turns 2.. are what agent measures (their TTFT, what they found cached).
+        "turns": 2,
         "repeats": 1,
         "token_lo": 0,
     }
     # Only the prompt sizes the scenario sends must hold a salt.
-    if name in ("long", "burst", "beside"):
+    if name in ("long", "burst", "beside", "agent"):
         floors["prompt_tokens"] = SALT_TOKENS
     if name == "turn":
         floors["history_tokens"] = SALT_TOKENS
@@ -154,19 +175,26 @@ def salt_base(run_id: str, arm: str, order: int, scenario: str) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a repeat. ``role``: long | burst | history | turn | cold | decoder."""
+    """One request of a repeat. ``role``: long | burst | history | turn | cold | decoder |
+    agent. ``stream``: the request's index within its step; for ``agent`` turns, the turn
+    (0-based). ``token_ids``: ask the server for the ids it generates (``agent``, whose next
+    prompt appends them)."""
 
     rep: int
     role: str
     stream: int
     ids: tuple[int, ...]
     max_tokens: int
+    token_ids: bool = False
 
 
 def repeat_steps(sc: Scenario, max_tokens: int, base: str, rep: int) -> list[list[Request]]:
     """The requests of repeat ``rep``, as steps sent one after another; the requests of a
     step are sent together (in ``beside``, the ``long`` one once the decoders decode).
-    ``max_tokens`` is the measured prompts' output length; ``base`` is :func:`salt_base`."""
+    ``max_tokens`` is the measured prompts' output length; ``base`` is :func:`salt_base`.
+    Not for ``agent``, whose prompts depend on the answers (:func:`agent_steps`)."""
+    if sc.name == "agent":
+        raise ValueError("agent's steps depend on the answers: use agent_steps")
     lo, hi = sc.token_lo, sc.token_hi
 
     def prompt(role: str, stream: int, n: int) -> tuple[int, ...]:
@@ -202,12 +230,80 @@ def all_steps(sc: Scenario, max_tokens: int, base: str) -> list[list[Request]]:
 
 def requests_per_arm(sc: Scenario) -> int:
     """Requests one arm gets in one order (the base does not change the count)."""
+    if sc.name == "agent":
+        return sc.reps * (sc.turns + 1)  # every turn and the cold reference
     return sum(len(step) for step in all_steps(sc, 1, ""))
+
+
+def tool_result(turn: int, n: int, lo: int, hi: int) -> tuple[int, ...]:
+    """The ``n`` new ids that end agent turn ``turn`` (>= 1): the same in every run, as the
+    salt at the front of the conversation already makes the whole prompt new."""
+    return tuple(token_stream(f"tool result {turn}", n, lo, hi))
+
+
+def agent_turn(
+    sc: Scenario,
+    max_tokens: int,
+    base: str,
+    rep: int,
+    previous: Request | None = None,
+    answer: tuple[int, ...] = (),
+) -> Request:
+    """The next turn of ``agent`` repeat ``rep``: turn 0 (``previous`` None) is a salted
+    prompt of ``sc.prompt_tokens``; after it, ``previous``'s prompt, ``answer`` (the ids the
+    server generated for ``previous``) and the tool result of ``sc.turn_tokens`` ids, so the
+    prompt grows by exactly ``len(answer) + sc.turn_tokens``."""
+    lo, hi = sc.token_lo, sc.token_hi
+    if previous is None:
+        ids = tuple(salted_prompt(f"{base} r{rep} agent", sc.prompt_tokens, lo, hi))
+        return Request(rep, "agent", 0, ids, max_tokens, token_ids=True)
+    turn = previous.stream + 1
+    ids = previous.ids + tuple(answer) + tool_result(turn, sc.turn_tokens, lo, hi)
+    return Request(rep, "agent", turn, ids, max_tokens, token_ids=True)
+
+
+def agent_cold(sc: Scenario, max_tokens: int, base: str, last: Request) -> Request:
+    """The cold reference of ``last``'s repeat: ``last``'s prompt with a fresh salt in place
+    of the conversation's, so nothing of it can be cached; token ids asked for as in every
+    turn, so the two bodies differ only in their prompts."""
+    salt = token_stream(
+        f"salt {base} r{last.rep} agent cold", SALT_TOKENS, sc.token_lo, sc.token_hi
+    )
+    ids = tuple(salt) + last.ids[SALT_TOKENS:]
+    return Request(last.rep, "cold", 0, ids, max_tokens, token_ids=True)
+
+
+def agent_steps(
+    sc: Scenario,
+    max_tokens: int,
+    base: str,
+    answer_of: Callable[[Request], tuple[int, ...] | None],
+) -> list[list[Request]]:
+    """Every step (one request each) of every repeat of ``agent`` for one arm in one order,
+    in sending order, given ``answer_of(turn)``: the ids the server generated for a turn, or
+    None where it has none (the turn failed or is missing), which ends that repeat there,
+    cold reference included, as it ended the run's."""
+    steps: list[list[Request]] = []
+    for rep in range(sc.reps):
+        previous, answer = None, ()
+        for _ in range(sc.turns):
+            req = agent_turn(sc, max_tokens, base, rep, previous, answer)
+            steps.append([req])
+            got = answer_of(req)
+            if got is None:
+                break
+            previous, answer = req, got
+        else:
+            assert previous is not None  # turns >= 1
+            steps.append([agent_cold(sc, max_tokens, base, previous)])
+    return steps
 
 
 def token_body(req: Request, sampling: Sampling) -> dict[str, Any]:
     """The streamed ``/v1/completions`` request, without ``model`` (each arm adds its own):
-    the token ids as ``prompt``, a fixed output length with ``ignore_eos``, a usage chunk."""
+    the token ids as ``prompt``, a fixed output length with ``ignore_eos``, a usage chunk,
+    and with ``req.token_ids`` the generated ids as vLLM and headstart return them
+    (``logprobs`` with ``return_tokens_as_token_ids``: each token as ``"token_id:N"``)."""
     body: dict[str, Any] = {
         "prompt": list(req.ids),
         "max_tokens": req.max_tokens,
@@ -218,5 +314,7 @@ def token_body(req: Request, sampling: Sampling) -> dict[str, Any]:
     }
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    if req.token_ids:
+        body.update(logprobs=0, return_tokens_as_token_ids=True)
     body.update(sampling.extra)
     return body
