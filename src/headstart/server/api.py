@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from headstart import __version__
 from headstart.engine.engine import Engine, EngineRequest, Failed, Finish, Piece, QueueFull
 from headstart.models import ChatFormat
 from headstart.models.contract import ToolCallParsing
@@ -574,6 +575,31 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
                     "max_model_len": state.context,
                 }
             ],
+        }
+
+    # What SGLang's model gateway (sglang-router) reads from a worker when it registers one:
+    # the served model's name (so the gateway lists and routes it by that name) and its limits.
+    # Neither a model path nor a tokenizer path is given: the gateway routes HTTP workers by the
+    # request's text and needs no tokenizer of its own.
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "served_model_name": state.model_name,
+            "model_id": state.model_name,
+            "context_length": state.context,
+            "max_total_tokens": state.context * state.engine.num_slots,
+            "tp_size": 1,
+            "dp_size": 1,
+            "is_embedding": False,
+            "version": __version__,
+        }
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "is_generation": True,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
         }
 
     @app.post("/v1/chat/completions")
