@@ -52,6 +52,10 @@ def _load_builtin() -> None:
         from headstart.models.qwen35 import FAMILY
 
         _FAMILIES.insert(0, FAMILY)
+    if not any(f.name == "nemotron_h" for f in _FAMILIES):
+        from headstart.models.nemotron_h import FAMILY as NEMOTRON_H
+
+        _FAMILIES.insert(1, NEMOTRON_H)
     if not _plugins_loaded:
         _plugins_loaded = True
         for spec in filter(None, os.environ.get("HEADSTART_MODEL_FAMILIES", "").split(",")):

@@ -1,0 +1,238 @@
+"""Nemotron-H as one forward over packed rows from many streams (the reference path).
+
+``NemotronHModel.forward_ex(batch, pool)`` embeds the rows and runs every layer: one mixer per
+layer, each pre-normed (RMSNorm) and added to the residual stream: a Mamba2 mixer (in-projection
+into gate, conv input and time steps; causal depthwise conv with bias from the slot's conv tail;
+the SSD recurrence from the slot's SSM state; gated grouped RMSNorm; out-projection), attention
+without positional encoding (GQA over the slot's KV rows), or a squared-ReLU MLP. The math is
+transformers' ``modeling_nemotron_h`` (the spec the parity tests hold it to); the per-stream cores
+are :mod:`headstart.ops.ssd.reference` and :mod:`headstart.ops.attention.reference`.
+
+Batch shapes: decode rows (one batched step) and multi-row spans (prefill chunks, one by one).
+Graph-capturable shapes and verify windows are not supported yet: ``kernels.graphs`` is False,
+so the engine never builds them, and no drafter targets this family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from headstart.batch import ForwardBatch
+from headstart.models.contract import ForwardOutput
+from headstart.models.nemotron_h.config import ATTENTION, MAMBA, ModelConfig, load_config
+from headstart.ops.attention.reference import attend, attend_decode
+from headstart.ops.ssd import reference as ssd
+from headstart.state import StateGroup, StatePool
+
+__all__ = ["NemotronHModel"]
+
+#: The kernels this family runs: the reference everywhere, no graphs.
+REFERENCE = SimpleNamespace(name="reference", graphs=False)
+
+# Mixer parameters kept in fp32 whatever the model's dtype (the scan runs in fp32).
+_FP32 = ("A_log", "D", "dt_bias")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' NemotronHRMSNorm: normalised in fp32, rounded, then scaled."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class NemotronHModel:
+    """Weights plus the forward. Build with :meth:`load` or from a weight dict (canonical
+    names: transformers' without the ``backbone.`` prefix)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.kernels = REFERENCE
+        self.arena = None
+        self.w: dict[str, torch.Tensor] = {}
+        for name in list(weights):
+            t = weights[name]
+            keep = torch.float32 if name.rsplit(".", 1)[-1] in _FP32 else dtype
+            self.w[name] = t.to(device=self.device, dtype=keep)
+        self.state_index = {i: n for n, i in enumerate(cfg.mamba_layers)}
+        self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kernels: str = "auto",
+        dummy: bool = False,
+    ) -> NemotronHModel:
+        """Load a checkpoint folder (``dummy``: random weights at its config's shapes)."""
+        from headstart.models.nemotron_h.weights import expected_shapes, load_weights
+
+        if kernels == "gpu":
+            raise ValueError("nemotron_h runs the reference kernels only (--kernels reference)")
+        cfg = load_config(model_dir)
+        if dummy:
+            gen = torch.Generator().manual_seed(0)
+            weights = {
+                n: (
+                    torch.ones(s)
+                    if n.endswith("norm.weight") or n.endswith("norm_f.weight")
+                    else torch.randn(s, generator=gen) / (s[-1] ** 0.5 if len(s) > 1 else 1)
+                )
+                for n, s in expected_shapes(cfg).items()
+            }
+        else:
+            weights = dict(load_weights(model_dir, cfg, dtype, "cpu"))
+        return cls(cfg, weights, dtype, device)
+
+    # -- the contract ----------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        head = 0 if "lm_head.weight" in self.w else self.w["embeddings.weight"].numel()
+        return sum(t.numel() for n, t in self.w.items() if n != "embeddings.weight") + head
+
+    def state_groups(self) -> tuple[StateGroup, ...]:
+        """Per Mamba2 layer a conv tail (the last K-1 pre-conv rows of the conv input) and an
+        SSM state per head (fp32); per attention layer key and value rows."""
+        cfg = self.cfg
+        n_mamba, n_att = len(cfg.mamba_layers), len(cfg.attention_layers)
+        kv = (cfg.num_key_value_heads, cfg.head_dim)
+        return (
+            StateGroup("conv", n_mamba, (cfg.mamba_conv_dim, cfg.conv_kernel - 1)),
+            StateGroup(
+                "ssm",
+                n_mamba,
+                (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size),
+                torch.float32,
+            ),
+            StateGroup("keys", n_att, kv, token_axis=1),
+            StateGroup("values", n_att, kv, token_axis=1),
+        )
+
+    def new_state_pool(self, num_slots: int, max_tokens: int) -> StatePool:
+        return StatePool.allocate(
+            self.state_groups(), num_slots, max_tokens, self.dtype, self.device
+        )
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, pool: StatePool) -> torch.Tensor:
+        return self.forward_ex(batch, pool).logits
+
+    @torch.no_grad()
+    def forward_ex(
+        self, batch: ForwardBatch, pool: StatePool, taps: Sequence[int] = ()
+    ) -> ForwardOutput:
+        """Run the batch, updating its slots; logits of the asked rows, the residual stream
+        after each layer in ``taps``."""
+        if batch.windows is not None or batch.padded is not None or batch.trees:
+            raise NotImplementedError("nemotron_h: graph-captured shapes and trees")
+        for span in batch.spans:
+            if span.start + span.length > pool.max_tokens:
+                raise ValueError(
+                    f"slot {span.slot}: {span.start + span.length} tokens exceed the pool's "
+                    f"{pool.max_tokens}"
+                )
+        cfg, w = self.cfg, self.w
+        x = w["embeddings.weight"][batch.input_ids]
+        tapped = []
+        for i, kind in enumerate(cfg.layer_types):
+            h = _rms_norm(x, w[f"layers.{i}.norm.weight"], cfg.layer_norm_epsilon)
+            if kind == MAMBA:
+                h = self._mamba(i, h, batch, pool)
+            elif kind == ATTENTION:
+                h = self._attention(i, h, batch, pool)
+            else:
+                h = self._mlp(i, h)
+            x = x + h
+            if i in taps:
+                tapped.append(x)
+        h = _rms_norm(x[batch.logit_index], w["norm_f.weight"], cfg.layer_norm_epsilon)
+        # transformers never ties this family's head: a stored lm_head wins even when the
+        # config says tied; the embedding table serves only a checkpoint that has none.
+        head = w.get("lm_head.weight", w["embeddings.weight"])
+        logits = F.linear(h, head).float()
+        return ForwardOutput(logits, torch.cat(tapped, dim=-1) if taps else None, {})
+
+    # -- layers ----------------------------------------------------------------------------------
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        up = self._linear(x, f"layers.{i}.mixer.up_proj")
+        return self._linear(torch.relu(up).square(), f"layers.{i}.mixer.down_proj")
+
+    def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: StatePool):
+        cfg, p = self.cfg, f"layers.{i}.mixer."
+        T, hd = x.shape[0], cfg.head_dim
+        q = self._linear(x, p + "q_proj").view(T, cfg.num_attention_heads, hd)
+        k = self._linear(x, p + "k_proj").view(T, cfg.num_key_value_heads, hd)
+        v = self._linear(x, p + "v_proj").view(T, cfg.num_key_value_heads, hd)
+        layer = self.state_index[i]
+        keys, values = pool.keys[layer], pool.values[layer]
+        out = torch.empty_like(q)
+        d = batch.decode
+        if d is not None:
+            keys[d.slots, :, d.positions] = k[d.rows]
+            values[d.slots, :, d.positions] = v[d.rows]
+            longest = int(d.positions.max()) + 1
+            out[d.rows] = attend_decode(
+                q[d.rows],
+                keys[d.slots, :, :longest],
+                values[d.slots, :, :longest],
+                d.positions + 1,
+            )
+        for s in batch.multi_row:
+            end = s.start + s.length
+            keys[s.slot, :, s.start : end] = k[s.begin : s.end].transpose(0, 1)
+            values[s.slot, :, s.start : end] = v[s.begin : s.end].transpose(0, 1)
+            out[s.begin : s.end] = attend(
+                q[s.begin : s.end], keys[s.slot, :, :end], values[s.slot, :, :end], s.start
+            )
+        return self._linear(out.reshape(T, -1), p + "o_proj")
+
+    def _mamba(self, i: int, x: torch.Tensor, batch: ForwardBatch, pool: StatePool):
+        cfg, w, p = self.cfg, self.w, f"layers.{i}.mixer."
+        H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+        z, xbc, dt_raw = ssd.split_projection(self._linear(x, p + "in_proj"), H, P, G, N)
+        conv_w = w[p + "conv1d.weight"].reshape(cfg.mamba_conv_dim, cfg.conv_kernel)
+        conv_b = w.get(p + "conv1d.bias")
+        if conv_b is None:
+            conv_b = torch.zeros(cfg.mamba_conv_dim, dtype=x.dtype, device=x.device)
+        A, D = -torch.exp(w[p + "A_log"]), w[p + "D"]
+        # transformers' prefill clamps the time steps below at time_step_min, its one-token
+        # decode does not; we clamp both (the same where softplus(dt) >= time_step_min).
+        limit = (cfg.time_step_min, float("inf"))
+        layer = self.state_index[i]
+        tails, states = pool.conv[layer], pool.ssm[layer]
+        y = torch.empty(x.shape[0], H * P, dtype=torch.float32, device=x.device)
+        d = batch.decode
+        if d is not None:  # one row per stream, batched; a new stream starts from zeros
+            fresh = d.fresh.view(-1, 1, 1)
+            tail = torch.where(fresh, 0.0, tails[d.slots])
+            conv, tails[d.slots] = ssd.causal_conv_bias_step(xbc[d.rows], tail, conv_w, conv_b)
+            xs, B, C = ssd.split_xbc(conv, H, P, G, N)
+            dt = ssd.mamba_dt(dt_raw[d.rows], w[p + "dt_bias"], limit)
+            state = torch.where(fresh.view(-1, 1, 1, 1), 0.0, states[d.slots])
+            out, states[d.slots] = ssd.ssd_step(xs, dt, A, B, C, D, state)
+            y[d.rows] = out.reshape(out.shape[0], -1)
+        for s in batch.multi_row:
+            rows = slice(s.begin, s.end)
+            fresh = s.start == 0
+            tail = torch.zeros_like(tails[s.slot]) if fresh else tails[s.slot]
+            conv, tails[s.slot] = ssd.causal_conv_bias(xbc[rows], tail, conv_w, conv_b)
+            xs, B, C = ssd.split_xbc(conv, H, P, G, N)
+            dt = ssd.mamba_dt(dt_raw[rows], w[p + "dt_bias"], limit)
+            state = torch.zeros_like(states[s.slot]) if fresh else states[s.slot]
+            out, states[s.slot] = ssd.ssd_chunked(xs, dt, A, B, C, D, state, chunk=cfg.chunk_size)
+            y[rows] = out.reshape(s.length, -1)
+        normed = ssd.gated_group_rms_norm(y, z, w[p + "norm.weight"], cfg.layer_norm_epsilon, G)
+        return self._linear(normed.to(x.dtype), p + "out_proj")
