@@ -180,3 +180,38 @@ def test_dummy_weights_at_the_configs_shapes(tmp_path):
     logits = model.forward(ForwardBatch.build([SeqChunk(0, 0, tuple(range(2, 30)))]), pool)
     assert logits.shape == (1, 160) and logits.isfinite().all()
     assert model.num_parameters() > 0
+
+
+@pytest.mark.slow
+def test_served_through_the_openai_api(tmp_path):
+    """`headstart serve` on a tiny Nemotron-H folder (the embedded tokenizer and chat template
+    beside it): completions with the official client give transformers' greedy tokens, and a
+    repeated prompt is answered from the prompt cache."""
+    import shutil
+
+    import openai
+    from server_proc import serving
+
+    from headstart.loading import default_model_dir
+
+    ref = hf_model("M*-M-", tmp_path, seed=6, vocab_size=4105)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir() / f, tmp_path / f)
+    ids = [12, 400, 37, 2048, 9, 511, 77, 3001]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    with serving("--model", str(tmp_path), "--parallel", "2", "--context", "256") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for attempt in range(2):
+            r = client.completions.create(
+                model=tmp_path.name,
+                prompt=ids,
+                max_tokens=6,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            )
+            got = [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+            assert got == want[0, len(ids) :].tolist(), attempt
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert cached == (len(ids) if attempt else 0)
