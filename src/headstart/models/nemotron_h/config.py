@@ -358,6 +358,38 @@ def _validate(cfg: ModelConfig, r: _Reader, eos_file: str) -> None:
                 raise ConfigError(key, file, problem)
 
 
+def _kv_heads(r: _Reader, heads: int, has_attn: bool) -> int:
+    if "num_key_value_heads" in r.data and r.data["num_key_value_heads"] is None:
+        return heads  # transformers' rule for an explicit null: one KV head per head
+    if r.has("num_key_value_heads") or has_attn:
+        return r.int("num_key_value_heads")
+    return heads
+
+
+def _mamba_fields(r: _Reader, size: Any) -> dict[str, Any]:
+    """The Mamba2 mixer's fields (``size(key, default)``: a size required when the pattern
+    has Mamba2 layers)."""
+    return dict(
+        mamba_num_heads=size("mamba_num_heads", 128),
+        mamba_head_dim=size("mamba_head_dim", 64),
+        ssm_state_size=size("ssm_state_size", 128),
+        n_groups=size("n_groups", 8),
+        # A kernel of 1 would leave no conv state to carry between steps.
+        conv_kernel=r.int(_key(r, "conv_kernel"), default=4, minimum=2),
+        chunk_size=r.int(_key(r, "chunk_size"), default=128),
+        use_conv_bias=r.bool(_key(r, "use_conv_bias"), default=True),
+        use_bias=r.bool("use_bias", default=False),
+        expand=r.int(_key(r, "expand"), default=2),
+        time_step_limit=_time_step_limit(r),
+        time_step_min=r.float(_key(r, "time_step_min"), default=0.001),
+        time_step_max=r.float(_key(r, "time_step_max"), default=0.1),
+        time_step_floor=r.float(_key(r, "time_step_floor"), default=1e-4),
+        mamba_ssm_cache_dtype=_choice(
+            r, "mamba_ssm_cache_dtype", "float32", _DTYPES, "the SSM state's dtype"
+        ),
+    )
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read ``config.json`` (+ optional ``generation_config.json``) of a checkpoint folder.
 
@@ -381,12 +413,6 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     has_mamba, has_attn, has_mlp = MAMBA in kinds, ATTENTION in kinds, MLP in kinds
     hidden = r.int("hidden_size")
     heads = size("num_attention_heads", has_attn, 32)
-    if "num_key_value_heads" in r.data and r.data["num_key_value_heads"] is None:
-        kv_heads = heads  # transformers' rule for an explicit null: one KV head per head
-    elif r.has("num_key_value_heads") or has_attn:
-        kv_heads = r.int("num_key_value_heads")
-    else:
-        kv_heads = heads
     config_eos = _eos_ids(r, "eos_token_id")
     eos, generation = _generation_config(model_dir, config_eos)
     eos_file = r.file if eos == config_eos else str(model_dir / "generation_config.json")
@@ -399,25 +425,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         intermediate_size=size("intermediate_size", has_mlp, 21504),
         mlp_bias=r.bool("mlp_bias", default=False),
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        num_key_value_heads=_kv_heads(r, heads, has_attn),
         head_dim=_head_dim(r, heads, hidden, has_attn),
-        mamba_num_heads=size("mamba_num_heads", has_mamba, 128),
-        mamba_head_dim=size("mamba_head_dim", has_mamba, 64),
-        ssm_state_size=size("ssm_state_size", has_mamba, 128),
-        n_groups=size("n_groups", has_mamba, 8),
-        # A kernel of 1 would leave no conv state to carry between steps.
-        conv_kernel=r.int(_key(r, "conv_kernel"), default=4, minimum=2),
-        chunk_size=r.int(_key(r, "chunk_size"), default=128),
-        use_conv_bias=r.bool(_key(r, "use_conv_bias"), default=True),
-        use_bias=r.bool("use_bias", default=False),
-        expand=r.int(_key(r, "expand"), default=2),
-        time_step_limit=_time_step_limit(r),
-        time_step_min=r.float(_key(r, "time_step_min"), default=0.001),
-        time_step_max=r.float(_key(r, "time_step_max"), default=0.1),
-        time_step_floor=r.float(_key(r, "time_step_floor"), default=1e-4),
-        mamba_ssm_cache_dtype=_choice(
-            r, "mamba_ssm_cache_dtype", "float32", _DTYPES, "the SSM state's dtype"
-        ),
+        **_mamba_fields(r, lambda key, default: size(key, has_mamba, default)),
         layer_norm_epsilon=r.float(_key(r, "layer_norm_epsilon"), default=1e-5),
         residual_in_fp32=r.bool("residual_in_fp32", default=False),
         tie_word_embeddings=r.bool("tie_word_embeddings", default=False),

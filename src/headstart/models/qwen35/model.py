@@ -72,17 +72,28 @@ class Qwen35Model:
         self.device = torch.device(device)
         self.kernels = kernels if isinstance(kernels, Kernels) else select_kernels(device, kernels)
         self.unpack_bytes = unpack_bytes
+        self.arena: WeightArena | None = None
+        self._take(weights, arena)
+        self.rotary = Rotary.create(cfg.rotary_dim, cfg.rope_theta, self.device)
+        # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
+        self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
+        self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
+        self.attention = GatedAttention(self)
+        self.gated_deltanet = GatedDeltaNet(self)
+
+    def _take(self, weights: MutableMapping[str, Weight], arena: bool) -> None:
+        """Run the loading pipeline over ``weights`` into :attr:`w` and :attr:`head` (through
+        an arena planned from meta stand-ins when ``arena``), with progress on a terminal."""
+        cfg, dtype, unpack_bytes = self.cfg, self.dtype, self.unpack_bytes
         shapes = stand_ins(weights)  # meta: nothing is read or copied
         unpack = self.kernels.name == "reference" and unpack_fits(shapes, dtype, unpack_bytes)
-        self.arena: WeightArena | None = None
 
         def place(_: str, t: Weight) -> Weight:
             return t
 
         final = len(shapes)  # weights the model ends with (fused ones count once), for progress
         if arena:
-            plan = ArenaPlan()
-            planned: list[str] = []
+            plan, planned = ArenaPlan(), []
 
             def add(name: str, t: Weight) -> Weight:
                 planned.append(name)
@@ -90,8 +101,7 @@ class Qwen35Model:
 
             consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add)
             self.arena = plan.allocate(self.device)
-            place = self.arena.fill
-            final = len(planned)
+            place, final = self.arena.fill, len(planned)
         with progress("loading weights", final) as tick:
 
             def placed(name: str, t: Weight) -> Weight:
@@ -103,12 +113,6 @@ class Qwen35Model:
             )
         if self.arena is not None:
             self.arena.check_complete()
-        self.rotary = Rotary.create(cfg.rotary_dim, cfg.rope_theta, self.device)
-        # Layer index -> index within its kind, i.e. its row in the StatePool tensors.
-        self.state_index = {i: n for n, i in enumerate(cfg.linear_layers)}
-        self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
-        self.attention = GatedAttention(self)
-        self.gated_deltanet = GatedDeltaNet(self)
 
     @classmethod
     def load(
