@@ -397,6 +397,11 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         report = check_receipt(args.receipt)
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
         return 0 if report.ok else 1
+    plan, argv = _plan(args), argv if argv is not None else sys.argv
+    if plan.scenario is not None:  # a prefill scenario instead of the prompt workload
+        from headstart.bench.scenario_run import run_scenario
+
+        return run_scenario(plan, argv)
     from headstart.bench.runner import run
 
-    return run(_plan(args), argv if argv is not None else sys.argv)
+    return run(plan, argv)

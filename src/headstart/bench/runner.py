@@ -5,7 +5,7 @@ server process (command arms) or use the URL, send each prompt's cold request an
 (``workload.schedule``), and collect the rows; then record the environment, write the
 receipt, check it, and print the table last. A progress bar on stderr counts requests.
 The arm loop (:func:`run_arms`) is shared with the prefill scenarios (``scenario_run.py``),
-which a plan with ``scenario`` set runs instead.
+which ``command.py`` runs instead when a plan has ``scenario`` set.
 
 Non-goals: measuring (``client.py``), summarising (``summary.py``), judging (``check.py``).
 """
@@ -223,11 +223,9 @@ def finish(plan: Plan, report: CheckReport, table: str) -> int:
 
 
 def run(plan: Plan, argv: list[str]) -> int:
-    """Run the bench and write the receipt; 0 if ``bench check`` passes on it, else 1."""
-    if plan.scenario is not None:
-        from headstart.bench.scenario_run import run_scenario
-
-        return run_scenario(plan, argv)
+    """Run the prompt workload and write the receipt; 0 if ``bench check`` passes on it, else
+    1 (a plan with ``scenario`` set goes to ``scenario_run.run_scenario`` instead)."""
+    assert plan.scenario is None, "prefill scenarios run through scenario_run.run_scenario"
     run_id = new_run_id()
     plan.out.mkdir(parents=True, exist_ok=True)
     # Before any server starts: hashing large model files must not overlap a measurement.

@@ -32,7 +32,7 @@ from typing import Any
 
 from headstart.bench import rows as R
 from headstart.bench.arms import arm_orders
-from headstart.bench.check import CheckReport, capped, client_note, diff, files_check, same
+from headstart.bench.checks import CheckReport, capped, client_note, diff, files_check, same
 from headstart.bench.receipt import SCENARIO_REQUIRED, load_json, load_records
 from headstart.bench.scenario_summary import (
     RECORD_KEY,
