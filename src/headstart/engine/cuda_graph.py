@@ -235,7 +235,6 @@ class PromptGraphs:
             mempool,
             warmups=1,
         )
-        self.max_tokens = max(w for _, w in shapes)
 
     def shape_for(self, lengths: Sequence[int]) -> tuple[int, int] | None:
         """The smallest captured (streams, width) that holds prompts of ``lengths``."""

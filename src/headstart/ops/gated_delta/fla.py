@@ -26,6 +26,23 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
+def _chunk(q, k, v, g, beta, initial_state, **varlen):
+    """FLA's chunked gated delta rule as every caller here runs it: batched ``[B, T, ...]``
+    inputs, L2-normalised q/k inside, scale ``Dk^-0.5``, the final states returned."""
+    return _fla_chunk()(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=q.shape[-1] ** -0.5,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        **varlen,
+    )
+
+
 def gdn_prefill_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -45,41 +62,18 @@ def gdn_prefill_varlen(
     state_pool: [slots, Hv, Dk, Dv] fp32. ``cu_seqlens_cpu`` (optional) spares FLA a host sync
     when it builds its chunk index. Returns o: [T, Hv, Dv] in v's dtype.
     """
-    chunk = _fla_chunk()
     slots = slots.to(torch.long)
     init = state_pool.index_select(0, slots)
     # where(), not multiply: a fresh slot may hold NaN from an earlier, aborted stream.
     init = torch.where(fresh.view(-1, 1, 1, 1), 0.0, init)
-    if slots.shape[0] == 1:
-        # One sequence (the common prefill): FLA's plain batched form. It needs no chunk index
-        # built from cu_seqlens, so it has no host work at all and can be captured in a CUDA
-        # graph (engine/cuda_graph.py captures short fresh prefills).
-        o, final = chunk(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            g.unsqueeze(0),
-            beta.unsqueeze(0),
-            scale=q.shape[-1] ** -0.5,
-            initial_state=init,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
-        return o[0].to(v.dtype)
-    o, final = chunk(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        g.unsqueeze(0),
-        beta.unsqueeze(0),
-        scale=q.shape[-1] ** -0.5,
-        initial_state=init,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens.to(torch.long),
-        cu_seqlens_cpu=cu_seqlens_cpu,
+    # One sequence (the common prefill) takes FLA's plain batched form: it needs no chunk index
+    # built from cu_seqlens, so it has no host work at all and can be captured in a CUDA graph.
+    varlen = (
+        {}
+        if slots.shape[0] == 1
+        else {"cu_seqlens": cu_seqlens.to(torch.long), "cu_seqlens_cpu": cu_seqlens_cpu}
     )
+    o, final = _chunk(*(t.unsqueeze(0) for t in (q, k, v, g, beta)), init, **varlen)
     state_pool.index_copy_(0, slots, final.to(state_pool.dtype))
     return o[0].to(v.dtype)
 
@@ -98,16 +92,6 @@ def gdn_padded(
     q, k: [N, L, Hk, Dk]; v: [N, L, Hv, Dv]; g, beta: [N, L, Hv] with zero decay and zero beta
     on padding rows (so they leave a state untouched); slots: [N]. Every stream starts from a
     zero state; its final state goes to ``state_pool[slots]``. Returns o [N, L, Hv, Dv]."""
-    o, final = _fla_chunk()(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=q.shape[-1] ** -0.5,
-        initial_state=None,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
+    o, final = _chunk(q, k, v, g, beta, None)
     state_pool.index_copy_(0, slots.to(torch.long), final.to(state_pool.dtype))
     return o
