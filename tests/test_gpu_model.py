@@ -181,6 +181,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("quantized", [False, True])
+def test_dense_prefill_copies_change_no_bit(tmp_path):
+    """A 4-bit model that keeps dense prefill copies of its layer weights (the default on a
+    large GPU) gives the bits of one that unpacks them per call: a 200-row prefill (cuBLAS on
+    the copy vs on a fresh unpack) and the decode steps after it (the packed kernel in both)."""
+    ref = tiny.causal_lm(seed=43, **SHAPE)
+    path = tiny.save_mlx(ref, tiny.dequantized_copy(ref, 4, 64)[1], tmp_path / "q4", 4, 64)
+    dense = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda", dense_bytes=1 << 40)
+    packed = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda", dense_bytes=0)
+    layer = next(t for k, t in dense.w.items() if k.endswith("mlp.gate_up_proj.weight"))
+    assert layer.dense is not None and getattr(dense.head, "dense", None) is None
+    assert all(getattr(t, "dense", None) is None for t in packed.w.values())
+    ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    t_dense, rows_dense = greedy(dense, ids, 4)
+    t_packed, rows_packed = greedy(packed, ids, 4)
+    assert t_dense == t_packed and torch.equal(rows_dense, rows_packed)
+
+
 def test_prompt_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized):
     """Captured new prompts (1 and 3 streams per replay, several widths, sharing a memory pool
     with the decode graphs) against the same padded batches run eagerly on the same slots:

@@ -147,6 +147,23 @@ def test_dequantize_prepared_matches_reference(layout):
         torch.testing.assert_close(w, qt.dequantize(torch.float32), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["mma", "tiled"])
+def test_dense_copy_serves_prefill_rows_only(layout):
+    """prepare(dense=bf16) keeps the weight unpacked once: prefill-sized x (M > 64) multiply it
+    and give the bits of the unpack-per-call path; decode-sized x still read the packed words;
+    x of another dtype ignores a copy it cannot use."""
+    qt = make_weight(320, 1024, 4, 64, seed=21)
+    packed, dense = prepare(qt, layout=layout), prepare(qt, layout=layout, dense=torch.bfloat16)
+    assert dense.dense is not None and dense.dense.shape == (320, 1024)
+    torch.testing.assert_close(dense.dense, dequantize_prepared(packed), rtol=0, atol=0)
+    for m in (8, 65, 300):
+        x = torch.randn(m, 1024, generator=gen(m), device=DEV).to(torch.bfloat16)
+        assert torch.equal(quant_matmul(x, dense), quant_matmul(x, packed))
+        check_qmm(qt, m, seed=m, layout=layout)
+    x16 = torch.randn(100, 1024, generator=gen(3), device=DEV).to(torch.float16)
+    assert torch.equal(quant_matmul(x16, dense), quant_matmul(x16, packed))
+
+
 # ----------------------------------------------------------------------------- GDN decode
 
 

@@ -87,7 +87,7 @@ def _ref_attn_decode(q, keys, values, slots, lengths):
     return attend_decode(q, keys[slots, :, :longest], values[slots, :, :longest], lengths)
 
 
-def _no_prepare(w: Any) -> Any:
+def _no_prepare(w: Any, dense: torch.dtype | None = None) -> Any:
     return w
 
 
@@ -116,8 +116,9 @@ class Kernels:
     # [N,L,Hv,Dv] fp32: new streams (zero state) padded to L rows; final states written to
     # the pool's slots (graph-capturable)
     gdn_padded: Callable[..., torch.Tensor] = _ref_gdn_padded
-    # a loaded weight -> the form linear() consumes (e.g. a repacked quantized weight)
-    prepare: Callable[[Any], Any] = _no_prepare
+    # (a loaded weight, dense=None) -> the form linear() consumes (e.g. a repacked quantized
+    # weight; with dense=dtype, one that also keeps an unpacked copy for prefill)
+    prepare: Callable[..., Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
     # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.reference.
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.add_rms_norm
@@ -144,8 +145,8 @@ def gpu_kernels() -> Kernels:
             q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu=cu_seqlens_cpu
         )
 
-    def prepare(w: Any) -> Any:
-        return prepare_quant(w) if isinstance(w, QuantizedTensor) else w
+    def prepare(w: Any, dense: torch.dtype | None = None) -> Any:
+        return prepare_quant(w, dense=dense) if isinstance(w, QuantizedTensor) else w
 
     from headstart.ops.attention import sdpa
     from headstart.ops.gated_delta.fla import gdn_padded

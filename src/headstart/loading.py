@@ -15,6 +15,8 @@ from headstart.models import CausalLM, ModelFamily, family_for
 from headstart.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --prefill-weights -> the dense_bytes a family's load takes (None: its own default)
+PREFILL_WEIGHTS: dict[str, int | None] = {"auto": None, "dense": 1 << 62, "packed": 0}
 
 
 def default_model_dir() -> Path:
@@ -119,25 +121,33 @@ def load(
     dtype: str | None = None,
     kernels: str = "auto",
     load_format: str = "auto",
+    prefill_weights: str = "auto",
 ) -> LoadedModel:
     """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
     to float32 on CPU and bfloat16 elsewhere; kernels: "auto" (GPU kernels on CUDA when
     available), "reference" or "gpu"; load_format: "auto" (the checkpoint's weights) or
-    "dummy" (random weights at its config's shapes: speed measurements without the weights)."""
+    "dummy" (random weights at its config's shapes: speed measurements without the weights);
+    prefill_weights: "auto" (the family's rule for keeping dense copies of quantized weights
+    for prefill, by device memory), "dense" (always) or "packed" (never)."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
+    if prefill_weights not in PREFILL_WEIGHTS:
+        raise ValueError(f"prefill_weights must be one of {sorted(PREFILL_WEIGHTS)}")
     path = resolve_model_dir(name)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     family = family_for(path)
     tokenizer = Tokenizer.from_dir(path)
+    params = inspect.signature(family.load).parameters
+    extra: dict[str, Any] = {}
     if load_format == "dummy":
-        if "dummy" not in inspect.signature(family.load).parameters:
+        if "dummy" not in params:
             raise HeadstartError(
                 f"the {family.name} family cannot make random weights (--load-format dummy)"
             )
-        model = family.load(path, DTYPES[dtype], device, kernels, dummy=True)
-    else:
-        model = family.load(path, DTYPES[dtype], device, kernels)
+        extra["dummy"] = True
+    if PREFILL_WEIGHTS[prefill_weights] is not None and "dense_bytes" in params:
+        extra["dense_bytes"] = PREFILL_WEIGHTS[prefill_weights]
+    model = family.load(path, DTYPES[dtype], device, kernels, **extra)
     return LoadedModel(path, model, tokenizer, family)

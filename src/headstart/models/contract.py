@@ -118,7 +118,8 @@ class ModelFamily:
     ``load(model_dir, dtype, device, kernels)`` builds the model (raising
     :class:`~headstart.errors.CheckpointError` / ``ConfigError`` naming the file and field);
     a family that can make random weights at the config's shapes (``serve --load-format
-    dummy``) also takes ``dummy=True``.
+    dummy``) also takes ``dummy=True``, and one that can keep dense prefill copies of its
+    quantized weights takes ``dense_bytes`` (``serve --prefill-weights``).
     A checkpoint belongs to the family when one of its ``config.json`` ``architectures`` is in
     ``architectures`` or its ``model_type`` is in ``model_types``."""
 

@@ -153,6 +153,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(speed measurements without the weights, as vLLM's --load-format dummy)",
     )
     p.add_argument(
+        "--prefill-weights",
+        default="auto",
+        choices=["auto", "dense", "packed"],
+        help="4-bit checkpoints on the GPU: dense keeps a 16-bit copy of each layer weight for "
+        "prefill matmuls (faster prompts, 4x the weights' memory more); packed unpacks per "
+        "prefill step; auto: dense when the copies fit 40%% of the GPU's memory",
+    )
+    p.add_argument(
         "--kernels",
         default="auto",
         choices=["auto", "reference", "gpu"],
@@ -470,7 +478,9 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
 
     started = time.monotonic()
     log.info("loading %s ...", args.model or "the embedded default model")
-    loaded = load(args.model, args.device, args.dtype, args.kernels, args.load_format)
+    loaded = load(
+        args.model, args.device, args.dtype, args.kernels, args.load_format, args.prefill_weights
+    )
     log.info(
         "loaded %s (%s) in %.1fs", loaded.path.name, loaded.family.name, time.monotonic() - started
     )

@@ -24,10 +24,11 @@ def _load(
     device: torch.device | str,
     kernels: str,
     dummy: bool = False,
+    dense_bytes: int | None = None,
 ):
     from headstart.models.qwen35.model import Qwen35Model
 
-    return Qwen35Model.load(model_dir, dtype, device, kernels, dummy=dummy)
+    return Qwen35Model.load(model_dir, dtype, device, kernels, dummy=dummy, dense_bytes=dense_bytes)
 
 
 FAMILY = ModelFamily(

@@ -13,6 +13,7 @@ transformers' ``modeling_qwen3_5``, including where it rounds. Weight loading is
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from headstart.models.qwen35 import speculative
 from headstart.models.qwen35.attention import GatedAttention
 from headstart.models.qwen35.config import FULL, ModelConfig, load_config
 from headstart.models.qwen35.gdn import GatedDeltaNet
-from headstart.models.qwen35.pipeline import UNPACK_BYTES, consume, unpack_fits
+from headstart.models.qwen35.pipeline import UNPACK_BYTES, consume, dense_budget, unpack_fits
 from headstart.models.qwen35.speculative import GDNRecord, WindowRecords
 from headstart.models.qwen35.weights import Weight, load_weights, stand_ins
 from headstart.ops.linear import linear
@@ -37,6 +38,8 @@ from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool
 
 __all__ = ["Qwen35Model"]
+
+log = logging.getLogger("headstart.model")
 
 
 class Qwen35Model:
@@ -51,6 +54,7 @@ class Qwen35Model:
         kernels: Kernels | str = "auto",
         unpack_bytes: int = UNPACK_BYTES,
         arena: bool = True,
+        dense_bytes: int | None = None,
     ) -> None:
         """``weights`` (a dict, or a :class:`~headstart.weights.LazyWeights` that reads each
         tensor when it is taken) is consumed: its entries move into the model (fused, prepared)
@@ -59,6 +63,9 @@ class Qwen35Model:
         ``unpack_bytes``: with the reference kernels, quantized linear weights are unpacked to
         ``dtype`` once at load when all of them together take at most this many bytes unpacked
         (else they stay packed and are unpacked per call; the GPU kernels read them packed).
+        ``dense_bytes``: with other kernels, quantized layer weights also keep a copy unpacked
+        to ``dtype`` for prefill-sized matmuls when all copies fit this many bytes (None: the
+        device's default, :func:`~headstart.models.qwen35.pipeline.dense_budget`; 0: never).
 
         ``arena``: every final weight tensor (the head, the embedding table and the norms
         included) is a view into one allocation on ``device``, :attr:`arena`
@@ -72,6 +79,7 @@ class Qwen35Model:
         self.device = torch.device(device)
         self.kernels = kernels if isinstance(kernels, Kernels) else select_kernels(device, kernels)
         self.unpack_bytes = unpack_bytes
+        self.dense_bytes = dense_budget(self.device) if dense_bytes is None else dense_bytes
         self.arena: WeightArena | None = None
         self._take(weights, arena)
         self.rotary = Rotary.create(cfg.rotary_dim, cfg.rope_theta, self.device)
@@ -87,6 +95,9 @@ class Qwen35Model:
         cfg, dtype, unpack_bytes = self.cfg, self.dtype, self.unpack_bytes
         shapes = stand_ins(weights)  # meta: nothing is read or copied
         unpack = self.kernels.name == "reference" and unpack_fits(shapes, dtype, unpack_bytes)
+        dense = self.kernels.name != "reference" and unpack_fits(shapes, dtype, self.dense_bytes)
+        if dense:
+            log.info("4-bit layer weights keep a dense %s copy for prefill", dtype)
 
         def place(_: str, t: Weight) -> Weight:
             return t
@@ -99,7 +110,7 @@ class Qwen35Model:
                 planned.append(name)
                 return plan.add(name, t)
 
-            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add)
+            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add, dense)
             self.arena = plan.allocate(self.device)
             place, final = self.arena.fill, len(planned)
         with progress("loading weights", final) as tick:
@@ -109,7 +120,7 @@ class Qwen35Model:
                 return place(name, t)
 
             self.w, self.head = consume(
-                weights, cfg, self.kernels, dtype, unpack, unpack_bytes, placed
+                weights, cfg, self.kernels, dtype, unpack, unpack_bytes, placed, dense
             )
         if self.arena is not None:
             self.arena.check_complete()
@@ -124,6 +135,7 @@ class Qwen35Model:
         unpack_bytes: int = UNPACK_BYTES,
         arena: bool = True,
         dummy: bool = False,
+        dense_bytes: int | None = None,
     ) -> Qwen35Model:
         """Load a checkpoint folder; tensors are read one at a time as the model takes them.
         ``dummy``: random weights at the config's shapes instead (only config.json is read)."""
@@ -142,6 +154,7 @@ class Qwen35Model:
             kernels,
             unpack_bytes,
             arena,
+            dense_bytes,
         )
 
     def num_parameters(self) -> int:

@@ -129,6 +129,9 @@ class PreparedQuant:
     counters: torch.Tensor  # int32 split-K arrival counters, all zero between calls
     config: QmmConfig = field(default_factory=QmmConfig)
     layout: str = "tiled"  # "mma" (4-bit, groups of 64 or 128) or "tiled" (any other format)
+    # The weight unpacked once (``prepare(dense=...)``), for prefill-sized x: cuBLAS on it
+    # instead of unpacking the whole weight again on every call. None: unpacked per call.
+    dense: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -156,19 +159,30 @@ def prepare(
     block_n: int | None = None,
     rows_per_chunk: int = 2048,
     layout: str = "auto",
+    dense: torch.dtype | None = None,
 ) -> PreparedQuant:
     """Repack an MLX affine weight (on its device) into a kernel layout. Done once at load.
 
     ``layout``: "mma" (4-bit with groups of 64 or 128; ``block_n`` 64, 128 (default) or 256
     rows per tile), "tiled" (any of 2/4/8 bits; ``block_n`` 16..128, default 32) or "auto" (the
-    first that fits). ``rows_per_chunk`` bounds the temporary code buffers."""
+    first that fits). ``rows_per_chunk`` bounds the temporary code buffers. ``dense``: also keep
+    the weight unpacked to this dtype (:attr:`PreparedQuant.dense`, for prefill)."""
     if layout == "auto":
         layout = "mma" if qt.bits == 4 and qt.group_size % MMA_CHUNK == 0 else "tiled"
     if layout == "mma":
-        return _prepare_mma(qt, config, block_n or MMA_BLOCK_N, rows_per_chunk)
-    if layout == "tiled":
-        return _prepare_tiled(qt, config, block_n or 32, rows_per_chunk)
-    raise ValueError(f"unknown layout {layout!r}")
+        p = _prepare_mma(qt, config, block_n or MMA_BLOCK_N, rows_per_chunk)
+    elif layout == "tiled":
+        p = _prepare_tiled(qt, config, block_n or 32, rows_per_chunk)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    if dense is not None:
+        # Meta stand-ins (arena planning) get a meta copy of the right size.
+        p.dense = (
+            torch.empty(p.n, p.k, dtype=dense, device="meta")
+            if p.words.is_meta
+            else dequantize_prepared(p, dense)
+        )
+    return p
 
 
 def _scale_bias_words(
@@ -1129,7 +1143,8 @@ def quant_matmul(
     """``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or fp16), fp32 accumulation.
 
     Rows <= 64: one fused Triton launch reading the packed weight once (per 16 rows of x). More
-    rows: dequantize to x's dtype (a Triton pass) and cuBLAS."""
+    rows: cuBLAS on the dense copy when the weight has one in x's dtype, else dequantize to x's
+    dtype (a Triton pass) and cuBLAS."""
     cfg = config or p.config
     lead = x.shape[:-1]
     if x.shape[-1] != p.k:
@@ -1139,7 +1154,10 @@ def quant_matmul(
         x2 = x2.contiguous()
     M = x2.shape[0]
     if M > MAX_FUSED_M or (p.layout == "mma" and x.dtype not in (torch.bfloat16, torch.float16)):
-        return (x2 @ dequantize_prepared(p, x.dtype).T).reshape(*lead, p.n)
+        w = p.dense if p.dense is not None and p.dense.dtype == x.dtype else None
+        return (x2 @ (w if w is not None else dequantize_prepared(p, x.dtype)).T).reshape(
+            *lead, p.n
+        )
     y = torch.empty(M, p.n, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, p.n)
