@@ -180,7 +180,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)).item()
 
 
-@pytest.mark.parametrize("quantized", [False, True])
 def test_dense_prefill_copies_change_no_bit(tmp_path):
     """A 4-bit model that keeps dense prefill copies of its layer weights (the default on a
     large GPU) gives the bits of one that unpacks them per call: a 200-row prefill (cuBLAS on
@@ -198,6 +197,7 @@ def test_dense_prefill_copies_change_no_bit(tmp_path):
     assert t_dense == t_packed and torch.equal(rows_dense, rows_packed)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
 def test_prompt_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized):
     """Captured new prompts (1 and 3 streams per replay, several widths, sharing a memory pool
     with the decode graphs) against the same padded batches run eagerly on the same slots:
