@@ -102,3 +102,25 @@ def test_set_load_and_buckets():
     assert s[("headstart_requests_queued", ())] == 7
     assert s[("headstart_slots_total", ())] == 16
     assert TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 60.0
+
+
+def test_prompt_cache_transfer_counters_are_exposed():
+    """The host tier's restore and demotion figures, so a client computes bandwidth as the
+    difference of bytes over the difference of seconds between two scrapes."""
+    stats = {
+        "cache_host_hits": 2,
+        "cache_host_restored_bytes": 3 << 30,
+        "cache_host_restore_seconds": 0.125,
+        "cache_demoted_bytes": 5 << 20,
+        "cache_demote_seconds": 0.5,
+    }
+    m = Metrics()
+    m.watch_prompt_cache(lambda: stats)
+    s = samples(m)
+    assert s[("headstart_prompt_cache_host_hits_total", ())] == 2
+    assert s[("headstart_prompt_cache_host_restored_bytes_total", ())] == 3 << 30
+    assert s[("headstart_prompt_cache_host_restore_seconds_total", ())] == 0.125
+    assert s[("headstart_prompt_cache_demoted_bytes_total", ())] == 5 << 20
+    assert s[("headstart_prompt_cache_demote_seconds_total", ())] == 0.5
+    stats["cache_host_restored_bytes"] += 1 << 30  # read at scrape time
+    assert samples(m)[("headstart_prompt_cache_host_restored_bytes_total", ())] == 4 << 30

@@ -318,3 +318,37 @@ def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines):
     again = ask(e, prompts[0], GREEDY, "again")
     assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
     assert e.stats()["cache_host_hits"] == 1
+
+
+def test_a_return_from_the_host_tier_is_exact_and_its_copies_are_counted(loaded, engines):
+    """A conversation comes back after others overflowed the device tier into the host tier:
+    its restore is a host hit, answers with the logits of an engine without the cache, and
+    the transfer counters grow by exactly the snapshot's bytes (demotions: the host copies')."""
+    e = make_engine(engines, loaded, interval=0, max_snapshots=2, host_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    first = prompt(loaded, "def first_conversation(x):\n    return x\n")
+    ask(e, first, params, "first")
+    for i in range(3):  # each leaves two snapshots: its prompt and prompt + answer
+        ask(e, prompt(loaded, f"other_{i} = compute({i}) + {i}\n"), params, f"other{i}")
+    cache = e.cache
+    assert not cache.device.contains(first) and cache.host.contains(first)
+    before = e.stats()
+    # Nothing left the host tier (its budget is ample): every host byte came by demotion.
+    assert before["cache_demoted_bytes"] == cache.host.bytes_held > 0
+    assert before["cache_demote_seconds"] > 0
+    assert before["cache_host_restored_bytes"] == before["cache_host_restore_seconds"] == 0
+    snapshot_bytes = cache.host.entries[tuple(first)].nbytes
+    got = ask(e, first, params, "return")  # exact: its first token from the cached logits
+    after = e.stats()
+    assert got.finish.cached_tokens == len(first)
+    assert after["cache_host_hits"] == before["cache_host_hits"] + 1
+    assert after["cache_host_restored_bytes"] == snapshot_bytes
+    assert after["cache_host_restore_seconds"] > 0
+    cold = make_engine(engines, loaded, cache_mib=0)
+    want = ask(cold, first, params, "cold")
+
+    def logprobs(c):
+        return [(p.token_id, p.logprob, p.top_logprobs) for p in c.events[:-1]]
+
+    assert len(logprobs(got)) == 6 and all(lp[2] for lp in logprobs(got))
+    assert logprobs(got) == logprobs(want)  # the same computation: bit for bit

@@ -82,6 +82,10 @@ def test_cache_metrics(servers):
         "headstart_prompt_cache_bytes",
         "headstart_prompt_cache_evictions_total",
         "headstart_prompt_cache_restored_tokens_total",
+        "headstart_prompt_cache_host_restored_bytes_total",
+        "headstart_prompt_cache_host_restore_seconds_total",
+        "headstart_prompt_cache_demoted_bytes_total",
+        "headstart_prompt_cache_demote_seconds_total",
     ):
         assert name in text
     hits = [

@@ -199,6 +199,19 @@ class Snapshot:
             host(self.draft_features),
         )
 
+    def extras_on(self, device: torch.device) -> Snapshot:
+        """This snapshot with its logits and drafter features on ``device`` (copied there when
+        they are elsewhere; the state stays where it is, :meth:`restore` copies it into a
+        slot). A restore from host memory hands the engine this: it samples from the logits
+        and feeds the features on the device, and the restore's timing includes their copy."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Snapshot(
+            self.length, self.state, move(self.logits), move(self.draft_features), self.row
+        )
+
     def _tensors(self) -> list[torch.Tensor]:
         return [
             *self.state.values(),

@@ -10,6 +10,7 @@ longest match into a new stream's slot, and offers every forward's results for s
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,28 @@ class Match:
         return self.entry.payload
 
 
+@dataclass
+class Transfers:
+    """Copies between the tiers: bytes copied and the wall seconds they took, each copy's
+    completion included (on CUDA the clock stops after a synchronize), so ``bytes / seconds``
+    is the bandwidth the engine thread saw."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, nbytes: int, since: float) -> None:
+        """Count a copy of ``nbytes`` that began at ``time.perf_counter()`` = ``since``."""
+        self.bytes += nbytes
+        self.seconds += time.perf_counter() - since
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for the copies queued on ``device``: a CUDA copy may return before it lands, and
+    the forward that follows a restore needs the state anyway."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PromptCache:
     """Snapshots of prompt prefixes in two tiers; the contract:
 
@@ -60,11 +83,16 @@ class PromptCache:
       each entry it drops is copied to the host tier (if there is one and it lacks that
       prefix), whose own budget evicts its least recently used entries for good. The host
       tier only receives entries demoted this way.
+    * Transfers: a restore from the host tier copies the snapshot's state into the slot and
+      its logits and drafter features to the device (the snapshot :meth:`restore` returns
+      holds those copies); its bytes (the snapshot's) and wall time are counted, as are a
+      demotion's (the host copy's bytes and the time to make it).
     * Statistics (:meth:`stats`): the device tier's entries, bytes, hits, misses, restored
-      tokens, evictions and failed restores; the host tier's entries, bytes and hits; and
-      seams: lookups of a prompt that extends a cached generation's prompt but not its answer
-      as generated (the template or the tokenizer gave the answer other tokens: the longest
-      prefix that matches token for token is restored, never more).
+      tokens, evictions and failed restores; the host tier's entries, bytes and hits; the
+      bytes and seconds of host restores and of demotions; and seams: lookups of a prompt
+      that extends a cached generation's prompt but not its answer as generated (the
+      template or the tokenizer gave the answer other tokens: the longest prefix that
+      matches token for token is restored, never more).
 
     Without a device budget the cache is off: no boundaries, no lookups, no snapshots.
     """
@@ -81,6 +109,8 @@ class PromptCache:
         self.generations: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
         self.generation_cap = 4 * config.max_snapshots
         self.seams = 0
+        self.host_restores = Transfers()  # host tier -> a slot on the device
+        self.demotions = Transfers()  # device tier -> host tier
         self.store: SnapshotStore | None = None
         if self.enabled:
             # Rows for the fixed part of snapshots: as many as the budget could hold, capped so
@@ -146,7 +176,11 @@ class PromptCache:
             if self.fail_restores:
                 self.fail_restores -= 1
                 raise RuntimeError("injected restore failure")
-            match.snapshot.restore(self.pool, slot)
+            if match.index is self.host:
+                snap = self._restore_from_host(match.snapshot, slot)
+            else:
+                match.snapshot.restore(self.pool, slot)
+                snap = match.snapshot
         except Exception:
             log.exception("prompt-cache restore failed for %s; prefilling instead", owner)
             match.index.stats.failed_restores += 1
@@ -155,7 +189,18 @@ class PromptCache:
                 self._release(gone)
             return None
         match.index.stats.restored_tokens += match.entry.length
-        return match.snapshot
+        return snap
+
+    def _restore_from_host(self, snap: Snapshot, slot: int) -> Snapshot:
+        """Copy host snapshot ``snap`` into ``slot``, its logits and features to the device,
+        timed until the copies landed; the snapshot with those device copies."""
+        since = time.perf_counter()
+        snap.restore(self.pool, slot)
+        out = snap.extras_on(self.pool.device)
+        _settle(self.pool.device)
+        # Counted only once every copy succeeded: a failed restore moved nothing usable.
+        self.host_restores.add(snap.nbytes(), since)
+        return out
 
     # -- snapshots -------------------------------------------------------------------------
     def take_snapshots(
@@ -247,7 +292,10 @@ class PromptCache:
         if entry is None:
             return
         if self.host.enabled and not self.host.contains(entry.tokens):
+            since = time.perf_counter()
             snap = entry.payload.to_host()
+            _settle(self.pool.device)
+            self.demotions.add(snap.nbytes(), since)
             self.host.insert(entry.tokens, snap.nbytes(), snap)
         self._release(entry)
 
@@ -255,8 +303,9 @@ class PromptCache:
         if entry is not None and self.store is not None:
             self.store.release(entry.payload)
 
-    def stats(self) -> dict[str, int]:
-        """The ``cache_*`` statistics (see the class docstring)."""
+    def stats(self) -> dict[str, float]:
+        """The ``cache_*`` statistics (see the class docstring); counts are ints, the
+        ``*_seconds`` floats."""
         d, h, store = self.device, self.host, self.store
         return {
             "cache_entries": len(d.entries),
@@ -267,6 +316,10 @@ class PromptCache:
             "cache_host_entries": len(h.entries),
             "cache_host_bytes": h.bytes_held,
             "cache_host_hits": h.stats.hits,
+            "cache_host_restored_bytes": self.host_restores.bytes,
+            "cache_host_restore_seconds": self.host_restores.seconds,
+            "cache_demoted_bytes": self.demotions.bytes,
+            "cache_demote_seconds": self.demotions.seconds,
             "cache_hits": d.stats.hits,
             "cache_misses": d.stats.misses,
             "cache_restored_tokens": d.stats.restored_tokens,

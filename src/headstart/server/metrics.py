@@ -169,7 +169,7 @@ class Metrics:
         )
         self.slots_total.set(slots)
 
-    def watch_prompt_cache(self, stats: Callable[[], Mapping[str, int]]) -> None:
+    def watch_prompt_cache(self, stats: Callable[[], Mapping[str, float]]) -> None:
         """Export the engine's prompt-cache counters, read from ``stats()`` at scrape time."""
         self.registry.register(_PromptCacheCollector(stats))
 
@@ -253,6 +253,24 @@ class _PromptCacheCollector(Collector):
             "headstart_prompt_cache_host_hits",
             "Lookups answered from the host-memory tier.",
         ),
+        # Restore bandwidth from the host tier = restored bytes / restore seconds (both
+        # differences between two scrapes); the same for demotions.
+        "cache_host_restored_bytes": (
+            "headstart_prompt_cache_host_restored_bytes",
+            "Bytes copied from host-tier snapshots to the device by restores.",
+        ),
+        "cache_host_restore_seconds": (
+            "headstart_prompt_cache_host_restore_seconds",
+            "Wall seconds of restores from the host tier, until their copies landed.",
+        ),
+        "cache_demoted_bytes": (
+            "headstart_prompt_cache_demoted_bytes",
+            "Bytes copied to host memory by snapshots demoted from the device tier.",
+        ),
+        "cache_demote_seconds": (
+            "headstart_prompt_cache_demote_seconds",
+            "Wall seconds of device-to-host copies of demoted snapshots, until they landed.",
+        ),
         "cache_seams": (
             "headstart_prompt_cache_seams",
             "Prompts extending a cached generation's prompt whose answer tokens differed "
@@ -272,7 +290,7 @@ class _PromptCacheCollector(Collector):
         ),
     }
 
-    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
         self._stats = stats
 
     def describe(self) -> list[Any]:
