@@ -5,7 +5,9 @@
 # `bash benchmarks/device_wheels.sh` here and with `.whl` carried:
 #   bash benchmarks/prefill_session.sh [2b] [27b]
 # Results: $OUT/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases), and a
-# table of every scenario last.
+# table of every scenario last. SCENARIOS="burst long" picks scenarios (default: burst long turn
+# beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
+# FLA's caches warm) and logs that start in $OUT/<shape>-restart.log; SERVE_FLAGS adds flags.
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
@@ -15,16 +17,14 @@ port=18888
 server=
 stop() { [ -n "$server" ] && kill -- "-$server" 2>/dev/null; wait 2>/dev/null; server=; }
 trap stop EXIT
-for shape in $shapes; do
-  fmt=bf16
-  [ "$shape" = 27b ] && fmt=4bit
-  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --format "$fmt" --config-only \
-    --out "/tmp/m-$shape" >/dev/null
+
+# Start `serve` for shape $1 on a new port, logging to $2; wait until it answers; print phases.
+start_server() {
   port=$((port + 1))
-  setsid python3 -m headstart serve "/tmp/m-$shape" --load-format dummy --port "$port" \
-    --context 16384 --parallel 16 ${SERVE_FLAGS:-} >"$out/$shape-serve.log" 2>&1 &
+  setsid python3 -m headstart serve "/tmp/m-$1" --load-format dummy --port "$port" \
+    --context 16384 --parallel 16 ${SERVE_FLAGS:-} >"$2" 2>&1 &
   server=$!
-  python3 - "$port" <<'EOF' || { tail -20 "$out/$shape-serve.log"; stop; continue; }
+  python3 - "$port" <<'EOF' || { tail -20 "$2"; stop; return 1; }
 import sys, time, urllib.request
 deadline = time.time() + 400
 while time.time() < deadline:
@@ -35,13 +35,26 @@ while time.time() < deadline:
         time.sleep(1)
 sys.exit(1)
 EOF
-  grep -E "step budget|ready in|loaded" "$out/$shape-serve.log"
+  grep -E "step budget|ready in|loaded|dense| in [0-9.]+s" "$2" | cut -c25-
+}
+
+for shape in $shapes; do
+  fmt=bf16
+  [ "$shape" = 27b ] && fmt=4bit
+  python3 benchmarks/make_random_checkpoint.py --shape "$shape" --format "$fmt" --config-only \
+    --out "/tmp/m-$shape" >/dev/null
+  start_server "$shape" "$out/$shape-serve.log" || continue
   # burst first: its first burst is the server's first after start-up.
-  for sc in burst long turn beside; do
+  for sc in ${SCENARIOS:-burst long turn beside}; do
     timeout 240 python3 -m headstart bench --arm "headstart=http://127.0.0.1:$port" --orders 1 \
       --scenario "$sc" --out "$out/$shape-$sc" --no-progress >"$out/$shape-$sc.log" 2>&1
     echo "== $shape $sc (rc $?)"
     tail -12 "$out/$shape-$sc.log"
   done
   stop
+  if [ -n "${RESTART:-}" ]; then
+    echo "== $shape restart"
+    start_server "$shape" "$out/$shape-restart.log"
+    stop
+  fi
 done

@@ -233,7 +233,9 @@ def test_prompt_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, quantized)
             alone = model.forward(
                 ForwardBatch.build([SeqChunk(slot, 0, ids)], model.device), pools["alone"]
             )
-            assert rel_err(out.logits[r : r + 1], alone) <= 2e-2
+            # 4-bit: alone, a prompt of <= 64 rows multiplies the exact codes (the fused
+            # kernel); padded in a batch of more rows, the weight rounded to bf16 (cuBLAS).
+            assert rel_err(out.logits[r : r + 1], alone) <= (4e-2 if quantized else 2e-2)
             n = len(ids)
             step = model.forward(
                 ForwardBatch.build([SeqChunk(slot, n, (7,))], model.device), pools["eager"]

@@ -153,6 +153,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(speed measurements without the weights, as vLLM's --load-format dummy)",
     )
     p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="debug also logs every engine step's shape and times",
+    )
+    p.add_argument(
         "--prefill-weights",
         default="auto",
         choices=["auto", "dense", "packed"],
@@ -167,6 +173,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere",
     )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes, one GPU each (NCCL; on a CPU: gloo, the "
+        "cores shared out): attention, GDN heads and the MLP per rank, embedding and head by "
+        "vocabulary; N must divide the head counts. Qwen3.5 only; no CUDA graphs when N > 1 "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--window-graphs",
         action=argparse.BooleanOptionalAction,
@@ -247,6 +263,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise HeadstartError(f"--max-body-mib must be > 0, not {args.max_body_mib:g}")
     if not args.body_timeout > 0:
         raise HeadstartError(f"--body-timeout must be > 0, not {args.body_timeout:g}")
+    if args.tensor_parallel < 1:
+        raise HeadstartError(f"--tensor-parallel must be >= 1, not {args.tensor_parallel}")
     for flag in ("header_timeout", "keep_alive_timeout", "shutdown_timeout"):
         value = getattr(args, flag)
         if not value >= 0:  # also refuses nan
@@ -454,7 +472,10 @@ def serve(args: argparse.Namespace) -> int:
     """
     from headstart.server.auth import ApiKeys
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, getattr(args, "log_level", "info").upper()),
+        format="%(asctime)s %(name)s: %(message)s",
+    )
     asked = getattr(args, "device_asked", args.device)
     log.info("device: %s%s", args.device, " (auto)" if asked == "auto" else "")
     # Everything that can be refused without the model is, before the (long) load.
@@ -479,7 +500,13 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     started = time.monotonic()
     log.info("loading %s ...", args.model or "the embedded default model")
     loaded = load(
-        args.model, args.device, args.dtype, args.kernels, args.load_format, args.prefill_weights
+        args.model,
+        args.device,
+        args.dtype,
+        args.kernels,
+        args.load_format,
+        args.prefill_weights,
+        args.tensor_parallel,
     )
     log.info(
         "loaded %s (%s) in %.1fs", loaded.path.name, loaded.family.name, time.monotonic() - started
@@ -603,6 +630,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         _Server(config, _Drain(state, args.shutdown_timeout)).run(sockets=sockets)
     finally:
         engine.stop()
+        loaded.close()  # the other ranks of a tensor-parallel model
         if state.request_log is not None:
             state.request_log.close()
     return 0
