@@ -25,7 +25,9 @@ from server_proc import serving
 from headstart import cli
 from headstart.bench.check import check_receipt, verify
 from headstart.bench.env import sha256_file
+from headstart.bench.scenario_run import TRANSFER_COUNTERS, counter_growth, parse_counters
 from headstart.bench.scenario_summary import (
+    SERVER_COUNTERS,
     gaps,
     gaps_during,
     repeat_metrics,
@@ -44,6 +46,7 @@ from headstart.bench.scenarios import (
     token_stream,
 )
 from headstart.bench.workload import Sampling
+from headstart.server.metrics import Metrics
 
 QUIET = ["--no-progress", "--no-model-hash"]
 
@@ -219,6 +222,89 @@ def test_beside_gaps_come_from_the_decoders_delta_times(runs):
         assert m["gap_median_s"] == statistics.median(every)
         through = sum(d["times"][-1] > long["t_first"] for d in decoders)
         assert m["decoders_through"] == through
+
+
+#: A device tier that holds one 100-token snapshot of the embedded model (about 0.7 MB) and a
+#: host tier for the rest: each other conversation pushes the one before into host memory.
+HOST_TIER = "--prompt-cache-mib 1 --prompt-cache-host-mib 64"
+RETURN_ROLES = [
+    ("history", 0),
+    ("other", 0),
+    ("other", 1),
+    ("other", 2),
+    ("return", 0),
+    ("cold", 0),
+]
+
+
+@pytest.fixture(scope="module")
+def return_run(url_server, tmp_path_factory) -> Path:
+    """``return`` with tiny sizes on two arms: a command arm with :data:`HOST_TIER` (its
+    returns come back from host memory) and the URL server (a 2 GiB device tier that keeps
+    every conversation, and no host tier)."""
+    out = tmp_path_factory.mktemp("return") / "receipt"
+    serve = f"{sys.executable} -m headstart serve --port {{port}} --parallel 2 --context 512"
+    arms = ["--arm", f"host=cmd:{serve} {HOST_TIER}", "--arm", f"url={url_server}"]
+    sizes = ["--history-tokens", "100", "--turn-tokens", "5", "--others", "3", "--repeats", "2"]
+    rc = bench(
+        "--scenario", "return", *arms, *sizes, "--orders", "1", "--max-tokens", "3", *QUIET,
+        "--out", str(out),
+    )  # fmt: skip
+    assert rc == 0, check_receipt(out).text()
+    return out
+
+
+@pytest.mark.slow
+def test_return_comes_back_from_the_host_tier(return_run, capsys):
+    recs = records(return_run)
+    assert len(recs) == 2 * 2 * 6 and answered(recs, 3)
+    for arm, rep in itertools.product(("host", "url"), range(2)):
+        mine = [r for r in recs if (r["arm"], r["rep"]) == (arm, rep)]
+        assert [(r["role"], r["stream"]) for r in mine] == RETURN_ROLES
+        assert [r["prompt_len"] for r in mine] == [100] * 4 + [105] * 2
+        assert all(a["t_done"] <= b["t_send"] for a, b in itertools.pairwise(mine))
+        assert len({r["request_sha"] for r in mine}) == 6
+        # Only the return finds a prefix: its whole history, from wherever the server kept it.
+        assert [r["cached_tokens"] for r in mine] == [0] * 4 + [100, 0]
+        back = mine[4]
+        restored = [r["host_restored_bytes"] for r in mine]
+        if arm == "host":  # restored from host memory: the return and nothing else
+            assert restored[4] > 0 and back["host_restore_s"] > 0
+            assert restored[:4] == [0] * 4 and restored[5] == 0
+            assert all(r["demoted_bytes"] > 0 and r["demote_s"] > 0 for r in mine[1:])
+        else:  # no host tier: nothing moved
+            assert restored == [0] * 6 and {r["demoted_bytes"] for r in mine} == {0}
+    host = group(return_run, "return", "host")
+    backs = [r for r in recs if r["arm"] == "host" and r["role"] == "return"]
+    colds = [r for r in recs if r["arm"] == "host" and r["role"] == "cold"]
+    assert host["ttft_vs_cold"]["each"] == [
+        b["ttft_s"] / c["ttft_s"] for b, c in zip(backs, colds, strict=True)
+    ]
+    assert host["host_restore_bandwidth"]["each"] == [
+        b["host_restored_bytes"] / b["host_restore_s"] for b in backs
+    ]
+    assert group(return_run, "return", "url")["host_restore_bandwidth"]["n"] == 0
+    table = (return_run / "table.txt").read_text()
+    # Bandwidth rows only where the server moved something between its tiers.
+    rows = [x.split() for x in table.splitlines() if "GB/s" in x]
+    assert [x[: x.index("GB/s") + 2] for x in rows] == [
+        ["return", "host", "restore", "GB/s", "host"],
+        ["return", "demote", "GB/s", "host"],
+    ]
+    assert bench("check", str(return_run)) == 0
+    assert "OK (24 rows)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_check_fails_on_an_edited_transfer_count(return_run, tmp_path):
+    copy = Path(shutil.copytree(return_run, tmp_path / "copy"))
+
+    def edit(recs):
+        back = next(r for r in recs if r["arm"] == "host" and r["role"] == "return")
+        back["host_restored_bytes"] *= 2
+
+    rewrite(copy, edit)
+    assert "summary.json does not match the records" in problems(copy)
 
 
 # ----------------------------------------------------------------------------- bench check
@@ -399,6 +485,25 @@ def test_turn_against_a_fake_sees_its_cache_report(fake, tmp_path):
     assert {r["cached_tokens"] for r in recs if r["role"] != "turn"} == {0}
 
 
+def test_return_against_a_fake_has_no_transfer_figures(fake, tmp_path):
+    url, _ = fake
+    out = tmp_path / "fake-return"
+    argv = ["--arm", f"f={url}", "--history-tokens", "40", "--turn-tokens", "4", "--others", "3"]
+    rc = bench(
+        "--scenario", "return", *argv, "--repeats", "1", "--orders", "1", *QUIET, "--out", str(out)
+    )
+    assert rc == 0
+    recs = records(out)
+    assert [(r["role"], r["stream"]) for r in recs] == RETURN_ROLES
+    assert [r["cached_tokens"] for r in recs] == [0, 0, 0, 0, 40, 0]
+    # Its /metrics is no headstart's: no counters, so no figures and no rows for them.
+    assert {r[f] for r in recs for f in TRANSFER_COUNTERS} == {None}
+    table = (out / "table.txt").read_text()
+    assert "ttft / cold ttft" in table and "GB/s" not in table and "host restored" not in table
+    report = verify(out)
+    assert report.ok and any("no prompt-cache transfer counters" in n for n in report.notes)
+
+
 # ----------------------------------------------------------------------------- pure parts
 
 
@@ -562,3 +667,110 @@ def test_scenario_options_are_checked_before_anything_starts(argv, message, tmp_
     assert bench(*argv, "--out", str(tmp_path / "never")) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_return_steps():
+    sc = make_scenario("return", history_tokens=30, turn_tokens=5, others=3)
+    assert (sc.reps, sc.width, requests_per_arm(sc)) == (3, 1, 3 * 6)
+    steps = repeat_steps(sc, 8, salt_base("r", "arm", 0, "return"), 1)
+    assert all(len(step) == 1 for step in steps)
+    history, *others, back, cold = (q for (q,) in steps)
+    assert [(q.role, q.stream) for q in (history, *others, back, cold)] == RETURN_ROLES
+    assert {q.rep for q in (history, back, cold)} == {1} and {q.max_tokens for q in others} == {8}
+    assert back.ids[:30] == history.ids and len(back.ids) == 35  # it extends its history
+    assert cold.ids[SALT_TOKENS:] == back.ids[SALT_TOKENS:] and cold.ids[0] != back.ids[0]
+    # Every conversation is its own: same length and filler, a salt of its own.
+    assert {len(q.ids) for q in others} == {30}
+    assert len({q.ids[:SALT_TOKENS] for q in (history, *others, cold)}) == 5
+    assert {q.ids[SALT_TOKENS:] for q in others} == {history.ids[SALT_TOKENS:]}
+    control = make_scenario("return", others=0, history_tokens=20)
+    assert [q.role for (q,) in repeat_steps(control, 8, "b", 0)] == ["history", "return", "cold"]
+    d = make_scenario("return")
+    assert (d.history_tokens, d.turn_tokens, d.others, d.repeats) == (4000, 30, 30, 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--others", "3"], "--others: only with --scenario"),
+        (["--scenario", "turn", "--others", "3"], "--others: not used by --scenario turn"),
+        (["--scenario", "return", "--others", "-1"], "--others must be at least 0"),
+        (["--scenario", "return", "--history-tokens", "4"], "--history-tokens must be at least"),
+        (["--scenario", "return", "--prompt-tokens", "64"], "--prompt-tokens: not used by"),
+    ],
+)
+def test_return_options(argv, message, tmp_path, capsys):
+    assert bench(*argv, "--out", str(tmp_path / "never")) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_transfer_counters_are_read_from_a_headstart_exposition():
+    stats = {
+        "cache_host_restored_bytes": 669952,
+        "cache_host_restore_seconds": 0.25,
+        "cache_demoted_bytes": 3 << 30,
+        "cache_demote_seconds": 1.5,
+    }
+    m = Metrics()
+    m.watch_prompt_cache(lambda: stats)
+    before = parse_counters(m.render()[0].decode())
+    assert before == {
+        "host_restored_bytes": 669952,
+        "host_restore_s": 0.25,
+        "demoted_bytes": 3 << 30,
+        "demote_s": 1.5,
+    }
+    stats["cache_host_restored_bytes"] += 1000
+    stats["cache_host_restore_seconds"] += 0.125
+    after = parse_counters(m.render()[0].decode())
+    growth = counter_growth(before, after)
+    assert growth == {
+        "host_restored_bytes": 1000,
+        "host_restore_s": 0.125,
+        "demoted_bytes": 0,
+        "demote_s": 0.0,
+    }
+    assert isinstance(growth["host_restored_bytes"], int)
+    assert parse_counters(Metrics().render()[0].decode()) is None  # no cache: none exposed
+    assert parse_counters("headstart_prompt_cache_demoted_bytes_total 1.0\n") is None
+    # A missing reading or a restarted server (counters went down): no figures.
+    assert counter_growth(None, after) == dict.fromkeys(TRANSFER_COUNTERS)
+    assert counter_growth(after, before) == dict.fromkeys(TRANSFER_COUNTERS)
+
+
+def test_return_metrics_from_hand_made_records():
+    def r(role, ttft, cached, restored=0, restore_s=0.0, demoted=0, demote_s=0.0):
+        return {
+            "role": role,
+            "stream": 0,
+            "ttft_s": ttft,
+            "cached_tokens": cached,
+            "host_restored_bytes": restored,
+            "host_restore_s": restore_s,
+            "demoted_bytes": demoted,
+            "demote_s": demote_s,
+        }
+
+    recs = [
+        r("history", 0.5, 0, demoted=10**9, demote_s=0.5),
+        r("other", 0.5, 0, demoted=2 * 10**9, demote_s=0.5),
+        r("return", 0.1, 4000, restored=3 * 10**9, restore_s=0.25, demoted=10**9, demote_s=0.5),
+        r("cold", 0.4, 0),
+    ]
+    (label, m), (cold, c) = repeat_metrics("return", 0, recs)
+    assert (label, cold) == ("return", "cold") and c == {"ttft_s": 0.4, "cached_tokens": 0}
+    assert m == {
+        "ttft_s": 0.1,
+        "cached_tokens": 4000,
+        "ttft_vs_cold": pytest.approx(0.25),
+        "host_restored_bytes": 3 * 10**9,
+        "host_restore_bandwidth": 12e9,  # 3 GB in a quarter second
+        "demote_bandwidth": pytest.approx(4e9 / 1.5),  # over the whole repeat
+    }
+    # A device hit moves nothing, a server without counters reports nothing: no bandwidth.
+    recs[2].update(host_restored_bytes=0, host_restore_s=0.0)
+    assert repeat_metrics("return", 0, recs)[0][1]["host_restore_bandwidth"] is None
+    for x in recs:
+        x.update(dict.fromkeys(TRANSFER_COUNTERS))
+    m = repeat_metrics("return", 0, recs)[0][1]
+    assert {m[k] for k in SERVER_COUNTERS} == {None}

@@ -50,6 +50,11 @@ prefill scenarios (--scenario; token-id prompts on /v1/completions, each new to 
           median and max TTFT of turns 2..N, the first turn's, the reuse shortfall (cached
           minus the previous prompt and all but its last answer token: 0 or more is full
           reuse) and the cold TTFT. --repeats defaults to 1
+  return  a conversation's H-token (4000) history, then --others K (30) other H-token
+          conversations one after another (pushing it out of a server's fastest cache
+          tier), then it comes back with M (30) new tokens: the return's TTFT, its cached
+          tokens and its TTFT over the same prompt cold; with a headstart server, the
+          host-tier restore and demotion bandwidths read from its /metrics
   The prompt workload's --bursts, --agree, --token-ids, --thinking and --salt do not apply
   (scenario prompts are always salted); --streams is one count.
 
@@ -59,6 +64,8 @@ examples:
                   --arm 'b=cmd:vllm serve ./ckpt --port {port}' --streams 1 16 --bursts 3
   headstart bench --scenario burst --streams 16 --prompt-tokens 31 --arm vllm=http://h:8000
   headstart bench --scenario agent --turns 20 --orders 1 --arm vllm=http://h:8000
+  headstart bench --scenario return --others 30 --history-tokens 4000 --orders 1 \
+                  --arm 'hs=cmd:headstart serve --port {port} --prompt-cache-host-mib 65536'
   headstart bench check bench-receipts/20260101T000000
 """
 
@@ -199,15 +206,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="H",
-        help="turn: the cached history (default: 2000)",
+        help="turn: the cached history (default: 2000); return: the history of every "
+        "conversation (default: 4000)",
     )
     s.add_argument(
         "--turn-tokens",
         type=int,
         default=None,
         metavar="M",
-        help="turn: new tokens after the history (default: 30); agent: the tool result "
-        "that ends each turn after the first (default: 500)",
+        help="turn, return: new tokens after the history (default: 30); agent: the tool "
+        "result that ends each turn after the first (default: 500)",
     )
     s.add_argument(
         "--turns",
@@ -215,6 +223,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="agent: turns of the conversation (default: 20)",
+    )
+    s.add_argument(
+        "--others",
+        type=int,
+        default=None,
+        metavar="K",
+        help="return: other conversations sent before the first comes back (default: 30)",
     )
     s.add_argument(
         "--decode-tokens",
@@ -292,7 +307,15 @@ def _scenario(args: argparse.Namespace):  # -> scenarios.Scenario | None
     HeadstartError for options that belong to the other kind of run."""
     from headstart.bench.scenarios import make_scenario
 
-    sizes = ("prompt_tokens", "history_tokens", "turn_tokens", "decode_tokens", "turns", "repeats")
+    sizes = (
+        "prompt_tokens",
+        "history_tokens",
+        "turn_tokens",
+        "decode_tokens",
+        "turns",
+        "others",
+        "repeats",
+    )
     if args.scenario is None:
         given = [n for n in (*sizes, "token_range") if getattr(args, n) is not None]
         if given:

@@ -16,9 +16,11 @@ Checks, in order, each failure named precisely:
 6. ``summary.json`` and ``table.txt`` equal a fresh summary of the records.
 
 Notes, not failures: a server that counted other prompt lengths than were sent, ``beside``
-repeats whose decoders ended before the long prompt's first token, and ``agent`` runs where
+repeats whose decoders ended before the long prompt's first token, ``agent`` runs where
 the server reported no cached tokens, or some on a first turn or cold reference (whose salt
-should make them new to it).
+should make them new to it), and ``return`` runs where a salted prompt found cached tokens,
+a return found less than its whole history cached, or the server exposed no transfer
+counters (no bandwidth figures).
 
 Non-goals: judging whether the numbers are good; re-running anything.
 """
@@ -214,6 +216,29 @@ def _agent_notes(records: list[Record], report: CheckReport) -> None:
         )
 
 
+def _return_notes(records: list[Record], config: dict[str, Any], report: CheckReport) -> None:
+    history = config["scenario"]["history_tokens"]
+    fresh = [r for r in records if r["role"] != "return"]
+    hits = [f"{_describe(r)}: {r['cached_tokens']} cached" for r in fresh if r["cached_tokens"]]
+    if hits:
+        report.notes += capped("salted prompts found cached tokens (a salt matched?)", hits)
+    returns = [r for r in records if r["role"] == "return" and r["status"] == 200]
+    short = [
+        f"{_describe(r)}: {r['cached_tokens']} of {history}"
+        for r in returns
+        if r["cached_tokens"] is not None and r["cached_tokens"] < history
+    ]
+    if short:
+        report.notes += capped(
+            "returns found less than their history cached (the server dropped it)", short
+        )
+    if any(r["host_restored_bytes"] is None for r in returns):
+        report.notes.append(
+            "the server exposed no prompt-cache transfer counters on /metrics for some "
+            "returns: no host restore or demote bandwidth for them"
+        )
+
+
 def check_scenario_receipt(folder: Path, report: CheckReport) -> CheckReport:
     """Run every check on the scenario receipt in ``folder`` (see the module docstring),
     adding to ``report``; never raises for a bad receipt."""
@@ -255,5 +280,7 @@ def check_scenario_receipt(folder: Path, report: CheckReport) -> CheckReport:
         _beside_notes(fresh, config, report)
     if config["scenario"]["name"] == "agent":
         _agent_notes(records, report)
+    if config["scenario"]["name"] == "return":
+        _return_notes(records, config, report)
     client_note(folder, report)
     return report

@@ -20,6 +20,13 @@ previous one ended. A failed turn ends its repeat there (``bench check`` reports
 and the turns it left unsent); a turn answered without its token ids ends the run with an
 error, as no later prompt could be built.
 
+``return`` sends its conversations one after another, each a step of its own (the order the
+server's cache sees them is the design's). Around each request it reads the server's
+prompt-cache transfer counters (:data:`TRANSFER_COUNTERS`) from ``/metrics`` on a connection
+of its own, just before the request is sent and right after it ended, and records their
+growth (``scenario_summary.RETURN_FIELDS``); a server whose ``/metrics`` lacks them when the
+arm starts is not asked again, and its records hold None there.
+
 The receipt's layout is in ``receipt.py``.
 
 Non-goals: what is sent (``scenarios.py``), summarising (``scenario_summary.py``), judging
@@ -65,6 +72,73 @@ from headstart.bench.scenarios import (
 from headstart.bench.workload import COMPLETIONS, Sampling, request_sha
 from headstart.errors import HeadstartError
 
+#: headstart's prompt-cache transfer counters on ``/metrics`` (``server/metrics.py``), by the
+#: record field their growth across a request goes to.
+TRANSFER_COUNTERS = {
+    "host_restored_bytes": "headstart_prompt_cache_host_restored_bytes_total",
+    "host_restore_s": "headstart_prompt_cache_host_restore_seconds_total",
+    "demoted_bytes": "headstart_prompt_cache_demoted_bytes_total",
+    "demote_s": "headstart_prompt_cache_demote_seconds_total",
+}
+
+
+def parse_counters(text: str) -> dict[str, float] | None:
+    """The :data:`TRANSFER_COUNTERS` in a Prometheus exposition text, by field; None unless
+    every one is there (unlabelled samples: ``name value [timestamp]``)."""
+    fields = {name: field for field, name in TRANSFER_COUNTERS.items()}
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in fields:
+            try:
+                values[fields[name]] = float(rest.split()[0])
+            except (ValueError, IndexError):
+                return None
+    return values if len(values) == len(fields) else None
+
+
+def counter_growth(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, int | float | None]:
+    """Each counter's growth from ``before`` to ``after`` (bytes as ints), all None where a
+    reading is missing or a counter went down (the server restarted in between)."""
+    if before is None or after is None or any(after[f] < before[f] for f in before):
+        return dict.fromkeys(TRANSFER_COUNTERS)
+    return {
+        f: round(after[f] - before[f]) if f.endswith("_bytes") else after[f] - before[f]
+        for f in TRANSFER_COUNTERS
+    }
+
+
+class Counters:
+    """Reads a server's :data:`TRANSFER_COUNTERS` from ``/metrics`` on a connection of its
+    own, so no lane's connection or timing is touched."""
+
+    def __init__(self, url: str, headers: dict[str, str], timeout: float) -> None:
+        self.url, self.headers = url + "/metrics", headers
+        self.client = httpx.AsyncClient(timeout=timeout)
+
+    @classmethod
+    async def open(cls, url: str, headers: dict[str, str], timeout: float) -> Counters | None:
+        """A reader for the server at ``url``, or None when its ``/metrics`` does not hold
+        the counters (another server: none of its records gets figures)."""
+        counters = cls(url, headers, timeout)
+        if await counters.read() is None:
+            await counters.aclose()
+            return None
+        return counters
+
+    async def read(self) -> dict[str, float] | None:
+        """The counters now, or None when the scrape failed."""
+        try:
+            r = await self.client.get(self.url, headers=self.headers)
+        except httpx.HTTPError:
+            return None
+        return parse_counters(r.text) if r.status_code == 200 else None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
 
 class Lanes:
     """One HTTP client per concurrent stream, each held to one kept-alive connection, so a
@@ -96,6 +170,8 @@ class _Arm:
     t0: float
     lanes: Lanes
     records: list[Record]
+    #: ``return`` on a server exposing them: its transfer counters, read around each request.
+    counters: Counters | None = None
 
     async def send(self, lane: int, req: Request, watch: Callable[[int], None] | None) -> Record:
         """Send ``req`` on ``lane``, append its record and return it; ``watch(n)`` is called
@@ -113,9 +189,11 @@ class _Arm:
                 watch(len(times))
 
         payload = json.dumps(body).encode()
+        before = await self.counters.read() if self.counters is not None else None
         row, out = await measure(
             self.lanes.clients[lane], t.url + COMPLETIONS, payload, self.t0, self.headers, on_delta
         )
+        after = await self.counters.read() if self.counters is not None else None
         t.done()
         record = {
             "arm": t.arm,
@@ -133,6 +211,8 @@ class _Arm:
         }
         if self.scenario == "agent":
             record["output_ids"] = token_ids(out.tokens)
+        if self.scenario == "return":
+            record.update(counter_growth(before, after))
         self.records.append(record)
         return record
 
@@ -202,7 +282,10 @@ async def _scenario_work(
     base = salt_base(run_id, target.arm, target.order, sc.name)
     headers = {"Content-Type": "application/json", **auth_headers(plan)}
     lanes = Lanes(sc.width, plan.request_timeout)
-    arm = _Arm(target, sc.name, plan.sampling, headers, t0, lanes, records)
+    counters = None
+    if sc.name == "return":
+        counters = await Counters.open(target.url, headers, plan.request_timeout)
+    arm = _Arm(target, sc.name, plan.sampling, headers, t0, lanes, records, counters)
     try:
         if sc.name == "agent":
             await arm.agent(sc, plan.sampling.max_tokens, base)
@@ -211,6 +294,8 @@ async def _scenario_work(
                 await arm.step(step, beside=sc.name == "beside")
     finally:
         await lanes.aclose()
+        if counters is not None:
+            await counters.aclose()
 
 
 def _ordered(records: list[Record], scenario: str) -> list[Record]:

@@ -2,7 +2,8 @@
 
 Job: the record schema of a scenario receipt (:func:`record_schema`); per repeat, the
 scenario's measurements (:func:`repeat_metrics`: TTFTs, cached tokens, for ``beside`` the
-decoders' inter-token gaps, for ``agent`` the reuse shortfall); per (row, arm), the median,
+decoders' inter-token gaps, for ``agent`` the reuse shortfall, for ``return`` the return's
+TTFT over the cold one's and the server's host-tier bandwidths); per (row, arm), the median,
 maximum and each repeat's value; for ``agent`` the same per turn; ratios to the baseline arm
 balanced over orders; and the text table. Deterministic: ``bench check`` recomputes
 :func:`summarize_scenario` from the stored records.
@@ -15,6 +16,13 @@ An ``agent`` turn after the first can find cached at most the previous turn's pr
 but the last of its answer's tokens (the last one was sampled, never fed through the model).
 Its *reuse shortfall* is what it found cached minus that; the repeat's is the minimum over
 its turns (:func:`reuse_shortfall`): 0 or more means every turn restored all of it.
+
+A ``return`` record carries the differences of the server's prompt-cache transfer counters
+across its request (:data:`RETURN_FIELDS`). The repeat's *host restore* bandwidth is the
+return's restored bytes over its restore seconds (the restore of the returning conversation
+from host memory, when it was one); its *demote* bandwidth is the repeat's demoted bytes over
+its demote seconds (device to host copies as the others pushed snapshots out). A server that
+exposes no such counters has None there, and the table leaves those rows out.
 
 Non-goals: reading or writing files; deciding pass/fail (``scenario_check.py``).
 """
@@ -40,7 +48,7 @@ RECORD_SCHEMA: dict[str, type] = {
     "slot": int,
     "scenario": str,
     "rep": int,  # repeat; in ``burst`` rep 0 is the first burst
-    "role": str,  # long | burst | history | turn | cold | decoder | agent (``scenarios.Request``)
+    "role": str,  # long | burst | history | turn | cold | decoder | agent | other | return
     "stream": int,  # index of the request within its step; agent: the turn, 0-based
     "prompt_len": int,  # token ids sent as the prompt
     "max_tokens": int,
@@ -65,6 +73,18 @@ RECORD_SCHEMA: dict[str, type] = {
 #: The fields an ``agent`` record has after :data:`RECORD_SCHEMA`: the token ids the server
 #: generated (which the next turn's prompt appends); None: it returned none (failed).
 AGENT_FIELDS: dict[str, Any] = {"output_ids": list[int]}
+#: The fields a ``return`` record has after :data:`RECORD_SCHEMA`: how much the server's
+#: counters (headstart's ``/metrics``: ``headstart_prompt_cache_host_restored_bytes_total``,
+#: ``..._host_restore_seconds_total``, ``..._demoted_bytes_total``,
+#: ``..._demote_seconds_total``) grew from just before the request was sent to right after it
+#: ended: bytes copied from the host tier to the device and the seconds those restores took,
+#: the same for device-to-host demotions. None: the server exposes none, or a scrape failed.
+RETURN_FIELDS: dict[str, Any] = {
+    "host_restored_bytes": int,
+    "host_restore_s": float,
+    "demoted_bytes": int,
+    "demote_s": float,
+}
 #: The fields that name a record; a receipt holds each key exactly once.
 RECORD_KEY = ("arm", "order", "rep", "role", "stream")
 
@@ -75,6 +95,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "turn": ("turn", "cold"),
     "beside": ("beside",),
     "agent": ("turns", "first", "cold"),  # turns: turns 2..N; first: turn 1
+    "return": ("return", "cold"),
 }
 #: Metric -> (table name, unit, scale, digits). Metrics ending in ``_s`` are times.
 METRICS: dict[str, tuple[str, str, float, int]] = {
@@ -90,14 +111,22 @@ METRICS: dict[str, tuple[str, str, float, int]] = {
     "reuse_shortfall": ("reuse shortfall", "tokens", 1, 0),
     "prompt_len": ("prompt", "tokens", 1, 0),
     "cached_fraction": ("cached", "%", 100, 1),
+    "ttft_vs_cold": ("ttft / cold ttft", "x", 1, 3),
+    "host_restored_bytes": ("host restored", "MB", 1e-6, 1),
+    "host_restore_bandwidth": ("host restore", "GB/s", 1e-9, 2),
+    "demote_bandwidth": ("demote", "GB/s", 1e-9, 2),
 }
+#: Metrics only a server that exposes its transfer counters has: a table row for one is
+#: printed only where some repeat has a value.
+SERVER_COUNTERS = ("host_restored_bytes", "host_restore_bandwidth", "demote_bandwidth")
 
 
 def record_schema(scenario: str) -> dict[str, Any]:
-    """Field -> type of the records of ``scenario``: :data:`RECORD_SCHEMA`, and for
-    ``agent`` :data:`AGENT_FIELDS` after it (the other scenarios' receipts stay as they
-    were)."""
-    return {**RECORD_SCHEMA, **AGENT_FIELDS} if scenario == "agent" else dict(RECORD_SCHEMA)
+    """Field -> type of the records of ``scenario``: :data:`RECORD_SCHEMA`, and after it
+    :data:`AGENT_FIELDS` for ``agent``, :data:`RETURN_FIELDS` for ``return`` (the other
+    scenarios' receipts stay as they were)."""
+    extra = {"agent": AGENT_FIELDS, "return": RETURN_FIELDS}.get(scenario, {})
+    return {**RECORD_SCHEMA, **extra}
 
 
 def gaps(times: Sequence[float]) -> list[float]:
@@ -197,6 +226,36 @@ def _agent(by_role: dict[str, list[Record]]) -> list[tuple[str, dict]]:
     ]
 
 
+def bandwidth(nbytes: float | None, seconds: float | None) -> float | None:
+    """Bytes per second, or None where either is unknown or no time was spent (nothing was
+    copied: the return was no host restore)."""
+    return None if nbytes is None or not seconds else nbytes / seconds
+
+
+def _return(by_role: dict[str, list[Record]], recs: list[Record]) -> list[tuple[str, dict]]:
+    """``return``'s rows: the return (TTFT, cached tokens, TTFT over the cold one's, the
+    host-tier figures of the module docstring) and the cold reference."""
+    (back,), (cold,) = by_role["return"], by_role["cold"]
+    ratio = None
+    if back["ttft_s"] is not None and cold["ttft_s"]:
+        ratio = back["ttft_s"] / cold["ttft_s"]
+    demoted = [r["demoted_bytes"] for r in recs]
+    seconds = [r["demote_s"] for r in recs]
+    demote = None
+    if None not in demoted and None not in seconds:
+        demote = bandwidth(sum(demoted), sum(seconds))
+    restored = back["host_restored_bytes"]
+    measured = {
+        "ttft_s": back["ttft_s"],
+        "cached_tokens": back["cached_tokens"],
+        "ttft_vs_cold": ratio,
+        "host_restored_bytes": restored,
+        "host_restore_bandwidth": bandwidth(restored, back["host_restore_s"]),
+        "demote_bandwidth": demote,
+    }
+    return [("return", measured), ("cold", {m: cold[m] for m in ("ttft_s", "cached_tokens")})]
+
+
 def repeat_metrics(scenario: str, rep: int, recs: list[Record]) -> list[tuple[str, dict]]:
     """The measurements of one repeat of one arm in one order, as (row label, metrics)."""
     by_role: dict[str, list[Record]] = defaultdict(list)
@@ -219,6 +278,8 @@ def repeat_metrics(scenario: str, rep: int, recs: list[Record]) -> list[tuple[st
         return [("beside", _beside(recs))]
     if scenario == "agent":
         return _agent(by_role)
+    if scenario == "return":
+        return _return(by_role, recs)
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
@@ -325,6 +386,10 @@ def scenario_title(config: dict[str, Any]) -> str:
         "agent": f"an agent loop of {sc['turns']} turns, the first {sc['prompt_tokens']} "
         f"tokens, each later one the last prompt, its answer and {sc['turn_tokens']} new "
         "tokens; the last prompt again cold",
+        # .get: every entry is built, and receipts from before ``return`` have no others.
+        "return": f"a {sc['history_tokens']}-token conversation comes back with "
+        f"{sc['turn_tokens']} new tokens after {sc.get('others')} others of as many "
+        "tokens, and the same prompt cold",
     }[sc["name"]]
     arms = ", ".join(a["name"] for a in config["arms"])
     return (
@@ -362,6 +427,8 @@ def format_scenario_table(summary: dict[str, Any], title: str = "") -> str:
     lines += [head, "-" * len(head)]
     for g in summary["groups"]:
         for m, st in g["metrics"].items():
+            if m in SERVER_COUNTERS and not st["n"]:
+                continue  # a server without the counters: nothing to print for them
             name, unit, scale, digits = METRICS[m]
             if not m.endswith("_s"):
                 vs = ""

@@ -31,6 +31,13 @@ The scenarios, per repeat (``repeats`` of them; ``burst`` sends one more, its fi
   depends on the previous answer, so the steps are not known in advance: :func:`agent_turn`
   and :func:`agent_cold` build each request from the previous one and its answer, and
   :func:`agent_steps` rebuilds a whole run from the answers (for ``bench check``).
+- ``return``: a conversation's history of ``history_tokens`` (primes the prompt cache; not
+  reported), then ``others`` other conversations, each a history of ``history_tokens`` under
+  its own salt, sent one after another (so the server's cache sees them in a known order and
+  the first conversation is the least recently used: a server whose device tier holds fewer
+  than ``others + 1`` histories has moved it to a slower tier or dropped it; not reported),
+  then the first conversation comes back: its history plus ``turn_tokens`` new ones (the
+  return), then the same length under a fresh salt (the cold comparison).
 
 Non-goals: sending (``scenario_run.py``) and summarising (``scenario_summary.py``).
 """
@@ -45,7 +52,7 @@ from typing import Any
 from headstart.bench.workload import Sampling
 from headstart.errors import HeadstartError
 
-SCENARIOS = ("long", "burst", "turn", "beside", "agent")
+SCENARIOS = ("long", "burst", "turn", "beside", "agent", "return")
 #: Ids at the front of every prompt that come from its salt key (the rest is shared filler).
 SALT_TOKENS = 8
 #: Prompt length of each decoding stream of ``beside`` (short: their prefill is not measured).
@@ -69,6 +76,7 @@ SIZES: dict[str, dict[str, int | None]] = {
     "beside": {"prompt_tokens": 8192, "streams": 8, "decode_tokens": None},
     # One repeat by default: twenty turns of a growing prompt take long already.
     "agent": {"turns": 20, "prompt_tokens": 2000, "turn_tokens": 500, "repeats": 1},
+    "return": {"history_tokens": 4000, "turn_tokens": None, "others": None},
 }
 
 
@@ -83,6 +91,7 @@ class Scenario:
     turn_tokens: int = 30
     decode_tokens: int = 512
     turns: int = 20
+    others: int = 30
     repeats: int = 3
     token_lo: int = 1000
     token_hi: int = 4000
@@ -129,13 +138,15 @@ def make_scenario(name: str, **given: int | None) -> Scenario:
         "decode_tokens": DECODING_DELTAS + 1,
         # Turns 2.. are what agent measures (their TTFT, what they found cached).
         "turns": 2,
+        # No others is a control: the return then restores from wherever a turn does.
+        "others": 0,
         "repeats": 1,
         "token_lo": 0,
     }
     # Only the prompt sizes the scenario sends must hold a salt.
     if name in ("long", "burst", "beside", "agent"):
         floors["prompt_tokens"] = SALT_TOKENS
-    if name == "turn":
+    if name in ("turn", "return"):
         floors["history_tokens"] = SALT_TOKENS
     for key, low in floors.items():
         if getattr(sc, key) < low:
@@ -176,9 +187,10 @@ def salt_base(run_id: str, arm: str, order: int, scenario: str) -> str:
 @dataclass(frozen=True)
 class Request:
     """One request of a repeat. ``role``: long | burst | history | turn | cold | decoder |
-    agent. ``stream``: the request's index within its step; for ``agent`` turns, the turn
-    (0-based). ``token_ids``: ask the server for the ids it generates (``agent``, whose next
-    prompt appends them)."""
+    agent | other | return. ``stream``: the request's index within its step; for ``agent``
+    turns, the turn (0-based); for ``return``'s others, the conversation (0-based).
+    ``token_ids``: ask the server for the ids it generates (``agent``, whose next prompt
+    appends them)."""
 
     rep: int
     role: str
@@ -215,12 +227,31 @@ def repeat_steps(sc: Scenario, max_tokens: int, base: str, rep: int) -> list[lis
         assert turn[: len(history)] == history
         cold = prompt("cold", 0, sc.history_tokens + sc.turn_tokens)
         return [[req("history", 0, history)], [req("turn", 0, turn)], [req("cold", 0, cold)]]
+    if sc.name == "return":
+        return _return_steps(sc, prompt, req)
     assert sc.name == "beside", sc.name
     decoders = [
         req("decoder", s, prompt("decoder", s, DECODER_PROMPT_TOKENS), sc.decode_tokens)
         for s in range(sc.streams)
     ]
     return [[*decoders, req("long", 0, prompt("long", 0, sc.prompt_tokens))]]
+
+
+def _return_steps(
+    sc: Scenario,
+    prompt: Callable[[str, int, int], tuple[int, ...]],
+    req: Callable[[str, int, tuple[int, ...]], Request],
+) -> list[list[Request]]:
+    """``return``'s steps, one request each: the history, the others, the return, the cold
+    prompt. As in ``turn``, the return extends the history by the filler that follows it and
+    the cold prompt is the same tokens under another salt; every other conversation shares
+    the filler too, behind its own salt, so none of it can serve the return."""
+    history = prompt("history", 0, sc.history_tokens)
+    back = prompt("history", 0, sc.history_tokens + sc.turn_tokens)
+    assert back[: len(history)] == history
+    cold = prompt("cold", 0, sc.history_tokens + sc.turn_tokens)
+    others = [[req("other", k, prompt("other", k, sc.history_tokens))] for k in range(sc.others)]
+    return [[req("history", 0, history)], *others, [req("return", 0, back)], [req("cold", 0, cold)]]
 
 
 def all_steps(sc: Scenario, max_tokens: int, base: str) -> list[list[Request]]:
