@@ -60,6 +60,13 @@ def _settle(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _start(device: torch.device) -> float:
+    """The clock at the start of a copy on ``device``, once the work queued before it is done
+    (so a transfer's seconds are its copies', not a forward's still running)."""
+    _settle(device)
+    return time.perf_counter()
+
+
 class PromptCache:
     """Snapshots of prompt prefixes in two tiers; the contract:
 
@@ -194,7 +201,7 @@ class PromptCache:
     def _restore_from_host(self, snap: Snapshot, slot: int) -> Snapshot:
         """Copy host snapshot ``snap`` into ``slot``, its logits and features to the device,
         timed until the copies landed; the snapshot with those device copies."""
-        since = time.perf_counter()
+        since = _start(self.pool.device)
         snap.restore(self.pool, slot)
         out = snap.extras_on(self.pool.device)
         _settle(self.pool.device)
@@ -292,7 +299,7 @@ class PromptCache:
         if entry is None:
             return
         if self.host.enabled and not self.host.contains(entry.tokens):
-            since = time.perf_counter()
+            since = _start(self.pool.device)
             snap = entry.payload.to_host()
             _settle(self.pool.device)
             self.demotions.add(snap.nbytes(), since)
