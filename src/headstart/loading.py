@@ -114,6 +114,12 @@ class LoadedModel:
         extra = self.tokenizer.eos_token_id
         return ids if extra is None or extra in ids else (*ids, extra)
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel model (nothing to do for one process)."""
+        peers = getattr(self.model, "peers", None)
+        if peers is not None:
+            peers.close()
+
 
 def load(
     name: str | None = None,
@@ -122,13 +128,16 @@ def load(
     kernels: str = "auto",
     load_format: str = "auto",
     prefill_weights: str = "auto",
+    tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
     to float32 on CPU and bfloat16 elsewhere; kernels: "auto" (GPU kernels on CUDA when
     available), "reference" or "gpu"; load_format: "auto" (the checkpoint's weights) or
     "dummy" (random weights at its config's shapes: speed measurements without the weights);
     prefill_weights: "auto" (the family's rule for keeping dense copies of quantized weights
-    for prefill, by device memory), "dense" (always) or "packed" (never)."""
+    for prefill, by device memory), "dense" (always) or "packed" (never); tensor_parallel: the
+    model split over that many processes (rank 0 is this one; see ``headstart.parallel``),
+    refused (HeadstartError) for a family or a checkpoint that cannot be split so."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     if prefill_weights not in PREFILL_WEIGHTS:
@@ -138,6 +147,7 @@ def load(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     family = family_for(path)
+    check_tensor_parallel(family, path, tensor_parallel)
     tokenizer = Tokenizer.from_dir(path)
     params = inspect.signature(family.load).parameters
     extra: dict[str, Any] = {}
@@ -149,5 +159,26 @@ def load(
         extra["dummy"] = True
     if PREFILL_WEIGHTS[prefill_weights] is not None and "dense_bytes" in params:
         extra["dense_bytes"] = PREFILL_WEIGHTS[prefill_weights]
-    model = family.load(path, DTYPES[dtype], device, kernels, **extra)
+    if tensor_parallel == 1:
+        model = family.load(path, DTYPES[dtype], device, kernels, **extra)
+    else:
+        from headstart.parallel.launch import load_parallel
+
+        model = load_parallel(family, path, tensor_parallel, DTYPES[dtype], device, kernels, extra)
     return LoadedModel(path, model, tokenizer, family)
+
+
+def check_tensor_parallel(family: ModelFamily, path: Path, world: int) -> None:
+    """Raise HeadstartError, before any process starts, when the checkpoint in ``path`` cannot
+    be split ``world`` ways: a family without tensor parallelism, or heads that ``world``
+    does not divide (the family's ``split`` says which)."""
+    if world < 1:
+        raise HeadstartError(f"--tensor-parallel must be >= 1, not {world}")
+    if world == 1:
+        return
+    if family.split is None:
+        raise HeadstartError(
+            f"the {family.name} family has no tensor-parallel support "
+            f"(--tensor-parallel {world}); serve it with --tensor-parallel 1"
+        )
+    family.split(path, world)

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from headstart.engine.prompt_cache import CacheEntry, PromptCacheIndex, Snapshot
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.scheduler import Work
 from headstart.state import StatePool
+
+if TYPE_CHECKING:
+    from headstart.parallel.snapshots import SnapshotTwins
 
 log = logging.getLogger("headstart.engine")
 
@@ -102,10 +106,20 @@ class PromptCache:
       matches token for token is restored, never more).
 
     Without a device budget the cache is off: no boundaries, no lookups, no snapshots.
+
+    ``twins`` (a tensor-parallel model's rank 0): every snapshot taken, restored or copied to
+    the host tier is reported there, so the other ranks do the same with their part of it.
     """
 
-    def __init__(self, pool: StatePool, config: CacheConfig, vocab_size: int) -> None:
+    def __init__(
+        self,
+        pool: StatePool,
+        config: CacheConfig,
+        vocab_size: int,
+        twins: SnapshotTwins | None = None,
+    ) -> None:
         self.pool = pool
+        self.twins = twins
         self.device = PromptCacheIndex(config.bytes, config.max_tokens)
         self.host = PromptCacheIndex(config.host_bytes, config.max_tokens)
         self.interval = config.interval
@@ -188,6 +202,8 @@ class PromptCache:
             else:
                 match.snapshot.restore(self.pool, slot)
                 snap = match.snapshot
+            if self.twins is not None:
+                self.twins.restored(match.snapshot, slot)
         except Exception:
             log.exception("prompt-cache restore failed for %s; prefilling instead", owner)
             match.index.stats.failed_restores += 1
@@ -287,6 +303,8 @@ class PromptCache:
         snap = self.store.take(
             self.pool, slot, len(key), logits.float() if logits is not None else None, features()
         )
+        if self.twins is not None:
+            self.twins.taken(snap, slot)
         for gone in self.device.insert(key, snap.nbytes(), snap):
             self._demote(gone)
         if not self.device.contains(key):  # refused (over budget): give the row back
@@ -303,6 +321,8 @@ class PromptCache:
             snap = entry.payload.to_host()
             _settle(self.pool.device)
             self.demotions.add(snap.nbytes(), since)
+            if self.twins is not None:
+                self.twins.copied(entry.payload, snap)
             self.host.insert(entry.tokens, snap.nbytes(), snap)
         self._release(entry)
 

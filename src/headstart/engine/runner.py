@@ -25,6 +25,8 @@ from headstart.engine.scheduler import Work
 from headstart.engine.spec.proposal import Speculator
 from headstart.engine.spec.verification import Draft
 from headstart.models.contract import CausalLM, ForwardOutput
+from headstart.parallel.peers import Call, lockstep
+from headstart.parallel.snapshots import SnapshotTwins
 
 log = logging.getLogger("headstart.engine")
 
@@ -108,7 +110,11 @@ class _GraphPlan:
 
 class ModelRunner:
     """Owns the model, the state pool (with graphs, one extra slot: the scratch slot, where
-    padding rows and graph captures write) and every graph. Engine-thread only."""
+    padding rows and graph captures write) and every graph. Engine-thread only.
+
+    With a tensor-parallel model, rank 0's runner (``peers`` set) sends each call marked
+    ``lockstep`` to the other ranks' runners, which run it on their heads' state, and ``twins``
+    keeps their part of the prompt cache's snapshots; graphs are not captured there."""
 
     # At most this many prompt or continued-chunk replays in a step; a step that needs more goes
     # eager, where its chunks share one batched forward.
@@ -126,7 +132,14 @@ class ModelRunner:
             if g.enabled is not None
             else model.kernels.graphs and model.device.type == "cuda"
         )
+        self.peers = getattr(model, "peers", None)  # rank 0 of a tensor-parallel group
+        if self.graphed and getattr(model, "tp", None) is not None:
+            log.info("CUDA graphs off: tensor-parallel forwards run eagerly")
+            self.graphed = False
         self.pool = model.new_state_pool(self.num_slots + int(self.graphed), self.context)
+        self.twins = SnapshotTwins(self.peers) if self.peers is not None else None
+        if self.peers is not None:
+            self.peers.call(Call("worker", "start_runner", (config,)))
         self.scratch = self.num_slots
         self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
         self.decode_graphs = self.prompt_graphs = self.continuation_graphs = None
@@ -240,7 +253,9 @@ class ModelRunner:
     def _runnable(self, chunk: SeqChunk) -> Callable[[], object]:
         """``chunk``'s forward as steps run it, to be timed: when rounds run from graphs (window
         graphs captured), decode rows and chain windows replay on the scratch slot; the rest
-        is an eager forward on ``chunk.slot``."""
+        is an eager forward on ``chunk.slot`` (on every rank of a tensor-parallel group)."""
+        if self.peers is not None:
+            return lambda: self._forward([chunk])
         wg = self.window_graphs
         if wg is not None and chunk.parents is None:
             if len(chunk.tokens) == 1:
@@ -250,6 +265,7 @@ class ModelRunner:
         return lambda: self.model.forward_ex(batch, self.pool, self.taps)
 
     # -- steps --------------------------------------------------------------------------------
+    @lockstep("runner")
     def run(self, step: Step) -> ForwardOutput:
         """Run ``step``: from graph replays when every chunk is a decode row, a new prompt (or
         its first chunk) within the prompt graphs' lengths, or a continued chunk of a captured
@@ -269,6 +285,7 @@ class ModelRunner:
         self._chunks, self._records = {c.slot: c for c in chunks}, out.records
         return out
 
+    @lockstep("runner")
     def commit(self, slot: int, path: Sequence[int]) -> None:
         """After the last step: keep the accepted ``path`` (window rows from the anchor, 0
         first) of ``slot``'s verify window in its state and undo the rest: a chain keeps its
@@ -278,6 +295,7 @@ class ModelRunner:
         else:
             self.rollback(slot, len(path))
 
+    @lockstep("runner")
     def rollback(self, slot: int, keep: int) -> None:
         """After the last step: keep the first ``keep`` rows of ``slot``'s chain window in its
         state (the GDN state is replayed over them; KV rows past them are never read)."""
@@ -289,12 +307,14 @@ class ModelRunner:
         elif keep < len(self._chunks[slot].tokens):
             self.model.rollback(self.pool, slot, self._records.pop(slot), keep)
 
+    @lockstep("runner")
     def commit_tree(self, slot: int, path: Sequence[int]) -> None:
         """After the last step: make ``slot`` hold the state after its tree window's accepted
         ``path`` (window rows from the anchor)."""
         chunk = self._chunks[slot]
         self.model.commit_tree(self.pool, slot, chunk.start, self._records.pop(slot), path)
 
+    @lockstep("runner")
     def _forward(self, chunks: Sequence[SeqChunk], taps: bool = True) -> ForwardOutput:
         return self.model.forward_ex(
             ForwardBatch.build(chunks, self.model.device), self.pool, self.taps if taps else ()

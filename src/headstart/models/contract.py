@@ -121,13 +121,20 @@ class ModelFamily:
     dummy``) also takes ``dummy=True``, and one that can keep dense prefill copies of its
     quantized weights takes ``dense_bytes`` (``serve --prefill-weights``).
     A checkpoint belongs to the family when one of its ``config.json`` ``architectures`` is in
-    ``architectures`` or its ``model_type`` is in ``model_types``."""
+    ``architectures`` or its ``model_type`` is in ``model_types``.
+
+    ``split``: a family that runs tensor-parallel (``serve --tensor-parallel N``) gives
+    ``split(model_dir, N)``, which raises HeadstartError when the checkpoint cannot be split N
+    ways, and its ``load`` then takes ``tp`` (the rank's
+    :class:`~headstart.parallel.group.TPGroup`) and returns that rank's part; None: one
+    process only."""
 
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     load: Callable[[Path, torch.dtype, torch.device | str, str], CausalLM]
     chat: ChatFormat = field(default_factory=ChatFormat)
+    split: Callable[[Path, int], None] | None = None
 
     def claims(self, config: Mapping[str, Any]) -> bool:
         archs = config.get("architectures") or ()

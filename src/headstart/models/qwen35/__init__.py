@@ -25,10 +25,25 @@ def _load(
     kernels: str,
     dummy: bool = False,
     dense_bytes: int | None = None,
+    tp=None,
 ):
+    """The model, or with ``tp`` (a TPGroup) that rank's part of it."""
+    if tp is not None:
+        from headstart.models.qwen35.parallel import ParallelQwen35
+
+        return ParallelQwen35.load_rank(
+            model_dir, tp, dtype, device, kernels, dummy=dummy, dense_bytes=dense_bytes
+        )
     from headstart.models.qwen35.model import Qwen35Model
 
     return Qwen35Model.load(model_dir, dtype, device, kernels, dummy=dummy, dense_bytes=dense_bytes)
+
+
+def _split(model_dir: Path, world: int) -> None:
+    from headstart.models.qwen35.config import load_config
+    from headstart.models.qwen35.shard import check_split
+
+    check_split(load_config(model_dir), world)
 
 
 FAMILY = ModelFamily(
@@ -37,4 +52,5 @@ FAMILY = ModelFamily(
     model_types=("qwen3_5", "qwen3_5_text"),
     load=_load,
     chat=CHAT,
+    split=_split,
 )
