@@ -75,14 +75,17 @@ def peers():
     torch.set_num_threads(threads)
 
 
-def models(peers, path: Path):
-    """(the one-process model of ``path``, rank 0 of it split over ``peers``)."""
-    tp = launch.load_shards(peers, FAMILY, path, torch.float32, "cpu", "auto", {})
-    return Qwen35Model.load(path), tp
+def models(peers, path: Path, dummy: bool = False):
+    """(the one-process model of ``path``, rank 0 of it split over ``peers``); ``dummy``:
+    random weights at its shapes (each rank makes them all, with the same seed, and keeps its
+    part)."""
+    extra = {"dummy": True} if dummy else {}
+    tp = launch.load_shards(peers, FAMILY, path, torch.float32, "cpu", "auto", extra)
+    return Qwen35Model.load(path, dummy=dummy), tp
 
 
-def runners(peers, path: Path, slots: int = 4, context: int = 128):
-    ref, tp = models(peers, path)
+def runners(peers, path: Path, slots: int = 4, context: int = 128, dummy: bool = False):
+    ref, tp = models(peers, path, dummy)
     config = EngineConfig(slots, context)
     return ModelRunner(ref, config), ModelRunner(tp, config)
 
@@ -143,9 +146,10 @@ def test_quantized_cuts_fall_on_groups(checkpoints):
 
 # -- logits over gloo --------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gqa", "tied", "mlx"])
+@pytest.mark.parametrize("kind", ["gqa", "tied", "mlx", "mlx-dummy"])
 def test_prefill_and_decode_logits_equal_one_process(peers, checkpoints, kind):
-    a, b = runners(peers, checkpoints[kind])
+    name, _, dummy = kind.partition("-")
+    a, b = runners(peers, checkpoints[name], dummy=bool(dummy))
     p0, p1, p2 = prompt(21, 1), prompt(9, 2), prompt(12, 3)
     same(a, b, SeqChunk(0, 0, p0), SeqChunk(1, 0, p1))  # two new prompts in one step
     same(a, b, SeqChunk(2, 0, p2[:5]))  # one alone

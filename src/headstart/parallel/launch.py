@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from headstart.errors import HeadstartError
 from headstart.models.contract import CausalLM, ModelFamily
 from headstart.parallel import worker
 from headstart.parallel.group import TPGroup, device_for, free_port
@@ -34,9 +35,22 @@ def _threads(device: str, world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+def _check_devices(device: str, world: int) -> None:
+    """Refuse, before any process starts, a GPU group that needs GPUs this machine lacks."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        last, count = (d.index or 0) + world - 1, torch.cuda.device_count()
+        if last >= count:
+            raise HeadstartError(
+                f"--tensor-parallel {world} from {device} needs GPUs up to cuda:{last}; "
+                f"this machine has {count}"
+            )
+
+
 def start(world: int, device: str) -> Peers:
     """Spawn ranks 1 .. ``world``-1 and join them as rank 0 (gloo on a CPU, NCCL on GPUs, one
     GPU per rank counted from ``device``'s); rank 0's CPU threads are shared out too."""
+    _check_devices(device, world)
     ctx = multiprocessing.get_context("spawn")
     port, threads = free_port(), _threads(device, world)
     processes, pipes = [], []
