@@ -4,14 +4,17 @@
 # so no checkpoint is written). Run from the repository root on the device machine, after
 # `bash benchmarks/device_wheels.sh` here and with `.whl` carried:
 #   bash benchmarks/prefill_session.sh [2b] [27b]
-# Results: $OUT/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases), and a
-# table of every scenario last. SCENARIOS="burst long" picks scenarios (default: burst long turn
-# beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
-# FLA's caches warm) and logs that start in $OUT/<shape>-restart.log; SERVE_FLAGS adds flags.
+# Results: /tmp/receipts/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases),
+# and every scenario's table on stdout. SCENARIOS="burst long,--prompt-tokens,500" picks
+# scenarios, each with its bench options after commas (default: burst long turn beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
+# FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
+# on it; SERVE_FLAGS adds serve flags (RESTART_FLAGS instead, for the restart).
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
+receipts=/tmp/receipts  # many files: only the logs and the tables go to $OUT
+mkdir -p "$receipts"
 shapes=${*:-2b 27b}
 port=18888
 server=
@@ -38,6 +41,20 @@ EOF
   grep -E "step budget|ready in|loaded|dense| in [0-9.]+s" "$2" | cut -c25-
 }
 
+# Run each scenario (name,opt,value,...) against the server on $port, print its table.
+run_scenarios() {
+  for sc in "$@"; do
+    name=${sc%%,*}
+    extra=${sc#"$name"}
+    tag=$(echo "$sc" | tr -c 'a-z0-9\n' '-')
+    timeout 240 python3 -m headstart bench --arm "headstart=http://127.0.0.1:$port" --orders 1 \
+      --scenario "$name" ${extra//,/ } --out "$receipts/$shape-$tag" --no-progress \
+      >"$receipts/$shape-$tag.log" 2>&1
+    echo "== $shape $sc (rc $?)"
+    grep -v -E "^(bench check|receipt|---)" "$receipts/$shape-$tag.log" | tail -14
+  done
+}
+
 for shape in $shapes; do
   fmt=bf16
   [ "$shape" = 27b ] && fmt=4bit
@@ -45,16 +62,12 @@ for shape in $shapes; do
     --out "/tmp/m-$shape" >/dev/null
   start_server "$shape" "$out/$shape-serve.log" || continue
   # burst first: its first burst is the server's first after start-up.
-  for sc in ${SCENARIOS:-burst long turn beside}; do
-    timeout 240 python3 -m headstart bench --arm "headstart=http://127.0.0.1:$port" --orders 1 \
-      --scenario "$sc" --out "$out/$shape-$sc" --no-progress >"$out/$shape-$sc.log" 2>&1
-    echo "== $shape $sc (rc $?)"
-    tail -12 "$out/$shape-$sc.log"
-  done
+  run_scenarios ${SCENARIOS:-burst long turn beside}
   stop
   if [ -n "${RESTART:-}" ]; then
     echo "== $shape restart"
-    start_server "$shape" "$out/$shape-restart.log"
+    SERVE_FLAGS="${RESTART_FLAGS:-${SERVE_FLAGS:-}}" start_server "$shape" "$out/$shape-restart.log" \
+      && run_scenarios ${RESTART_SCENARIOS:-}
     stop
   fi
 done

@@ -252,7 +252,7 @@ def test_planned_slots_are_what_the_real_run_made(ckpts):
 def test_a_real_run_that_differs_from_the_plan_fails_clearly(ckpts):
     """A prepare whose result depends on more than shapes and dtypes breaks the plan."""
 
-    def prepare(w):
+    def prepare(w, dense=None):
         if isinstance(w, torch.Tensor) and w.ndim == 2 and not w.is_meta:
             return w[:-1]
         return w
@@ -276,8 +276,8 @@ def test_gpu_prepare_through_the_arena(tmp_path, group, tied):
     deq, packed = tiny.dequantized_copy(ref, 4, group)
     ckpt = tiny.save_mlx(deq, packed, tmp_path / "q", 4, group)
 
-    def prepare(w):
-        return quant_matmul.prepare(w) if isinstance(w, QuantizedTensor) else w
+    def prepare(w, dense=None):
+        return quant_matmul.prepare(w, dense=dense) if isinstance(w, QuantizedTensor) else w
 
     kernels = replace(REFERENCE, name="gpu-like", prepare=prepare)
     plain = Qwen35Model.load(ckpt, kernels=kernels, arena=False)
