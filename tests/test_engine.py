@@ -36,6 +36,27 @@ def engine(loaded, engines):
     )
 
 
+def test_requests_sent_together_start_in_one_step(loaded, engines):
+    """An idle engine woken by a request gathers the ones right behind it (here 10 ms apart,
+    within the 50 ms gap): all start, and finish, in one step."""
+    engine = engines(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        EngineConfig(
+            4, 256, scheduling=SchedulingConfig(16, 64, gather_gap_s=0.05, gather_max_s=2.0)
+        ),
+    )
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    collectors = [Collector() for _ in range(4)]
+    for i, c in enumerate(collectors):
+        engine.submit(EngineRequest(f"g{i}", [5 + i, 6, 7, 8], params, 1, c))
+        time.sleep(0.01)
+    for c in collectors:
+        assert c.done.wait(60) and isinstance(c.events[-1], Finish)
+    assert engine.steps == 1
+
+
 def alone(loaded, ids, params):
     return [
         e.token_id

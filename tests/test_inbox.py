@@ -87,3 +87,26 @@ def test_concurrent_submits_never_exceed_the_bound():
         t.join()
     assert len(accepted) == 5 and len(refused) == 27 and inbox.active == 5
     assert sorted(c.req.id for c in inbox.drain()) == sorted(f"r{i}" for i in accepted)
+
+
+def test_wait_quiet_waits_for_a_burst_to_end_within_its_bound():
+    inbox = Inbox(num_slots=8, max_queue=8, context=64)
+    t0 = time.monotonic()
+    inbox.wait_quiet(gap=1.0, longest=5.0)  # nothing put: returns at once
+    assert time.monotonic() - t0 < 0.5
+
+    def burst():
+        for i in range(4):
+            inbox.submit(request(f"b{i}"))
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=burst)
+    sender.start()
+    inbox.wait(timeout=5)
+    inbox.wait_quiet(gap=0.5, longest=5.0)
+    assert len(inbox.drain()) == 4  # the whole burst, though it took ~150 ms to arrive
+    sender.join()
+    t0 = time.monotonic()
+    inbox.submit(request("late"))
+    inbox.wait_quiet(gap=10.0, longest=0.2)  # bounded by longest, however long the gap
+    assert 0.15 <= time.monotonic() - t0 < 5

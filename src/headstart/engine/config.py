@@ -39,10 +39,16 @@ def default_step_tokens(parameters: int | None, device: str, compute: tuple[int,
 @dataclass(frozen=True)
 class SchedulingConfig:
     """``prefill_chunk``: the most prompt tokens of one stream in a step; ``step_tokens``: the
-    most rows of a step (decode rows first, then prompt chunks)."""
+    most rows of a step (decode rows first, then prompt chunks). ``gather_gap_s`` /
+    ``gather_max_s``: an idle engine woken by a request waits until no other request has
+    arrived for ``gather_gap_s`` (at most ``gather_max_s`` in all) before its first step, so
+    that requests sent together start in one step instead of the first alone and the rest one
+    step later (0: no wait)."""
 
     prefill_chunk: int = 512
     step_tokens: int = 2048
+    gather_gap_s: float = 0.0005
+    gather_max_s: float = 0.004
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.num_slots, self.max_queue, plan.prefill_chunk, plan.step_tokens
         )
+        self._gather = (plan.gather_gap_s, plan.gather_max_s)
         self.sampler = Sampler()
         self.spec: Speculator | None = None
         if drafter is not None:
@@ -132,6 +133,7 @@ class Engine:
                 continue
             if not work:
                 self._inbox.wait(timeout=0.5)
+                self._inbox.wait_quiet(self._gather[0], self._gather[1])
                 continue
             try:
                 self._step(work)

@@ -7,7 +7,8 @@ Contract, by thread:
   state; :attr:`Inbox.active` and :attr:`Inbox.closed` may be read anywhere (snapshots, possibly
   stale by the time they are used);
 - the engine thread only: :meth:`Inbox.drain` (take every command, in the order they were put),
-  :meth:`Inbox.ended` (once per accepted request, when it ends) and :meth:`Inbox.wait`.
+  :meth:`Inbox.ended` (once per accepted request, when it ends), :meth:`Inbox.wait` and
+  :meth:`Inbox.wait_quiet`.
 
 The admission bound lives here, not in the scheduler, so that ``submit`` can refuse at once on
 the caller's thread: a request counts as active from an accepted ``submit`` until the engine
@@ -18,6 +19,7 @@ the scheduler's queue always has room for an ``Add`` the engine drains.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from headstart.engine.request import EngineRequest
@@ -60,6 +62,7 @@ class Inbox:
         self._active = 0  # submitted and not yet ended; guarded by _lock
         self._wake = threading.Event()
         self._closed = False
+        self._last_put = float("-inf")  # time.monotonic() of the newest command
 
     # -- any thread --------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
@@ -73,6 +76,7 @@ class Inbox:
                 )
             self._active += 1
             self._commands.append(Add(req))
+            self._last_put = time.monotonic()
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -109,6 +113,7 @@ class Inbox:
     def _put(self, command: Command) -> None:
         with self._lock:
             self._commands.append(command)
+            self._last_put = time.monotonic()
         self._wake.set()
 
     # -- the engine thread -------------------------------------------------------------------
@@ -127,3 +132,15 @@ class Inbox:
         """Sleep until something is put (or :meth:`close`) or ``timeout`` seconds pass."""
         self._wake.wait(timeout=timeout)
         self._wake.clear()
+
+    def wait_quiet(self, gap: float, longest: float) -> None:
+        """Sleep until nothing has been put for ``gap`` seconds, or ``longest`` seconds pass,
+        or :meth:`close`. Returns at once when the newest command is older than ``gap``."""
+        deadline = time.monotonic() + longest
+        while not self._closed:
+            now = time.monotonic()
+            until = min(self._last_put + gap, deadline)
+            if now >= until:
+                return
+            # Sleeping releases the GIL, so the HTTP thread can hand over what it is parsing.
+            time.sleep(until - now)

@@ -114,6 +114,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-batched-tokens, so snapshots fall where chunks end anyway)",
     )
     p.add_argument(
+        "--burst-gather-ms",
+        type=float,
+        default=4.0,
+        metavar="MS",
+        help="an idle server woken by a request waits until no other request has arrived for "
+        "0.5 ms, at most this long, so that requests sent together start in one engine step "
+        "(0: start at once)",
+    )
+    p.add_argument(
         "--max-batched-tokens",
         type=int,
         default=None,
@@ -546,7 +555,11 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         parallel,
         context,
         max_queue=args.max_queue,
-        scheduling=SchedulingConfig(prefill_chunk=budget, step_tokens=budget),
+        scheduling=SchedulingConfig(
+            prefill_chunk=budget,
+            step_tokens=budget,
+            gather_max_s=max(0.0, args.burst_gather_ms) / 1e3,
+        ),
         cache=CacheConfig(
             bytes=max(0, args.prompt_cache_mib) << 20,
             host_bytes=max(0, args.prompt_cache_host_mib) << 20,
