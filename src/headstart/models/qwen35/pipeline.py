@@ -111,10 +111,13 @@ DENSE_FRACTION = 0.4
 
 
 def dense_budget(device: torch.device) -> int:
-    """Bytes the dense prefill copies may take on ``device`` by default (0 off CUDA)."""
+    """Bytes the dense prefill copies may take on ``device`` by default (0 off CUDA): the
+    fraction above of its memory, and never more than half of what is free before loading
+    (another process may hold part of the GPU)."""
     if device.type != "cuda":
         return 0
-    return int(DENSE_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(min(DENSE_FRACTION * total, free / 2))
 
 
 EMBED = "embed_tokens.weight"
