@@ -254,6 +254,27 @@ def test_legacy_layer_names_and_generation_config(tmp_path):
     assert dict(cfg.generation_defaults) == {"temperature": 0.6, "top_p": 0.95}
 
 
+def test_mlx_quantization_block(tmp_path):
+    """mlx-lm's block (and its quantization_config mirror), per-module overrides by the
+    checkpoint's own names."""
+    data = json.loads(NANO_9B_V2)
+    block = {
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+        "backbone.layers.0.mixer.in_proj": {"group_size": 64, "bits": 8},
+        "lm_head": False,
+    }
+    data.update(quantization=block, quantization_config=block)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    q = load_config(tmp_path).quantization
+    assert q is not None and (q.default.bits, q.default.group_size) == (4, 64)
+    assert q.spec_for("layers.0.mixer.in_proj").bits == 8
+    assert q.spec_for("layers.10.mixer.in_proj").bits == 4
+    assert q.spec_for("lm_head") is None
+    assert load_config(write(tmp_path, json.loads(NANO_9B_V2))).quantization is None
+
+
 def test_config_is_frozen(tmp_path):
     cfg = load_config(save_config(tmp_path, hybrid_override_pattern="M*"))
     with pytest.raises(AttributeError):
@@ -339,7 +360,24 @@ INVALID = [
     ({"mamba_hidden_act": "relu"}, "mamba_hidden_act", "silu"),
     ({"attention_bias": True}, "attention_bias", "not supported"),
     ({"sliding_window": 1024}, "sliding_window", "not supported"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config", "quantized"),
+    (
+        {"quantization_config": {"quant_method": "fp8"}},
+        "quantization_config.quant_method",
+        "only MLX affine",
+    ),
+    (
+        {"quantization": {"bits": 4, "group_size": 128, "quant_method": "gptq"}},
+        "quantization.quant_method",
+        "'gptq' is not supported",
+    ),
+    ({"quantization": {"bits": 3, "group_size": 64}}, "quantization.bits", "not supported"),
+    ({"quantization": {"bits": 4, "group_size": 48}}, "quantization.group_size", "32, 64"),
+    (
+        {"quantization": {"bits": 4, "group_size": 64, "mode": "mxfp4"}},
+        "quantization.mode",
+        "affine",
+    ),
+    ({"quantization": "4bit"}, "quantization", "object"),
     ({"eos_token_id": 500}, "eos_token_id", "outside the vocabulary"),
     ({"eos_token_id": [2, "x"]}, "eos_token_id", "token id"),
     ({"bos_token_id": -1}, "bos_token_id", ">= 0"),
@@ -398,7 +436,12 @@ junk = st.one_of(
     st.dictionaries(st.sampled_from(["__float__", "x"]), st.sampled_from(["Infinity", "NaN"])),
     st.sampled_from(["M*-", "E", "relu2", "silu", "bfloat16", MAMBA]),
 )
-KEYS = sorted(json.loads(NANO_9B_V2)) + ["layers_block_type", "mamba_n_groups", "mamba_dt_limit"]
+KEYS = sorted(json.loads(NANO_9B_V2)) + [
+    "layers_block_type",
+    "mamba_n_groups",
+    "mamba_dt_limit",
+    "quantization",
+]
 
 
 @settings(
@@ -606,3 +649,152 @@ def test_truncated_file_is_named(good, tmp_path, keep):
     f.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load(d)
+
+
+# -- MLX layout (mlx-lm's nemotron_h: transformers' names, conv [C, K, 1], affine-quantized) ----
+
+
+@pytest.fixture(scope="module")
+def mlx(tmp_path_factory) -> tuple[NemotronHForCausalLM, dict, Path]:
+    """(transformers' model, {HF module: QuantizedTensor}, its MLX 4-bit folder, group 32).
+    Hidden 32 and the Mamba width 64 are multiples of the group; the MLP width 48 is not, so
+    down_proj stays unquantized, as mlx-lm leaves it."""
+    import tiny
+
+    model = hf_model(seed=2, hybrid_override_pattern="M*-M-")
+    _, packed = tiny.dequantized_copy(model, 4, 32)
+    d = tiny.save_mlx_nemotron_h(model, packed, tmp_path_factory.mktemp("mlx") / "q4", 4, 32)
+    return model, packed, d
+
+
+def test_mlx_checkpoint_keeps_quantized_modules_packed(mlx, monkeypatch):
+    from headstart.models.qwen35 import weights as shared
+    from headstart.quant import QuantizedTensor
+
+    model, packed, d = mlx
+    cfg = load_config(d)
+    reads = []
+    real = shared._Source.read
+    monkeypatch.setattr(shared._Source, "read", lambda self: reads.append(self.name) or real(self))
+    weights = load_weights(d, cfg, dtype=torch.bfloat16)
+    meta = weights.meta()
+    assert not reads  # checked and described from the headers alone
+    assert isinstance(meta["layers.0.mixer.in_proj.weight"], QuantizedTensor)
+    reference = canonical_state(model)
+    assert set(weights) == set(reference)
+    modules = {n.removeprefix("model.") + ".weight": q for n, q in packed.items()}
+    quantized = set(modules)
+    assert "layers.2.mixer.down_proj.weight" not in quantized  # 48 inputs: not a group multiple
+    assert {"embeddings.weight", "lm_head.weight", "layers.1.mixer.o_proj.weight"} <= quantized
+    for name, want in reference.items():
+        got = weights.pop(name)
+        if name in quantized:
+            q = modules[name]
+            assert isinstance(got, QuantizedTensor) and (got.bits, got.group_size) == (4, 32)
+            assert torch.equal(got.packed, q.packed) and torch.equal(got.scales, q.scales)
+            assert torch.equal(got.biases, q.biases), name
+        else:
+            assert isinstance(got, torch.Tensor), name
+            assert torch.equal(got, want.to(got.dtype)), name
+            assert got.shape == meta[name].shape and got.dtype == meta[name].dtype, name
+
+
+def test_unquantized_mlx_layout_reads_as_transformers_files(tmp_path):
+    """No quantization: only the conv weight's layout differs ([C, K, 1])."""
+    import tiny
+
+    model = hf_model(seed=3, hybrid_override_pattern="M*-M-")
+    d = tiny.save_mlx_nemotron_h(model, {}, tmp_path)
+    stored = load_file(d / "model.safetensors")
+    assert stored["backbone.layers.0.mixer.conv1d.weight"].shape == (96, 4, 1)
+    weights = load(d)
+    reference = canonical_state(model)
+    assert set(weights) == set(reference)
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def _drop(name):
+    return lambda t: t.pop(name)
+
+
+IN_PROJ = "backbone.layers.0.mixer.in_proj"
+BROKEN_MLX = [
+    (_drop(IN_PROJ + ".biases"), IN_PROJ + ".scales", "no '" + IN_PROJ + ".biases' beside it"),
+    (_drop(IN_PROJ + ".scales"), IN_PROJ + ".biases", "no '.scales' beside it"),
+    (_drop(IN_PROJ + ".weight"), IN_PROJ + ".weight", "is missing"),
+    (
+        lambda t: t.update({IN_PROJ + ".weight": torch.zeros(164, 5, dtype=torch.uint32)}),
+        IN_PROJ + ".weight",
+        "expected uint32 (164, 4) for 4-bit weights",
+    ),
+    (
+        lambda t: t.update({IN_PROJ + ".weight": torch.zeros(164, 4)}),
+        IN_PROJ + ".weight",
+        "torch.float32 (164, 4), expected uint32",
+    ),
+    (
+        lambda t: t.update({IN_PROJ + ".scales": torch.zeros(164, 2)}),
+        IN_PROJ + ".scales",
+        "expected float (164, 1)",
+    ),
+    (
+        lambda t: t.update({IN_PROJ + ".biases": torch.zeros(164, 1, dtype=torch.int32)}),
+        IN_PROJ + ".biases",
+        "expected float (164, 1)",
+    ),
+    (
+        lambda t: t.update({"backbone.layers.0.norm.scales": torch.zeros(1)}),
+        "backbone.layers.0.norm.scales",
+        "which MLX never does",
+    ),
+    (
+        lambda t: t.update({"backbone.layers.0.mixer.conv1d.weight": torch.zeros(96, 4, 2)}),
+        "backbone.layers.0.mixer.conv1d.weight",
+        "has shape (96, 4, 2), config implies (96, 1, 4)",
+    ),
+    (
+        lambda t: t.update({"backbone.layers.2.mixer.down_proj.biases": torch.zeros(32, 1)}),
+        "backbone.layers.2.mixer.down_proj.biases",
+        "no '.scales' beside it",
+    ),
+    (
+        lambda t: t.update({"backbone.layers.0.mixer.gate.scales": torch.zeros(1)}),
+        "backbone.layers.0.mixer.gate.scales",
+        "unexpected tensor",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "change,name,problem", BROKEN_MLX, ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(BROKEN_MLX)]
+)
+def test_broken_mlx_tensor_is_named(mlx, tmp_path, change, name, problem):
+    d = edit(mlx[2], tmp_path, change)
+    with pytest.raises(CheckpointError) as e:
+        load(d)
+    message = str(e.value)
+    assert f"'{name}'" in message and problem in message, message
+    assert str(d) in message
+
+
+@pytest.mark.parametrize(
+    "block,problem",
+    [
+        (None, "config.json has no quantization"),
+        ({"bits": 4, "group_size": 32, "lm_head": False}, "'lm_head' quantized, but config.json"),
+        ({"bits": 8, "group_size": 32}, "for 8-bit weights"),
+        ({"bits": 4, "group_size": 64}, "group size 64 does not divide the input size 32"),
+    ],
+)
+def test_quantization_block_disagreeing_with_the_files(mlx, tmp_path, block, problem):
+    d = shutil.copytree(mlx[2], tmp_path / "ckpt")
+    data = json.loads((d / "config.json").read_text())
+    data.pop("quantization_config")
+    if block is None:
+        data.pop("quantization")
+    else:
+        data["quantization"] = block
+    (d / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="model.safetensors") as e:
+        load(d)
+    assert problem in str(e.value), str(e.value)

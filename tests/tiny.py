@@ -123,6 +123,48 @@ def save_mlx(model, packed: dict, out: Path, bits: int, group: int) -> Path:
     return write_mlx(model.state_dict(), model.config.to_dict(), out, bits, group, packed)
 
 
+def save_mlx_nemotron_h(
+    model, packed: dict, out: Path, bits: int = 4, group: int = 64, head: bool = True
+) -> Path:
+    """Write a transformers ``NemotronHForCausalLM`` in mlx-lm's layout (its
+    ``models/nemotron_h.py``): the names of NVIDIA's files (``backbone.*``, ``lm_head.weight``),
+    conv weights ``[C, K, 1]``, norms as they are, and each module of ``packed`` (HF module name
+    -> QuantizedTensor, e.g. from :func:`dequantized_copy`; empty: an unquantized MLX export)
+    as uint32 ``.weight`` + ``.scales`` + ``.biases``; ``{"format": "mlx"}`` file metadata;
+    config.json with the ``quantization`` block (and mlx-lm's ``quantization_config`` mirror)
+    when anything is packed. ``head``: False leaves ``lm_head`` out (a tied checkpoint)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        module, leaf = name.rsplit(".", 1)
+        stored = "backbone." + name.removeprefix("model.") if name.startswith("model.") else name
+        if not head and name.startswith("lm_head."):
+            continue
+        if module in packed and leaf == "weight":
+            qt, base = packed[module], stored.rsplit(".", 1)[0]
+            tensors[base + ".weight"] = qt.packed.view(torch.uint32).contiguous()
+            tensors[base + ".scales"] = qt.scales.contiguous()
+            tensors[base + ".biases"] = qt.biases.contiguous()
+            continue
+        t = t.detach().clone()
+        if name.endswith("conv1d.weight"):
+            t = t.transpose(1, 2)  # transformers' [C, 1, K] -> MLX's [C, K, 1]
+        tensors[stored] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    model.config.save_pretrained(out)
+    if packed:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization"] = {"group_size": group, "bits": bits, "mode": "affine"}
+        cfg["quantization_config"] = dict(cfg["quantization"])
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def save_drafter(
     out: Path,
     target_config,

@@ -22,9 +22,13 @@ Where fields overlap, we compute what transformers' ``NemotronHForCausalLM`` com
   whatever ``attention_bias`` says, and ``head_dim`` (else ``attention_head_dim``, else
   ``hidden_size // num_attention_heads``) need not multiply out to ``hidden_size``.
 
+Quantization: MLX's affine block (``quantization``, which mlx-lm mirrors as
+``quantization_config``; 2, 4 or 8 bits, per-module overrides) is read as Qwen3.5 reads it; any
+other scheme (a ``quant_method``: fp8, GPTQ, AWQ, ...) is refused.
+
 Non-goals (a ConfigError says so): MoE layers, sliding-window attention, attention biases,
-activations other than relu2 (MLP) and silu (Mamba), quantized checkpoints. MTP layers are
-ignored.
+activations other than relu2 (MLP) and silu (Mamba), quantization other than MLX affine. MTP
+layers are ignored.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from headstart.errors import ConfigError
 
 # Generic field readers, shared with Qwen3.5's loader (they know nothing of that family).
 from headstart.models.qwen35.config import (
+    Quantization,
     _eos_ids,
     _generation_config,
+    _quantization,
     _read_json,
     _Reader,
 )
@@ -121,6 +127,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     dtype: str = "bfloat16"
+    # MLX affine quantization of the checkpoint's projections and embedding table, if any.
+    quantization: Quantization | None = None
     # Sampling defaults from generation_config.json (temperature, top_p, top_k, ...), if any.
     generation_defaults: tuple[tuple[str, float], ...] = field(default=())
 
@@ -306,9 +314,6 @@ def _dtype(r: _Reader) -> str:
 
 def _refuse_unsupported(r: _Reader) -> None:
     """Features transformers' model has or claims that no code here runs."""
-    for key in ("quantization_config", "quantization"):
-        if r.has(key):
-            raise r.error(key, "quantized Nemotron-H checkpoints are not supported yet")
     if r.has("sliding_window"):
         raise r.error("sliding_window", "sliding-window attention is not supported")
     if r.bool("attention_bias", default=False):
@@ -320,6 +325,20 @@ def _refuse_unsupported(r: _Reader) -> None:
     model_type = r.data.get("model_type")
     if model_type is not None and model_type != "nemotron_h":
         raise r.error("model_type", f"must be 'nemotron_h', got {model_type!r}")
+
+
+def _quantization_block(r: _Reader) -> Quantization | None:
+    """The MLX affine block, if any. A ``quant_method`` names a scheme of another toolchain
+    (fp8, GPTQ, AWQ, ...): refused here, since its tensors would otherwise fail the weight
+    checks one confusing name at a time."""
+    for key in ("quantization", "quantization_config"):
+        block = r.dict(key)
+        if block is not None and "quant_method" in block:
+            raise r.error(
+                key + ".quant_method",
+                f"{block['quant_method']!r} is not supported (only MLX affine quantization)",
+            )
+    return _quantization(r, r)
 
 
 def _validate(cfg: ModelConfig, r: _Reader, eos_file: str) -> None:
@@ -436,6 +455,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         bos_token_id=_optional_id(r, "bos_token_id"),
         pad_token_id=_optional_id(r, "pad_token_id"),
         dtype=_dtype(r),
+        quantization=_quantization_block(r),
         generation_defaults=generation,
     )
     _validate(cfg, r, eos_file)
