@@ -1,6 +1,8 @@
 """Nemotron-H against transformers on tiny random configs: prefill logits of every row and
-greedy decode steps, several layer patterns, GQA, tied and untied; and the invariants (chunked
-prefill == one shot, a stream in a batch == alone) through the state pool."""
+greedy decode steps, several layer patterns, GQA, tied and untied, from transformers' files and
+from mlx-lm's layout (4- and 8-bit affine against transformers holding the dequantized weights,
+and unquantized); and the invariants (chunked prefill == one shot, a stream in a batch == alone)
+through the state pool."""
 
 from __future__ import annotations
 
@@ -65,10 +67,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("pattern,overrides", CASES)
-def test_prefill_and_greedy_steps_match_transformers(tmp_path, pattern, overrides):
-    ref = hf_model(pattern, tmp_path, seed=len(pattern), **overrides)
-    model = ours(tmp_path)
+def mlx_checkpoint(tmp_path, pattern: str, bits: int, seed: int, head: bool = True, **overrides):
+    """(transformers' model holding the weights the MLX files give, the MLX folder): quantized
+    at ``bits`` with group 64 (0: unquantized). ``head`` False: a tied checkpoint without a
+    stored head (transformers' own head is set to the embedding table to match)."""
+    import tiny
+
+    ref = hf_model(pattern, tmp_path / "hf", seed, **overrides)
+    if not head:
+        with torch.no_grad():
+            ref.lm_head.weight.copy_(ref.model.embeddings.weight)
+    ref, packed = tiny.dequantized_copy(ref, bits, 64) if bits else (ref, {})
+    out = tiny.save_mlx_nemotron_h(ref, packed, tmp_path / "mlx", bits or 4, 64, head=head)
+    return ref, out
+
+
+def assert_matches(ref, model) -> None:
+    """Prefill logits of a 43-token prompt, 20 greedy steps and the last step's logits."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(2, 160, (43,), generator=gen)
     with torch.no_grad():
@@ -92,6 +107,50 @@ def test_prefill_and_greedy_steps_match_transformers(tmp_path, pattern, override
     with torch.no_grad():
         whole = ref(torch.tensor([ids.tolist() + tokens])).logits[0, -1]
     assert (step[0] - whole).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("pattern,overrides", CASES)
+def test_prefill_and_greedy_steps_match_transformers(tmp_path, pattern, overrides):
+    ref = hf_model(pattern, tmp_path, seed=len(pattern), **overrides)
+    assert_matches(ref, ours(tmp_path))
+
+
+MLX_CASES = [  # pattern, bits (0: unquantized), stored head, overrides
+    ("M*-M-", 4, True, {"intermediate_size": 128}),
+    # MLP width 96: group 64 does not divide down_proj's input, so it stays unquantized.
+    ("M-M*-M", 4, True, {"n_groups": 1, "use_conv_bias": False}),
+    ("*-M", 4, False, {"tie_word_embeddings": True, "intermediate_size": 128}),
+    ("MM*-", 8, True, {"num_key_value_heads": 4, "intermediate_size": 128}),
+    ("M*-M", 0, True, {}),
+]
+
+
+@pytest.mark.parametrize("pattern,bits,head,overrides", MLX_CASES)
+def test_mlx_checkpoint_matches_transformers_with_its_weights(
+    tmp_path, pattern, bits, head, overrides
+):
+    """Unpacked once at load (a small model) and kept packed (unpacked per call; the embedding
+    table only in the rows looked up), both against transformers."""
+    from headstart.models.nemotron_h.config import load_config
+    from headstart.models.nemotron_h.model import EMBED, NemotronHModel
+    from headstart.models.nemotron_h.weights import load_weights
+    from headstart.quant import QuantizedTensor
+
+    ref, out = mlx_checkpoint(tmp_path, pattern, bits, len(pattern), head, **overrides)
+    cfg = load_config(out)
+    assert (cfg.quantization is None) == (bits == 0)
+    unpacked = ours(out)
+    assert all(isinstance(t, torch.Tensor) for k, t in unpacked.w.items() if k != EMBED)
+    assert_matches(ref, unpacked)
+    if bits:
+        packed = NemotronHModel(cfg, load_weights(out, cfg), unpack_bytes=0)
+        assert isinstance(packed.w[EMBED], QuantizedTensor)
+        assert isinstance(packed.w["layers.0.norm.weight"], torch.Tensor)
+        layer0 = "layers.0.mixer." + ("in_proj" if pattern[0] == "M" else "q_proj")
+        assert isinstance(packed.w[layer0 + ".weight"], QuantizedTensor)
+        assert isinstance(packed.head, QuantizedTensor)
+        assert packed.num_parameters() == unpacked.num_parameters()
+        assert_matches(ref, packed)
 
 
 def test_chunked_prefill_and_batched_streams_equal_one_shot_alone(tmp_path):
@@ -183,9 +242,11 @@ def test_dummy_weights_at_the_configs_shapes(tmp_path):
 
 
 @pytest.mark.slow
-def test_served_through_the_openai_api(tmp_path):
+@pytest.mark.parametrize("bits", [None, 4], ids=["transformers", "mlx-4bit"])
+def test_served_through_the_openai_api(tmp_path, bits):
     """`headstart serve` on a tiny Nemotron-H folder (the embedded tokenizer and chat template
-    beside it): completions with the official client give transformers' greedy tokens, and a
+    beside it; transformers' files, or MLX 4-bit against transformers holding the dequantized
+    weights): completions with the official client give transformers' greedy tokens, and a
     repeated prompt is answered from the prompt cache."""
     import shutil
 
@@ -194,7 +255,12 @@ def test_served_through_the_openai_api(tmp_path):
 
     from headstart.loading import default_model_dir
 
-    ref = hf_model("M*-M-", tmp_path, seed=6, vocab_size=4105)
+    if bits is None:
+        ref = hf_model("M*-M-", tmp_path, seed=6, vocab_size=4105)
+    else:
+        ref, tmp_path = mlx_checkpoint(
+            tmp_path, "M*-M-", bits, 6, vocab_size=4105, intermediate_size=128
+        )
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(default_model_dir() / f, tmp_path / f)
     ids = [12, 400, 37, 2048, 9, 511, 77, 3001]

@@ -8,6 +8,12 @@ without positional encoding (GQA over the slot's KV rows), or a squared-ReLU MLP
 transformers' ``modeling_nemotron_h`` (the spec the parity tests hold it to); the per-stream cores
 are :mod:`headstart.ops.ssd.reference` and :mod:`headstart.ops.attention.reference`.
 
+Weights are plain tensors or, from an MLX checkpoint, :class:`~headstart.quant.QuantizedTensor`:
+every projection goes through :func:`~headstart.ops.linear.linear`, and the embedding lookup
+unpacks only the rows it looks up. As for Qwen3.5, a model whose quantized linear weights unpack
+to at most ``UNPACK_BYTES`` is unpacked once at load (per-call unpacking would dominate a small
+model's step); a larger one keeps its memory saving and unpacks per call.
+
 Batch shapes: decode rows (one batched step) and multi-row spans (prefill chunks, one by one).
 Graph-capturable shapes and verify windows are not supported yet: ``kernels.graphs`` is False,
 so the engine never builds them, and no drafter targets this family.
@@ -15,6 +21,7 @@ so the engine never builds them, and no drafter targets this family.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,8 +32,12 @@ import torch.nn.functional as F
 from headstart.batch import ForwardBatch
 from headstart.models.contract import ForwardOutput
 from headstart.models.nemotron_h.config import ATTENTION, MAMBA, ModelConfig, load_config
+from headstart.models.qwen35.pipeline import UNPACK_BYTES, unpack_fits
+from headstart.models.qwen35.weights import Weight
 from headstart.ops.attention.reference import attend, attend_decode
+from headstart.ops.linear import linear
 from headstart.ops.ssd import reference as ssd
+from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool
 
 __all__ = ["NemotronHModel"]
@@ -36,6 +47,8 @@ REFERENCE = SimpleNamespace(name="reference", graphs=False)
 
 # Mixer parameters kept in fp32 whatever the model's dtype (the scan runs in fp32).
 _FP32 = ("A_log", "D", "dt_bias")
+EMBED = "embeddings.weight"
+HEAD = "lm_head.weight"
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,18 +64,37 @@ class NemotronHModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        unpack_bytes: int = UNPACK_BYTES,
     ) -> None:
+        """``weights``: plain tensors (cast to ``dtype``, the SSM's fp32 parameters kept fp32)
+        and/or packed :class:`QuantizedTensor` weights. Quantized linear weights are unpacked
+        to ``dtype`` here when all of them together take at most ``unpack_bytes`` unpacked
+        (the embedding table never is: lookups unpack only their rows; a head tied to it gets
+        its own unpacked copy under the same rule)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.kernels = REFERENCE
         self.arena = None
-        self.w: dict[str, torch.Tensor] = {}
+        layers = {k: t for k, t in weights.items() if k != EMBED}
+        unpack = unpack_fits(layers, dtype, unpack_bytes)
+        self.w: dict[str, Weight] = {}
         for name in list(weights):
             t = weights[name]
+            if isinstance(t, QuantizedTensor):
+                t = t.to(self.device)
+                self.w[name] = t.dequantize(dtype) if unpack and name != EMBED else t
+                continue
             keep = torch.float32 if name.rsplit(".", 1)[-1] in _FP32 else dtype
             self.w[name] = t.to(device=self.device, dtype=keep)
+        # transformers never ties this family's head: a stored lm_head wins even when the
+        # config says tied; the embedding table serves only a checkpoint that has none.
+        self.head = self.w.get(HEAD, self.w[EMBED])
+        if isinstance(self.head, QuantizedTensor) and unpack_fits(
+            {"head": self.head}, dtype, unpack_bytes
+        ):
+            self.head = self.head.dequantize(dtype)
         self.state_index = {i: n for n, i in enumerate(cfg.mamba_layers)}
         self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
 
@@ -97,8 +129,10 @@ class NemotronHModel:
 
     # -- the contract ----------------------------------------------------------------------------
     def num_parameters(self) -> int:
-        head = 0 if "lm_head.weight" in self.w else self.w["embeddings.weight"].numel()
-        return sum(t.numel() for n, t in self.w.items() if n != "embeddings.weight") + head
+        """Weights a token's forward multiplies by (the embedding table only as the head),
+        counted unpacked for quantized ones."""
+        head = 0 if HEAD in self.w else math.prod(self.head.shape)
+        return sum(math.prod(t.shape) for n, t in self.w.items() if n != EMBED) + head
 
     def state_groups(self) -> tuple[StateGroup, ...]:
         """Per Mamba2 layer a conv tail (the last K-1 pre-conv rows of the conv input) and an
@@ -142,7 +176,7 @@ class NemotronHModel:
                     f"{pool.max_tokens}"
                 )
         cfg, w = self.cfg, self.w
-        x = w["embeddings.weight"][batch.input_ids]
+        x = self.embed(batch.input_ids)
         tapped = []
         for i, kind in enumerate(cfg.layer_types):
             h = _rms_norm(x, w[f"layers.{i}.norm.weight"], cfg.layer_norm_epsilon)
@@ -156,15 +190,23 @@ class NemotronHModel:
             if i in taps:
                 tapped.append(x)
         h = _rms_norm(x[batch.logit_index], w["norm_f.weight"], cfg.layer_norm_epsilon)
-        # transformers never ties this family's head: a stored lm_head wins even when the
-        # config says tied; the embedding table serves only a checkpoint that has none.
-        head = w.get("lm_head.weight", w["embeddings.weight"])
-        logits = F.linear(h, head).float()
+        logits = linear(h, self.head).float()
         return ForwardOutput(logits, torch.cat(tapped, dim=-1) if taps else None, {})
 
     # -- layers ----------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``ids`` (of a quantized table, only those rows unpacked)."""
+        table = self.w[EMBED]
+        if isinstance(table, QuantizedTensor):
+            return table.dequantize(self.dtype, rows=ids)
+        return table[ids]
+
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        w, b = self.w[name + ".weight"], self.w.get(name + ".bias")
+        if isinstance(w, torch.Tensor):  # one fused op, as transformers' nn.Linear runs it
+            return F.linear(x, w, b)
+        y = linear(x, w)
+        return y if b is None else y + b
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         up = self._linear(x, f"layers.{i}.mixer.up_proj")
