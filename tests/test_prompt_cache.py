@@ -217,6 +217,27 @@ def test_long_prompt_snapshots_at_fixed_interval(loaded, engines):
     assert got.finish.cached_tokens == (len(ids) - 3) // 40 * 40 and got.tokens == want
 
 
+def test_a_short_new_turn_is_not_cut_at_interval_positions(loaded, engines):
+    """A prompt restored up to P with fewer than ``interval`` tokens left prefills the rest in
+    one step even where it crosses a multiple of the interval (no snapshot cut there), and
+    answers as an engine without the cache; a cold prompt is still cut at every interval."""
+    e, cold = make_engine(engines, loaded, interval=40), make_engine(engines, loaded, cache_mib=0)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = prompt(loaded, "def square(x):\n    return x * x\n" * 2)[:30]
+    answer = ask(e, ids, params, "t1").tokens
+    restored = len(ids) + len(answer) - 1  # the end-of-generation snapshot
+    nxt = ids + answer + prompt(loaded, "\n# and a cube, with a docstring and a test\n")[:20]
+    assert any(restored < p < len(nxt) for p in range(40, len(nxt), 40))  # crosses 40
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    before = e.steps
+    got = ask(e, nxt, one, "t2")
+    assert got.finish.cached_tokens == restored and e.steps - before == 1
+    assert got.tokens == ask(cold, nxt, one, "cold").tokens
+    assert e.cache.boundaries(100, (), 0) == (40, 80)  # cold: every interval
+    assert e.cache.boundaries(100, (90,), 70) == (90,)  # 30 left: requested positions only
+    assert e.cache.boundaries(130, (), 50) == (80, 120)  # an interval or more left: as cold
+
+
 def test_concurrent_restores_leave_the_snapshot_unchanged(loaded, engines):
     ids = prompt(loaded, "import json\n\ndef load(path):\n")
     e = make_engine(engines, loaded)

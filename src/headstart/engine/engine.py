@@ -203,7 +203,8 @@ class Engine:
         snap = self.cache.restore(match, seq.slot, seq.id) if match is not None else None
         if snap is None:
             return None
-        self.scheduler.restored(seq, snap.length)
+        after = self.cache.boundaries(len(seq.prompt), live.req.snapshot_at, snap.length)
+        self.scheduler.restored(seq, snap.length, after)
         if live.features is not None and snap.draft_features is not None:
             live.features.load(snap.draft_features, snap.length)
         return snap.logits if snap.length == len(seq.prompt) else None

@@ -143,14 +143,22 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.device.enabled
 
-    def boundaries(self, prompt_len: int, snapshot_at: Sequence[int]) -> tuple[int, ...]:
+    def boundaries(
+        self, prompt_len: int, snapshot_at: Sequence[int], restored: int = 0
+    ) -> tuple[int, ...]:
         """Where a prompt's prefill must pause for a snapshot besides its end: the requested
-        positions and every ``interval`` tokens, inside the prompt."""
+        positions and every ``interval`` tokens, inside the prompt and past the ``restored``
+        prefix. A prompt restored up to ``restored`` with fewer than ``interval`` tokens left
+        (the next turn of a conversation, an agent's tool result) is not cut at interval
+        positions: its snapshots at ``restored`` and at its end are less than an interval
+        apart already, and a cut costs it one more step before its first token."""
         if not self.enabled:
             return ()
         n = prompt_len
         fixed = range(self.interval, n, self.interval) if self.interval else ()
-        return tuple(sorted({p for p in (*snapshot_at, *fixed) if 0 < p < n}))
+        if restored and n - restored < self.interval:
+            fixed = ()
+        return tuple(sorted({p for p in (*snapshot_at, *fixed) if restored < p < n}))
 
     def snapshot_bytes(self, length: int, with_logits: bool) -> int:
         logits = self.logit_bytes if with_logits else 0

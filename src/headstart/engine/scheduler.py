@@ -129,11 +129,14 @@ class Scheduler:
             if w.seq.status is Status.RUNNING:
                 w.seq.computed = w.start + len(w.tokens)
 
-    def restored(self, seq: Sequence, n: int) -> None:
+    def restored(self, seq: Sequence, n: int, boundaries: tuple[int, ...] | None = None) -> None:
         """The first ``n`` prompt tokens of a newly admitted sequence were restored into its
-        slot (prompt cache) instead of computed; call before :meth:`plan`."""
+        slot (prompt cache) instead of computed; ``boundaries``: where the rest's chunks must
+        end, if that changed. Call before :meth:`plan`."""
         assert seq.status is Status.RUNNING and 0 <= n <= len(seq.prompt)
         seq.computed = seq.cached = n
+        if boundaries is not None:
+            seq.boundaries = boundaries
 
     def accept(self, seq: Sequence, tokens: list[int], computed: int) -> None:
         """A verify round's outcome: ``tokens`` emitted, and the slot's state now holds the
