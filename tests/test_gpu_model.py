@@ -422,3 +422,41 @@ def test_continuation_graph_replay_equals_eager(ckpt):
             ForwardBatch.build([SeqChunk(slot, start, ids)], model.device), pools[0], (0, 2)
         )
         torch.testing.assert_close(got.logits.float(), plain.logits.float(), atol=0.1, rtol=0.05)
+
+
+def test_host_tier_copier_on_the_gpu_returns_the_cached_answer(ckpt, engines):
+    """On CUDA the host tier's demotions are copied by the copier thread on its own stream
+    (the default): conversations overflow a 2-row device tier, the first comes back as a host
+    hit, and answers with the same logprobs as the first time it was asked."""
+    from engine_helpers import Collector
+
+    from headstart.engine.config import CacheConfig, EngineConfig
+    from headstart.engine.engine import EngineRequest, Finish, wait_idle
+    from headstart.sampling import SamplingParams
+
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    e = engines(
+        model,
+        tiny.small_tokenizer(512),
+        (),
+        EngineConfig(2, 256, cache=CacheConfig(bytes=1 << 30, host_bytes=1 << 30, max_snapshots=2)),
+    )
+    assert e.cache.copies is not None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    def ask(ids, rid):
+        c = Collector()
+        e.submit(EngineRequest(rid, ids, params, 6, c))
+        assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+        return [(p.token_id, p.logprob) for p in c.events[:-1]], c.events[-1]
+
+    first = [(3 * j) % 500 + 3 for j in range(40)]
+    want, _ = ask(first, "first")
+    for i in range(4):
+        ask([(7 * i + j) % 500 + 3 for j in range(33)], f"other{i}")
+    assert wait_idle(e)
+    e.cache.flush()
+    assert e.cache.host.contains(first) and not e.cache.device.contains(first)
+    got, finish = ask(first, "return")
+    assert finish.cached_tokens == len(first) and got == want
+    assert e.stats()["cache_host_hits"] == 1

@@ -326,11 +326,23 @@ def test_snapshot_rows_are_reused_from_a_fixed_store(loaded, engines):
     assert again.tokens == ask(cold, prompts[-1], GREEDY, "cold").tokens
 
 
-def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines):
-    """With one device row, older prompts move to the host tier and still hit from there."""
-    e = make_engine(engines, loaded, interval=0, max_snapshots=1, host_bytes=64 << 20)
+@pytest.mark.parametrize("copier", [False, True], ids=["inline", "copier"])
+def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines, copier):
+    """With one device row, older prompts move to the host tier and still hit from there;
+    the same whether demotions are copied on the engine thread or by the copier thread."""
+    e = make_engine(
+        engines,
+        loaded,
+        interval=0,
+        max_snapshots=1,
+        host_bytes=64 << 20,
+        async_demotion=copier,
+    )
+    assert (e.cache.copies is not None) == copier
     prompts = [prompt(loaded, f"config_{i} = load({i!r})\n") for i in range(3)]
     first = [ask(e, ids, GREEDY, f"p{i}").tokens for i, ids in enumerate(prompts)]
+    assert wait_idle(e)
+    e.cache.flush()
     # Each request leaves its prompt's snapshot and its generation's (prompt + answer): the
     # newest generation on the device, the five before it demoted to the host tier.
     assert len(e.cache.device.entries) == 1 and len(e.cache.host.entries) == 5
@@ -341,16 +353,27 @@ def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines):
     assert e.stats()["cache_host_hits"] == 1
 
 
-def test_a_return_from_the_host_tier_is_exact_and_its_copies_are_counted(loaded, engines):
+@pytest.mark.parametrize("copier", [False, True], ids=["inline", "copier"])
+def test_a_return_from_the_host_tier_is_exact_and_its_copies_are_counted(loaded, engines, copier):
     """A conversation comes back after others overflowed the device tier into the host tier:
     its restore is a host hit, answers with the logits of an engine without the cache, and
-    the transfer counters grow by exactly the snapshot's bytes (demotions: the host copies')."""
-    e = make_engine(engines, loaded, interval=0, max_snapshots=2, host_bytes=64 << 20)
+    the transfer counters grow by exactly the snapshot's bytes (demotions: the host copies');
+    the same with demotions copied by the copier thread."""
+    e = make_engine(
+        engines,
+        loaded,
+        interval=0,
+        max_snapshots=2,
+        host_bytes=64 << 20,
+        async_demotion=copier,
+    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     first = prompt(loaded, "def first_conversation(x):\n    return x\n")
     ask(e, first, params, "first")
     for i in range(3):  # each leaves two snapshots: its prompt and prompt + answer
         ask(e, prompt(loaded, f"other_{i} = compute({i}) + {i}\n"), params, f"other{i}")
+    assert wait_idle(e)
+    e.cache.flush()
     cache = e.cache
     assert not cache.device.contains(first) and cache.host.contains(first)
     before = e.stats()

@@ -61,6 +61,9 @@ class CacheConfig:
 
     bytes: int = 0
     host_bytes: int = 0
+    # Demotions to the host tier copied by a worker thread, off the engine's steps (None: on
+    # CUDA; on a CPU the "host copy" is a memcpy in the same memory, done in place).
+    async_demotion: bool | None = None
     max_tokens: int = 0
     interval: int = 1024
     max_snapshots: int = 256

@@ -87,6 +87,7 @@ class Engine:
         """End the thread after its current step; requests still in flight finish "abort"."""
         self._inbox.close()
         self._thread.join(timeout=30)
+        self.cache.close()
 
     def submit(self, req: EngineRequest) -> None:
         """Queue a request; raises QueueFull when slots and queue are all taken, ValueError when

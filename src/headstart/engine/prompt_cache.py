@@ -182,15 +182,16 @@ class Snapshot:
         ValueError, writing nothing, when the snapshot does not fit ``pool``."""
         pool.load_slot(slot, self.state, self.length)
 
-    def to_host(self) -> Snapshot:
-        """A copy in host memory (pinned when a GPU is present, for fast copies back)."""
+    def to_host(self, non_blocking: bool = False) -> Snapshot:
+        """A copy in host memory (pinned when a GPU is present, for fast copies back);
+        ``non_blocking``: the copies may still be running on the current CUDA stream."""
         pin = torch.cuda.is_available()
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            return out.copy_(t)
+            return out.copy_(t, non_blocking=non_blocking)
 
         return Snapshot(
             self.length,

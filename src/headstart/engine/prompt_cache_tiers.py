@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from headstart.engine.config import CacheConfig
+from headstart.engine.host_copies import HostCopies
 from headstart.engine.prompt_cache import CacheEntry, PromptCacheIndex, Snapshot, SnapshotStore
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.scheduler import Work
@@ -53,8 +54,11 @@ class Transfers:
 
     def add(self, nbytes: int, since: float) -> None:
         """Count a copy of ``nbytes`` that began at ``time.perf_counter()`` = ``since``."""
+        self.count(nbytes, time.perf_counter() - since)
+
+    def count(self, nbytes: int, seconds: float) -> None:
         self.bytes += nbytes
-        self.seconds += time.perf_counter() - since
+        self.seconds += seconds
 
 
 def _settle(device: torch.device) -> None:
@@ -93,7 +97,10 @@ class PromptCache:
       covers it), to stay within its byte budget or when the snapshot store has no free row;
       each entry it drops is copied to the host tier (if there is one and it lacks that
       prefix), whose own budget evicts its least recently used entries for good. The host
-      tier only receives entries demoted this way.
+      tier only receives entries demoted this way. With ``copies`` (:class:`HostCopies`, on
+      CUDA by default) a demotion is copied by a worker thread: the entry is in neither tier
+      (a miss) and keeps its device row until its copy is taken in, at the next lookup or
+      snapshot; a snapshot that needs a row while all are held waits for the copies.
     * Transfers: a restore from the host tier copies the snapshot's state into the slot and
       its logits and drafter features to the device (the snapshot :meth:`restore` returns
       holds those copies); its bytes (the snapshot's) and wall time are counted, as are a
@@ -133,6 +140,11 @@ class PromptCache:
         self.host_restores = Transfers()  # host tier -> a slot on the device
         self.demotions = Transfers()  # device tier -> host tier
         self.store: SnapshotStore | None = None
+        self.copies: HostCopies | None = None
+        if self.enabled and self.host.enabled and twins is None:
+            wanted = config.async_demotion
+            if wanted or (wanted is None and pool.device.type == "cuda"):
+                self.copies = HostCopies(pool.device)
         if self.enabled:
             # Rows for the fixed part of snapshots: as many as the budget could hold, capped so
             # a large budget over a small model does not reserve memory it will never use.
@@ -173,6 +185,7 @@ class PromptCache:
 
         if not self.enabled:
             return None
+        self._settle_copies()
         found = [
             Match(entry, index)
             for index in (self.device, self.host)
@@ -306,7 +319,11 @@ class PromptCache:
         ):
             return False
         assert self.store is not None
+        self._settle_copies()
         while not self.store.free:  # fixed storage full: the least recently used goes
+            if self.copies is not None and self.copies.pending:
+                self._settle_copies(wait=True)  # rows come back as their copies finish
+                continue
             self._demote(self.device.evict_oldest())
         snap = self.store.take(
             self.pool, slot, len(key), logits.float() if logits is not None else None, features()
@@ -325,6 +342,9 @@ class PromptCache:
         if entry is None:
             return
         if self.host.enabled and not self.host.contains(entry.tokens):
+            if self.copies is not None:  # its row comes back when the copy is done
+                self.copies.submit(entry)
+                return
             since = _start(self.pool.device)
             snap = entry.payload.to_host()
             _settle(self.pool.device)
@@ -333,6 +353,28 @@ class PromptCache:
                 self.twins.copied(entry.payload, snap)
             self.host.insert(entry.tokens, snap.nbytes(), snap)
         self._release(entry)
+
+    def _settle_copies(self, wait: bool = False) -> None:
+        """Take in the demotions copied since the last call (all pending ones when ``wait``):
+        each copy joins the host tier unless that prefix is there already, and its device
+        row is freed."""
+        if self.copies is None:
+            return
+        for done in self.copies.wait_all() if wait else self.copies.finished():
+            self.demotions.count(done.nbytes, done.seconds)
+            if done.host is not None and not self.host.contains(done.entry.tokens):
+                self.host.insert(done.entry.tokens, done.host.nbytes(), done.host)
+            self._release(done.entry)
+
+    def flush(self) -> None:
+        """Wait for every demotion in flight and take it in. Engine thread only (or any thread
+        while the engine is idle, as tests do)."""
+        self._settle_copies(wait=True)
+
+    def close(self) -> None:
+        """Stop the demotion worker (copies in flight finish; their results are dropped)."""
+        if self.copies is not None:
+            self.copies.close()
 
     def _release(self, entry: CacheEntry | None) -> None:
         if entry is not None and self.store is not None:
@@ -355,6 +397,7 @@ class PromptCache:
             "cache_host_restore_seconds": self.host_restores.seconds,
             "cache_demoted_bytes": self.demotions.bytes,
             "cache_demote_seconds": self.demotions.seconds,
+            "cache_demotions_pending": self.copies.pending if self.copies else 0,
             "cache_hits": d.stats.hits,
             "cache_misses": d.stats.misses,
             "cache_restored_tokens": d.stats.restored_tokens,

@@ -288,6 +288,10 @@ class _PromptCacheCollector(Collector):
             "headstart_prompt_cache_host_bytes",
             "Bytes held by snapshots in host memory.",
         ),
+        "cache_demotions_pending": (
+            "headstart_prompt_cache_demotions_pending",
+            "Snapshots being copied to the host tier.",
+        ),
     }
 
     def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
