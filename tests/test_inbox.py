@@ -110,3 +110,22 @@ def test_wait_quiet_waits_for_a_burst_to_end_within_its_bound():
     inbox.submit(request("late"))
     inbox.wait_quiet(gap=10.0, longest=0.2)  # bounded by longest, however long the gap
     assert 0.15 <= time.monotonic() - t0 < 5
+
+
+def test_a_slow_step_is_logged_as_a_warning_with_its_shape(caplog, monkeypatch):
+    import headstart.engine.step_log as step_log
+    from headstart.engine.scheduler import Sequence, Work
+
+    seq = Sequence("s", [1, 2, 3], 4)
+    work = [Work(seq, 0, (1, 2, 3), True)]
+    with caplog.at_level("INFO", logger="headstart.engine"):
+        step_log.StepClock().log(1, work)  # fast, and DEBUG is off: nothing
+        assert not caplog.records
+        monkeypatch.setattr(step_log, "SLOW_STEP_S", 0.0)
+        clock = step_log.StepClock()
+        clock.mark()
+        clock.mark()
+        clock.log(2, work)
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    assert "step 2:" in record.message and "1 chunks, 0 decode rows, 3 tokens" in record.message

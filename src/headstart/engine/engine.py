@@ -34,6 +34,7 @@ from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.spec.features import FeatureQueue
 from headstart.engine.spec.proposal import STATS, Speculator
 from headstart.engine.spec.verification import Draft
+from headstart.engine.step_log import StepClock
 from headstart.models.contract import CausalLM
 from headstart.sampling import Sampler, SampleResult, make_generator
 from headstart.tokenizer import Tokenizer
@@ -219,9 +220,9 @@ class Engine:
             drafts = self.spec.drafts({j: job for j, job in jobs.items() if job is not None})
         taps = any(self._live[w.seq.id].features is not None for w in work)  # a drafting stream
         step = Step.of(work, drafts, taps=taps)
-        t0 = time.perf_counter()
+        clock = StepClock()
         out = self.runner.run(step)
-        t_run = time.perf_counter()
+        clock.mark()
         plain = [j for j in range(len(work)) if j not in drafts]  # rows committed as they are
         committed = [work[j] for j in plain]
         self.scheduler.step_done(committed)
@@ -232,14 +233,14 @@ class Engine:
         features = {w.seq.id: self._live[w.seq.id].features_before for w in committed}
         last_rows = [step.last_row(j) for j in plain]
         self.cache.take_snapshots(committed, out.logits, last_rows, features)
-        t_snap = time.perf_counter()
+        clock.mark()
         sampling = [j for j in plain if work[j].samples]
         if sampling:
             self._sample_and_deliver(
                 [self._live[work[j].seq.id] for j in sampling],
                 out.logits[[step.last_row(j) for j in sampling]],
             )
-        _log_step(self.steps, work, t0, t_run, t_snap, time.perf_counter())
+        clock.log(self.steps, work)
         for j, draft in drafts.items():
             live = self._live.get(work[j].seq.id)
             if live is not None:
@@ -336,34 +337,6 @@ class Engine:
         self._inbox.ended()
         if final is not None:
             _send_final(live.req, final)
-
-
-# A step this slow is logged as a warning: at the default step budget a step computes ~0.2 s, so
-# a second means something else (a compilation, a stall) held every stream back.
-SLOW_STEP_S = 1.0
-
-
-def _log_step(n: int, work: list[Work], t0: float, run: float, snap: float, end: float) -> None:
-    """Step ``n``'s shape and host-side times (forward enqueued, snapshots taken, first
-    tokens sampled and sent: on a GPU the sampling waits for the forward): every step at
-    DEBUG level, slow ones as a warning."""
-    slow = end - t0 >= SLOW_STEP_S
-    if not (slow or log.isEnabledFor(logging.DEBUG)):
-        return
-    decode = sum(len(w.tokens) == 1 and w.start >= len(w.seq.prompt) for w in work)
-    tokens = sum(len(w.tokens) for w in work)
-    (log.warning if slow else log.debug)(
-        "step %d: %.1f ms (forward %.1f, snapshots %.1f, sampling %.1f): %d chunks, "
-        "%d decode rows, %d tokens",
-        n,
-        1e3 * (end - t0),
-        1e3 * (run - t0),
-        1e3 * (snap - run),
-        1e3 * (end - snap),
-        len(work),
-        decode,
-        tokens,
-    )
 
 
 def _failed(e: Exception) -> Failed:

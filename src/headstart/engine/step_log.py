@@ -1,0 +1,54 @@
+"""How long each engine step took on the host, by phase, in the log.
+
+Every step at DEBUG level (``serve --log-level debug``), slow ones as a warning: the shape of
+the step (chunks, decode rows, tokens) beside the host clock at each phase's end (forward
+enqueued, snapshots taken, first tokens sampled and sent; on a GPU the sampling waits for the
+forward), so a stall shows where it happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from headstart.engine.scheduler import Work
+
+__all__ = ["SLOW_STEP_S", "StepClock"]
+
+log = logging.getLogger("headstart.engine")
+
+# A step this slow is logged as a warning: at the default step budget a step computes ~0.2 s, so
+# a second means something else (a compilation, a stall) held every stream back.
+SLOW_STEP_S = 1.0
+
+
+class StepClock:
+    """The host clock at a step's start and at each :meth:`mark` (forward, snapshots)."""
+
+    def __init__(self) -> None:
+        self.marks = [time.perf_counter()]
+
+    def mark(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def log(self, n: int, work: Sequence[Work]) -> None:
+        """Log step ``n`` (see the module docstring); the step ends now."""
+        self.mark()
+        t0, run, snap, end = self.marks[:4]
+        slow = end - t0 >= SLOW_STEP_S
+        if not (slow or log.isEnabledFor(logging.DEBUG)):
+            return
+        decode = sum(len(w.tokens) == 1 and w.start >= len(w.seq.prompt) for w in work)
+        (log.warning if slow else log.debug)(
+            "step %d: %.1f ms (forward %.1f, snapshots %.1f, sampling %.1f): %d chunks, "
+            "%d decode rows, %d tokens",
+            n,
+            1e3 * (end - t0),
+            1e3 * (run - t0),
+            1e3 * (snap - run),
+            1e3 * (end - snap),
+            len(work),
+            decode,
+            sum(len(w.tokens) for w in work),
+        )
