@@ -35,7 +35,8 @@ class StepClock:
     def log(self, n: int, work: Sequence[Work]) -> None:
         """Log step ``n`` (see the module docstring); the step ends now."""
         self.mark()
-        t0, run, snap, end = self.marks[:4]
+        t0, end = self.marks[0], self.marks[-1]
+        run, snap = (self.marks[1:3] + [end, end])[:2]  # phases not marked end with the step
         slow = end - t0 >= SLOW_STEP_S
         if not (slow or log.isEnabledFor(logging.DEBUG)):
             return
