@@ -281,3 +281,55 @@ def test_served_through_the_openai_api(tmp_path, bits):
             assert got == want[0, len(ids) :].tolist(), attempt
             cached = r.usage.prompt_tokens_details.cached_tokens
             assert cached == (len(ids) if attempt else 0)
+
+
+def test_the_engine_with_decode_graphs_serves_what_transformers_generates(tmp_path, engines):
+    """With graphs on (emulated on the CPU: the same static batches, run eagerly), the runner
+    builds decode graphs only (the family's graph shapes) and the engine's greedy tokens are
+    transformers'; new prompts and their chunks run eagerly beside the graphed decode rows."""
+    import tiny
+    from engine_helpers import Collector
+
+    from headstart.engine.config import EngineConfig, GraphConfig, SchedulingConfig
+    from headstart.engine.engine import EngineRequest, Finish, wait_idle
+    from headstart.models import family_for
+    from headstart.sampling import SamplingParams
+
+    ref = hf_model("M*-M-", tmp_path, seed=6)
+    model = family_for(tmp_path).load(tmp_path, torch.float32, "cpu", "reference")
+    config = EngineConfig(
+        3,
+        256,
+        scheduling=SchedulingConfig(16, 32),
+        graphs=GraphConfig(enabled=True, capture=False),
+    )
+    e = engines(model, tiny.small_tokenizer(), (), config)
+    runner = e.runner
+    assert runner.decode_graphs is not None and runner.prompt_graphs is None
+    assert runner.continuation_graphs is None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 160, (n,), generator=gen).tolist() for n in (21, 5, 37)]
+    results = []
+    for i, ids in enumerate(prompts):
+        c = Collector()
+        e.submit(EngineRequest(f"g{i}", ids, params, params.max_tokens, c))
+        results.append(c)
+    for c in results:
+        assert c.done.wait(120) and isinstance(c.finish, Finish)
+    assert wait_idle(e)
+    for ids, c in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert c.tokens == want[0, len(ids) :].tolist()
+
+
+def test_kernel_choice():
+    from headstart.models.nemotron_h.model import REFERENCE, select_kernels
+
+    assert select_kernels(torch.device("cpu"), "auto") is REFERENCE
+    assert select_kernels(torch.device("cpu"), "reference") is REFERENCE
+    with pytest.raises(ValueError, match="needs CUDA and Triton"):
+        select_kernels(torch.device("cpu"), "gpu")
+    with pytest.raises(ValueError, match="kernels must be"):
+        select_kernels(torch.device("cpu"), "fast")

@@ -30,6 +30,9 @@ from headstart.parallel.snapshots import SnapshotTwins
 
 log = logging.getLogger("headstart.engine")
 
+# Every batch shape the runner can capture; a model's ``kernels.graph_shapes`` may name fewer.
+GRAPH_SHAPES = frozenset({"decode", "prompts", "continuations", "windows"})
+
 
 @contextmanager
 def _phase(what: str) -> Iterator[None]:
@@ -197,12 +200,13 @@ class ModelRunner:
         from headstart.engine.cuda_graph import ContinuationGraphs, DecodeGraphs, PromptGraphs
 
         g, model, pool, s, taps = self.graph_config, self.model, self.pool, self.scratch, self.taps
+        shapes = getattr(model.kernels, "graph_shapes", GRAPH_SHAPES)
         with _phase("decode graphs"):
             self.decode_graphs = DecodeGraphs(
                 model, pool, self.num_slots, s, taps, capture=g.capture
             )
         mempool = self.decode_graphs.mempool  # shared: no two graphs replay at once
-        if g.prefill_tokens >= 1:
+        if g.prefill_tokens >= 1 and "prompts" in shapes:
             with _phase("prompt graphs"):
                 self.prompt_graphs = PromptGraphs(
                     model,
@@ -215,12 +219,12 @@ class ModelRunner:
                     capture=g.capture,
                     mempool=mempool,
                 )
-        if g.continuations and g.continuation_tokens >= 2:
+        if g.continuations and g.continuation_tokens >= 2 and "continuations" in shapes:
             with _phase("continuation graphs"):
                 self.continuation_graphs = ContinuationGraphs(
                     model, pool, g.continuation_tokens, s, taps, capture=g.capture, mempool=mempool
                 )
-        if g.windows and self.spec is not None and self.spec.block >= 2:
+        if g.windows and self.spec is not None and self.spec.block >= 2 and "windows" in shapes:
             with _phase("speculative graphs"):
                 self._capture_rounds(mempool)
 

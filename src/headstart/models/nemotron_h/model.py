@@ -15,8 +15,10 @@ to at most ``UNPACK_BYTES`` is unpacked once at load (per-call unpacking would d
 model's step); a larger one keeps its memory saving and unpacks per call.
 
 Batch shapes: decode rows (one batched step) and multi-row spans (prefill chunks, one by one).
-Graph-capturable shapes and verify windows are not supported yet: ``kernels.graphs`` is False,
-so the engine never builds them, and no drafter targets this family.
+On CUDA (with Triton) the decode rows' attention is the flash-decoding kernel reading the pool
+up to lengths held on the device, so the decode step does no host work and is captured in CUDA
+graphs (``kernels.graph_shapes``: decode only; prompts, continued chunks and verify windows run
+eagerly, and no drafter targets this family). Elsewhere every op is the reference.
 """
 
 from __future__ import annotations
@@ -42,8 +44,42 @@ from headstart.state import StateGroup, StatePool
 
 __all__ = ["NemotronHModel"]
 
-#: The kernels this family runs: the reference everywhere, no graphs.
-REFERENCE = SimpleNamespace(name="reference", graphs=False)
+
+def _attend_decode(q, keys, values, slots, lengths):
+    """The reference decode attention over the pool (reads up to the longest stream: a host
+    sync, so never captured)."""
+    longest = int(lengths.max())
+    return attend_decode(q, keys[slots, :, :longest], values[slots, :, :longest], lengths)
+
+
+#: The kernels this family runs: ``attn_decode(q [n,nh,hd], keys/values [slots,nkv,T,hd],
+#: slots [n], lengths [n]) -> [n,nh,hd]``; ``graph_shapes``: the batch shapes the runner may
+#: capture (see the module docstring).
+REFERENCE = SimpleNamespace(
+    name="reference", graphs=False, graph_shapes=frozenset(), attn_decode=_attend_decode
+)
+
+
+def select_kernels(device: torch.device, want: str) -> SimpleNamespace:
+    """``want`` "auto" or "gpu": the GPU decode attention on CUDA when Triton imports ("gpu"
+    raises otherwise); "reference": the reference everywhere."""
+    if want not in ("auto", "gpu", "reference"):
+        raise ValueError(f"kernels must be auto, gpu or reference, not {want!r}")
+    if want == "reference" or (want == "auto" and device.type != "cuda"):
+        return REFERENCE
+    try:
+        from headstart.ops.attention.triton import decode_attention
+        from headstart.ops.triton_support import HAVE_TRITON
+    except ImportError:
+        HAVE_TRITON = False
+    if device.type != "cuda" or not HAVE_TRITON:
+        if want == "gpu":
+            raise ValueError("nemotron_h: --kernels gpu needs CUDA and Triton")
+        return REFERENCE
+    return SimpleNamespace(
+        name="gpu", graphs=True, graph_shapes=frozenset({"decode"}), attn_decode=decode_attention
+    )
+
 
 # Mixer parameters kept in fp32 whatever the model's dtype (the scan runs in fp32).
 _FP32 = ("A_log", "D", "dt_bias")
@@ -68,6 +104,7 @@ class NemotronHModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         unpack_bytes: int = UNPACK_BYTES,
+        kernels: str = "auto",
     ) -> None:
         """``weights``: plain tensors (cast to ``dtype``, the SSM's fp32 parameters kept fp32)
         and/or packed :class:`QuantizedTensor` weights. Quantized linear weights are unpacked
@@ -75,7 +112,7 @@ class NemotronHModel:
         (the embedding table never is: lookups unpack only their rows; a head tied to it gets
         its own unpacked copy under the same rule)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.kernels = REFERENCE
+        self.kernels = select_kernels(self.device, kernels)
         self.arena = None
         layers = {k: t for k, t in weights.items() if k != EMBED}
         unpack = unpack_fits(layers, dtype, unpack_bytes)
@@ -110,8 +147,6 @@ class NemotronHModel:
         """Load a checkpoint folder (``dummy``: random weights at its config's shapes)."""
         from headstart.models.nemotron_h.weights import expected_shapes, load_weights
 
-        if kernels == "gpu":
-            raise ValueError("nemotron_h runs the reference kernels only (--kernels reference)")
         cfg = load_config(model_dir)
         if dummy:
             gen = torch.Generator().manual_seed(0)
@@ -125,7 +160,7 @@ class NemotronHModel:
             }
         else:
             weights = dict(load_weights(model_dir, cfg, dtype, "cpu"))
-        return cls(cfg, weights, dtype, device)
+        return cls(cfg, weights, dtype, device, kernels=kernels)
 
     # -- the contract ----------------------------------------------------------------------------
     def num_parameters(self) -> int:
@@ -225,12 +260,8 @@ class NemotronHModel:
         if d is not None:
             keys[d.slots, :, d.positions] = k[d.rows]
             values[d.slots, :, d.positions] = v[d.rows]
-            longest = int(d.positions.max()) + 1
-            out[d.rows] = attend_decode(
-                q[d.rows],
-                keys[d.slots, :, :longest],
-                values[d.slots, :, :longest],
-                d.positions + 1,
+            out[d.rows] = self.kernels.attn_decode(
+                q[d.rows], keys, values, d.slots, d.positions + 1
             )
         for s in batch.multi_row:
             end = s.start + s.length
