@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -578,6 +579,11 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     phase = time.monotonic()
     log.info("engine: state pool, warm-up and graph capture ...")
     engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, drafter=drafter)
+    # Start-up leaves millions of long-lived objects (weights, graphs, tokenizer tables); a
+    # full collection over them stalls every thread, the first requests' included. Frozen,
+    # they are never scanned again (vLLM does the same after capturing its graphs).
+    gc.collect()
+    gc.freeze()
     log.info(
         "engine ready in %.1fs (start-up %.1fs in all)",
         time.monotonic() - phase,
