@@ -148,16 +148,18 @@ class NemotronHModel:
         from headstart.models.nemotron_h.weights import expected_shapes, load_weights
 
         cfg = load_config(model_dir)
-        if dummy:
-            gen = torch.Generator().manual_seed(0)
-            weights = {
-                n: (
-                    torch.ones(s)
-                    if n.endswith("norm.weight") or n.endswith("norm_f.weight")
-                    else torch.randn(s, generator=gen) / (s[-1] ** 0.5 if len(s) > 1 else 1)
-                )
-                for n, s in expected_shapes(cfg).items()
-            }
+        if dummy:  # made on the device, in the model's dtype: a 9B shape fits no host copy
+            dev = torch.device(device)
+            gen = torch.Generator(dev).manual_seed(0)
+
+            def make(n: str, s: tuple[int, ...]) -> torch.Tensor:
+                keep = torch.float32 if n.rsplit(".", 1)[-1] in _FP32 else dtype
+                if n.endswith("norm.weight") or n.endswith("norm_f.weight"):
+                    return torch.ones(s, dtype=keep, device=dev)
+                t = torch.randn(s, generator=gen, device=dev)
+                return t.div_(s[-1] ** 0.5 if len(s) > 1 else 1).to(keep)
+
+            weights = {n: make(n, s) for n, s in expected_shapes(cfg).items()}
         else:
             weights = dict(load_weights(model_dir, cfg, dtype, "cpu"))
         return cls(cfg, weights, dtype, device, kernels=kernels)
