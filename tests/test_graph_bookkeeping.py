@@ -316,6 +316,48 @@ def test_span_batch_equals_a_continued_chunk(target):
     torch.testing.assert_close(pools[1].keys[:, 1, :, :30], pools[0].keys[:, 1, :, :30])
 
 
+@pytest.mark.parametrize("width", [12, 16, 29])
+def test_padded_span_batch_equals_a_continued_chunk(target, width):
+    """The same continued chunk padded to ``width`` rows (garbage ids after its 11 real
+    rows): the logits of its last real row, the real rows' taps, and the slot's conv tail,
+    recurrent state and KV rows are the unpadded chunk's."""
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(5, 150, (19,), generator=gen).tolist()
+    chunk = torch.randint(5, 150, (11,), generator=gen).tolist()
+    padding = torch.randint(5, 150, (width - 11,), generator=gen).tolist()
+    pools = [target.new_state_pool(3, 64) for _ in range(2)]
+    for pool in pools:
+        target.forward(ForwardBatch.build([SeqChunk(1, 0, prompt)]), pool)
+    ref = target.forward_ex(ForwardBatch.build([SeqChunk(1, 19, chunk)]), pools[0], (0, 2))
+    got = target.forward_ex(
+        ForwardBatch.windows_of(
+            torch.tensor(chunk + padding),
+            torch.tensor([1]),
+            torch.tensor([19]),
+            width,
+            span=True,
+            length=torch.tensor([11]),
+        ),
+        pools[1],
+        (0, 2),
+    )
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.taps[:11], ref.taps, atol=1e-4, rtol=1e-4)
+    for name in ("conv", "recurrent"):
+        torch.testing.assert_close(
+            getattr(pools[1], name)[:, 1], getattr(pools[0], name)[:, 1], atol=1e-5, rtol=1e-4
+        )
+    torch.testing.assert_close(pools[1].keys[:, 1, :, :30], pools[0].keys[:, 1, :, :30])
+
+
+def test_continuation_widths():
+    from headstart.engine.cuda_graph import continuation_widths
+
+    assert continuation_widths(64) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert continuation_widths(100) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert continuation_widths(2) == [2]
+
+
 def test_engine_with_continuation_graphs_equals_eager(target, tokenizer, engines):
     """Long prompts in chunks of 16 and growing conversations served from the prompt cache
     (a hit, then the new turn as a continued chunk), through an engine that replays continued

@@ -105,6 +105,11 @@ class WindowRows:
     # One stream's rows as one span through the kernels' span recurrence: a continued prefill
     # chunk (not recorded; logits of its last row only).
     span: bool = False
+    # A span padded to W rows: its real rows are the first ``length`` ([1] tensor); the rows
+    # after them leave the stream's state as its last real row left it (no decay and no
+    # update in the GDN, the conv tail ending at the last real row; their KV rows, past the
+    # stream's end, are never read) and its logits come from its last real row.
+    length: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -174,11 +179,13 @@ class ForwardBatch:
         width: int,
         records: WindowRecords | None = None,
         span: bool = False,
+        length: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """``n`` verify windows of ``width`` rows: ``input_ids`` [n * width] stream after
         stream, window j at positions ``starts[j] ..`` of ``slots[j]``. Built from tensors
         only (no host values), so the static buffers of a graph can be passed in. ``span``: one
-        continued prefill chunk instead (see :class:`WindowRows`)."""
+        continued prefill chunk instead, ``length``: of that many real rows, padded to
+        ``width`` (see :class:`WindowRows`)."""
         n = slots.shape[0]
         dev = input_ids.device
         rows = torch.arange(n * width, device=dev).view(n, width)
@@ -190,11 +197,16 @@ class ForwardBatch:
             fresh=torch.zeros(n * width, dtype=torch.bool, device=dev),
         )
         assert not span or n == 1, "a span batch holds one stream"
+        assert length is None or span, "only a span is padded"
+        if length is not None:
+            logit_index = rows[0][length - 1]
+        else:
+            logit_index = rows[:, -1] if span else rows.reshape(-1)
         return cls(
             input_ids=input_ids,
             positions=positions,
             spans=(),
-            logit_index=rows[:, -1] if span else rows.reshape(-1),
+            logit_index=logit_index,
             decode=None,
             multi_row=(),
             multi=None,
@@ -205,6 +217,7 @@ class ForwardBatch:
                 columns=rows.t().contiguous(),
                 records=records,
                 span=span,
+                length=length,
             ),
         )
 

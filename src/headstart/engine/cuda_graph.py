@@ -436,11 +436,23 @@ class RollbackGraphs:
         self.graphs[keep].replay()
 
 
+def continuation_widths(max_tokens: int) -> list[int]:
+    """The padded widths of continued-chunk graphs: 2, 3, 4, 6, 8, 12, 16, 24, ... up to
+    ``max_tokens`` (included): at most half a chunk of padding, a handful of graphs."""
+    widths, p = {max_tokens}, 2
+    while p < max_tokens:
+        widths.update(w for w in (p, p * 3 // 2) if w < max_tokens)
+        p *= 2
+    return sorted(w for w in widths if w >= 2)
+
+
 class ContinuationGraphs:
     """Continued prefill chunks of 2 .. ``max_tokens`` tokens (a stream past position 0: the
-    new turn after a prompt-cache hit, the later chunks of a long prompt), one graph per length,
-    with slot and start position in static tensors (``ForwardBatch.windows_of(span=True)``).
-    Attention runs as decode rows over the pool; the GDN through the kernels' span recurrence."""
+    new turn after a prompt-cache hit, the later chunks of a long prompt), each padded to the
+    next of :func:`continuation_widths`, one graph per width, with slot, start position and
+    real length in static tensors (``ForwardBatch.windows_of(span=True, length=...)``).
+    Attention runs as decode rows over the pool; the GDN through the kernels' span recurrence;
+    padding rows leave the stream's state as its last real row left it."""
 
     def __init__(
         self,
@@ -454,16 +466,21 @@ class ContinuationGraphs:
     ) -> None:
         dev = model.device
         self.max_tokens = min(max_tokens, pool.max_tokens - 1)
+        self.pool_tokens = pool.max_tokens
+        self.widths = continuation_widths(self.max_tokens) if self.max_tokens >= 2 else []
         self.ids = torch.zeros(max(self.max_tokens, 1), dtype=torch.int64, device=dev)
         self.slot = torch.full((1,), scratch_slot, dtype=torch.int64, device=dev)
         self.start = torch.ones(1, dtype=torch.int64, device=dev)
+        self.length = torch.ones(1, dtype=torch.int64, device=dev)
         if capture and mempool is None:
             mempool = torch.cuda.graph_pool_handle()
         self.graphs = _capture_each(
             "continuation graphs",
-            range(self.max_tokens, 1, -1),
-            lambda n: model.forward_ex(
-                ForwardBatch.windows_of(self.ids[:n], self.slot, self.start, n, span=True),
+            sorted(self.widths, reverse=True),
+            lambda w: model.forward_ex(
+                ForwardBatch.windows_of(
+                    self.ids[:w], self.slot, self.start, w, span=True, length=self.length
+                ),
                 pool,
                 tuple(taps),
             ),
@@ -472,14 +489,25 @@ class ContinuationGraphs:
             warmups=1,
         )
 
-    def covers(self, n: int) -> bool:
-        return n in self.graphs
+    def width(self, n: int, start: int) -> int | None:
+        """The graph width for ``n`` tokens at ``start``: the narrowest that holds them and
+        whose padding rows stay inside the pool; None when there is none."""
+        return next((w for w in self.widths if w >= n and start + w <= self.pool_tokens), None)
+
+    def covers(self, n: int, start: int) -> bool:
+        return n >= 2 and self.width(n, start) is not None
 
     def run(self, tokens: Sequence[int], start: int, slot: int) -> ForwardOutput:
-        """Prefill ``tokens`` at positions ``start ..`` of ``slot``; the last row's logits and
-        every row's taps, views valid until the next replay."""
+        """Prefill ``tokens`` at positions ``start ..`` of ``slot``; the last real row's logits
+        and every row's taps (padding rows' after the real ones), views valid until the next
+        replay."""
         n = len(tokens)
+        w = self.width(n, start)
+        if w is None or n < 2:
+            raise ValueError(f"no continuation graph for {n} tokens at {start}")
+        self.ids[:w].zero_()
         self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
         self.slot.fill_(slot)
         self.start.fill_(start)
-        return self.graphs[n].replay()
+        self.length.fill_(n)
+        return self.graphs[w].replay()

@@ -336,7 +336,7 @@ class ModelRunner:
         continued = [
             j
             for j, c in enumerate(chunks)
-            if c.start > 0 and len(c.tokens) > 1 and cg is not None and cg.covers(len(c.tokens))
+            if c.start > 0 and cg is not None and cg.covers(len(c.tokens), c.start)
         ]
         groups: list[list[int]] = []
         if fresh:
@@ -368,9 +368,10 @@ class ModelRunner:
         for j in plan.continued:
             c = chunks[j]
             out = self.continuation_graphs.run(c.tokens, c.start, c.slot)
-            # Cloned: another chunk of the same length in this step replays the same graph.
+            # Cloned: another chunk of the same width in this step replays the same graph.
             logits[j] = out.logits.clone() if c.logit_rows else out.logits[:0]
-            taps[j] = out.taps.clone() if out.taps is not None else None
+            n = len(c.tokens)
+            taps[j] = out.taps[:n].clone() if out.taps is not None else None
         if plan.decode:
             out = self.decode_graphs.run(
                 [chunks[j].tokens[0] for j in plan.decode],

@@ -24,6 +24,7 @@ from headstart.ops.conv.reference import (
     causal_conv,
     causal_conv_padded,
     causal_conv_spans,
+    causal_conv_upto,
     conv_spans_plan,
 )
 from headstart.ops.linear import linear
@@ -147,15 +148,23 @@ class GatedDeltaNet:
         )
 
     def _window_span(self, r: _Rows, batch: ForwardBatch) -> None:
-        """A continued chunk addressed by a slot tensor (graph-capturable)."""
+        """A continued chunk addressed by a slot tensor (graph-capturable); padded, its
+        padding rows get no decay and no update, and the conv tail ends at its last real row."""
         wd, dev = batch.windows, r.mixed.device
         rows, L = wd.rows[0], wd.rows.shape[1]
-        y, tail = causal_conv(r.mixed[rows], r.tails.index_select(0, wd.slots)[0], r.conv_w)
-        r.tails.index_copy_(0, wd.slots, tail[None])
+        tail0 = r.tails.index_select(0, wd.slots)[0]
+        g, beta = r.g[rows], r.beta[rows]
+        if wd.length is None:
+            y, tail = causal_conv(r.mixed[rows], tail0, r.conv_w)
+        else:
+            y, tail = causal_conv_upto(r.mixed[rows], tail0, r.conv_w, wd.length)
+            keep = (torch.arange(L, device=dev) < wd.length)[:, None]
+            g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
+        r.tails.index_copy_(0, wd.slots, tail[None].to(r.tails.dtype))
         o = self.m.kernels.gdn_spans(
             *self._qkv(y),
-            r.g[rows],
-            r.beta[rows],
+            g,
+            beta,
             torch.arange(0, 2 * L, L, dtype=torch.int32, device=dev),
             wd.slots,
             torch.zeros(1, dtype=torch.bool, device=dev),

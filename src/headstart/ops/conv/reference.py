@@ -22,6 +22,21 @@ def causal_conv(
     return F.silu(y[:, -T:]).transpose(0, 1), new_tail
 
 
+def causal_conv_upto(
+    x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, length: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv` of one sequence whose rows are padded: its real rows are the first
+    ``length`` (a [1] tensor, >= 1) of x's. Tensor ops only (graph-capturable). Returns
+    (silu(conv) [T, C], the tail [C, K-1] ending at the last real row). Padding rows come out
+    as garbage; the real rows never see them (the convolution is causal)."""
+    k1 = tail.shape[1]
+    window = torch.cat([tail.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
+    y = F.conv1d(window.unsqueeze(0), weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])[0]
+    # Column K-1+i holds row i, so the K-1 columns ending at row length-1 start at `length`.
+    new_tail = window.index_select(1, length + torch.arange(k1, device=x.device))
+    return F.silu(y).transpose(0, 1), new_tail
+
+
 def conv_spans_plan(lengths: list[int], k1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host index tensors of :func:`causal_conv_spans` for spans of ``lengths`` rows and tails
     of ``k1`` rows: (ext_index, out_index, tail_index).
