@@ -22,6 +22,7 @@ import contextlib
 import errno
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -184,6 +185,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
     p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads of the engine's operations (torch intra-op) on a CPU device; "
+        "default: the usable cores less one, left to the HTTP loop, at least 1 "
+        "(see BENCHMARKS.md); with --tensor-parallel the cores are shared out instead",
+    )
+    p.add_argument(
         "--tensor-parallel",
         type=int,
         default=1,
@@ -282,6 +292,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise HeadstartError(f"--body-timeout must be > 0, not {args.body_timeout:g}")
     if args.tensor_parallel < 1:
         raise HeadstartError(f"--tensor-parallel must be >= 1, not {args.tensor_parallel}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise HeadstartError(f"--threads must be >= 1, not {args.threads}")
     for flag in ("header_timeout", "keep_alive_timeout", "shutdown_timeout"):
         value = getattr(args, flag)
         if not value >= 0:  # also refuses nan
@@ -506,6 +518,32 @@ def serve(args: argparse.Namespace) -> int:
             sock.close()
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def cpu_threads(cores: int) -> int:
+    """The default intra-op thread count on a CPU: every core but one. The engine thread's
+    operations otherwise share all cores with the HTTP loop (and, when measured, the client),
+    and an OpenMP region waits for its slowest thread: one descheduled thread stalls the step."""
+    return max(1, cores - 1)
+
+
+def _size_threads(args: argparse.Namespace) -> None:
+    """Set torch's intra-op threads for a CPU device (tensor parallelism shares the cores out
+    itself; GPU devices keep torch's default)."""
+    import torch
+
+    if str(args.device).split(":")[0] != "cpu" or args.tensor_parallel > 1:
+        return
+    threads = getattr(args, "threads", None) or cpu_threads(usable_cores())
+    torch.set_num_threads(threads)
+    log.info("cpu threads: %d", threads)
+
+
 def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys | None) -> int:
     """serve() once the arguments are checked and the listening sockets bound."""
     from headstart.engine.engine import Engine
@@ -515,6 +553,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     from headstart.server.request_log import RequestLog
 
     started = time.monotonic()
+    _size_threads(args)
     log.info("loading %s ...", args.model or "the embedded default model")
     loaded = load(
         args.model,

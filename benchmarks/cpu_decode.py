@@ -1,0 +1,69 @@
+"""Where a CPU decode step of the embedded default model (or ``--model``) goes, in process.
+
+Times ``model.forward`` of one decode row per stream (1 and 16 streams by default, each after a
+30-token prompt) at each ``--threads`` count, counts the top-level ``aten::`` operations of a
+step, and lists the operations that take the most time under ``torch.profiler``.
+
+    python benchmarks/cpu_decode.py --streams 1 16 --threads 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from headstart.batch import ForwardBatch, SeqChunk
+from headstart.loading import load
+
+
+def _decode_batch(streams: int, position: int) -> ForwardBatch:
+    return ForwardBatch.build([SeqChunk(s, position, (100 + s,)) for s in range(streams)])
+
+
+def _step_ms(model, pool, streams: int, steps: int) -> float:
+    """Median wall time of ``steps`` decode steps (positions advance, as in serving)."""
+    times = []
+    for t in range(steps):
+        batch = _decode_batch(streams, 30 + t)
+        start = time.perf_counter()
+        model.forward(batch, pool)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _profile(model, pool, streams: int, top: int) -> None:
+    batch = _decode_batch(streams, 30)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model.forward(batch, pool)
+    ops = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    counts = ", ".join(f"{n} {c}" for n, c in collections.Counter(ops).most_common(6))
+    print(f"  {len(ops)} top-level aten ops per step ({counts})")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    model = load(args.model).model
+    for streams in args.streams:
+        pool = model.new_state_pool(streams, 30 + args.steps + 1)
+        prompts = [SeqChunk(s, 0, tuple(range(3 + s, 33 + s))) for s in range(streams)]
+        model.forward(ForwardBatch.build(prompts), pool)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            _step_ms(model, pool, streams, 20)  # warm-up
+            ms = _step_ms(model, pool, streams, args.steps)
+            print(f"streams={streams} threads={threads}: {ms:.3f} ms/step median", flush=True)
+        _profile(model, pool, streams, args.top)
+
+
+if __name__ == "__main__":
+    main()
