@@ -2,9 +2,12 @@
 
 Times ``model.forward`` of one decode row per stream (1 and 16 streams by default, each after a
 30-token prompt) at each ``--threads`` count, counts the top-level ``aten::`` operations of a
-step, and lists the operations that take the most time under ``torch.profiler``.
+step, and lists the operations that take the most time under ``torch.profiler`` (by input shape
+with ``--shapes``). ``--pool-tokens``: tokens per slot of the state pool (default: just enough;
+``serve`` allocates 16 slots of its ``--context``, 32,768).
 
     python benchmarks/cpu_decode.py --streams 1 16 --threads 1 2
+    python benchmarks/cpu_decode.py --streams 1 --threads 1 --pool-tokens 32768 --shapes
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ def _step_ms(model, pool, streams: int, steps: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def _profile(model, pool, streams: int, top: int) -> None:
+def _profile(model, pool, streams: int, top: int, shapes: bool) -> None:
     batch = _decode_batch(streams, 30)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, record_shapes=shapes) as prof:
         model.forward(batch, pool)
     ops = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
     counts = ", ".join(f"{n} {c}" for n, c in collections.Counter(ops).most_common(6))
     print(f"  {len(ops)} top-level aten ops per step ({counts})")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+    table = prof.key_averages(group_by_input_shape=shapes)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=top, max_shapes_column_width=60))
 
 
 def main() -> None:
@@ -51,10 +56,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--pool-tokens", type=int, default=None)
+    ap.add_argument("--shapes", action="store_true")
     args = ap.parse_args()
     model = load(args.model).model
     for streams in args.streams:
-        pool = model.new_state_pool(streams, 30 + args.steps + 1)
+        pool = model.new_state_pool(streams, args.pool_tokens or 30 + args.steps + 1)
         prompts = [SeqChunk(s, 0, tuple(range(3 + s, 33 + s))) for s in range(streams)]
         model.forward(ForwardBatch.build(prompts), pool)
         for threads in args.threads:
@@ -62,7 +69,7 @@ def main() -> None:
             _step_ms(model, pool, streams, 20)  # warm-up
             ms = _step_ms(model, pool, streams, args.steps)
             print(f"streams={streams} threads={threads}: {ms:.3f} ms/step median", flush=True)
-        _profile(model, pool, streams, args.top)
+        _profile(model, pool, streams, args.top, args.shapes)
 
 
 if __name__ == "__main__":
