@@ -108,7 +108,7 @@ class Engine:
         """Requests submitted and not yet ended (queued or running)."""
         return self._inbox.active
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         s = self.scheduler
         spec = self.spec.stats if self.spec is not None else dict.fromkeys(STATS, 0)
         return {
