@@ -32,11 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from headstart.batch import ForwardBatch
+from headstart.kernels import REFERENCE as SHARED_REFERENCE
 from headstart.models.contract import ForwardOutput
 from headstart.models.nemotron_h.config import ATTENTION, MAMBA, ModelConfig, load_config
 from headstart.models.qwen35.pipeline import UNPACK_BYTES, unpack_fits
 from headstart.models.qwen35.weights import Weight
-from headstart.ops.attention.reference import attend, attend_decode
+from headstart.ops.attention.reference import attend
 from headstart.ops.linear import linear
 from headstart.ops.ssd import reference as ssd
 from headstart.quant import QuantizedTensor
@@ -44,19 +45,14 @@ from headstart.state import StateGroup, StatePool
 
 __all__ = ["NemotronHModel"]
 
-
-def _attend_decode(q, keys, values, slots, lengths):
-    """The reference decode attention over the pool (reads up to the longest stream: a host
-    sync, so never captured)."""
-    longest = int(lengths.max())
-    return attend_decode(q, keys[slots, :, :longest], values[slots, :, :longest], lengths)
-
-
-#: The kernels this family runs: ``attn_decode(q [n,nh,hd], keys/values [slots,nkv,T,hd],
-#: slots [n], lengths [n]) -> [n,nh,hd]``; ``graph_shapes``: the batch shapes the runner may
-#: capture (see the module docstring).
+#: The kernels this family runs: ``attn_decode`` as Qwen3.5's (:class:`headstart.kernels.Kernels`:
+#: the reference reads up to the longest stream, a host sync, so it is never captured);
+#: ``graph_shapes``: the batch shapes the runner may capture (see the module docstring).
 REFERENCE = SimpleNamespace(
-    name="reference", graphs=False, graph_shapes=frozenset(), attn_decode=_attend_decode
+    name="reference",
+    graphs=False,
+    graph_shapes=frozenset(),
+    attn_decode=SHARED_REFERENCE.attn_decode,
 )
 
 
