@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_nemotron_h_model import hf_model
+from test_nemotron_h_model import assert_serves_transformers_tokens, hf_model
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])
@@ -19,12 +19,9 @@ def test_decode_graphs_give_the_cpu_references_greedy_tokens(tmp_path, engines, 
     """float32 on the GPU (decode rows replayed from captured graphs, prompts eager) against
     transformers in float32 on the CPU: the same greedy tokens for every stream."""
     import tiny
-    from engine_helpers import Collector
 
     from headstart.engine.config import EngineConfig, SchedulingConfig
-    from headstart.engine.engine import EngineRequest, Finish, wait_idle
     from headstart.models import family_for
-    from headstart.sampling import SamplingParams
 
     ref = hf_model("M*-M-", tmp_path, seed=9, head_dim=head_dim)
     model = family_for(tmp_path).load(tmp_path, torch.float32, "cuda", "auto")
@@ -33,18 +30,6 @@ def test_decode_graphs_give_the_cpu_references_greedy_tokens(tmp_path, engines, 
         model, tiny.small_tokenizer(), (), EngineConfig(3, 256, scheduling=SchedulingConfig(16, 32))
     )
     assert e.runner.decode_graphs is not None and e.runner.prompt_graphs is None
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     gen = torch.Generator().manual_seed(10)
     prompts = [torch.randint(2, 160, (n,), generator=gen).tolist() for n in (44, 7, 25)]
-    results = []
-    for i, ids in enumerate(prompts):
-        c = Collector()
-        e.submit(EngineRequest(f"g{i}", ids, params, params.max_tokens, c))
-        results.append(c)
-    for c in results:
-        assert c.done.wait(120) and isinstance(c.finish, Finish)
-    assert wait_idle(e)
-    for ids, c in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-        assert c.tokens == want[0, len(ids) :].tolist()
+    assert_serves_transformers_tokens(e, ref, prompts, 12)

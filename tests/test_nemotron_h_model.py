@@ -59,6 +59,29 @@ def ours(tmp_path):
     return NemotronHModel.load(tmp_path, torch.float32, "cpu")
 
 
+def assert_serves_transformers_tokens(engine, ref, prompts, max_tokens: int) -> None:
+    """Submit every prompt at once to ``engine`` (greedy), wait for all, and check each stream's
+    tokens are what transformers' ``ref`` generates for that prompt alone."""
+    from engine_helpers import Collector
+
+    from headstart.engine.engine import EngineRequest, Finish, wait_idle
+    from headstart.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    results = []
+    for i, ids in enumerate(prompts):
+        c = Collector()
+        engine.submit(EngineRequest(f"r{i}", ids, params, max_tokens, c))
+        results.append(c)
+    for c in results:
+        assert c.done.wait(120) and isinstance(c.finish, Finish)
+    assert wait_idle(engine)
+    for ids, c in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+        assert c.tokens == want[0, len(ids) :].tolist()
+
+
 CASES = [
     ("M*-M-", {}),
     ("MM*-", {"num_key_value_heads": 4}),
@@ -180,12 +203,9 @@ def test_the_engine_serves_it_with_the_prompt_cache(tmp_path, engines):
     """Registered through the model contract: the engine batches several streams and restores
     cached prompts (exact and growing), with the same greedy tokens as transformers."""
     import tiny
-    from engine_helpers import Collector
 
     from headstart.engine.config import CacheConfig, EngineConfig, SchedulingConfig
-    from headstart.engine.engine import EngineRequest, Finish, wait_idle
     from headstart.models import family_for
-    from headstart.sampling import SamplingParams
 
     ref = hf_model("M*-M-", tmp_path, seed=5)
     assert family_for(tmp_path).name == "nemotron_h"
@@ -194,23 +214,11 @@ def test_the_engine_serves_it_with_the_prompt_cache(tmp_path, engines):
         3, 256, scheduling=SchedulingConfig(16, 32), cache=CacheConfig(bytes=16 << 20)
     )
     e = engines(model, tiny.small_tokenizer(), (), config)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, 160, (n,), generator=gen).tolist() for n in (23, 9, 40)]
     prompts.append(prompts[2])  # an exact repeat
     prompts.append(prompts[0] + [7, 8, 9])  # a growing prompt: a prefix hit
-    results = []
-    for i, ids in enumerate(prompts):
-        c = Collector()
-        e.submit(EngineRequest(f"n{i}", ids, params, params.max_tokens, c))
-        results.append(c)
-    for c in results:
-        assert c.done.wait(120) and isinstance(c.finish, Finish)
-    assert wait_idle(e)
-    for ids, c in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)
-        assert c.tokens == want[0, len(ids) :].tolist()
+    assert_serves_transformers_tokens(e, ref, prompts, 10)
     assert e.stats()["cache_hits"] >= 1
 
 
@@ -288,12 +296,9 @@ def test_the_engine_with_decode_graphs_serves_what_transformers_generates(tmp_pa
     builds decode graphs only (the family's graph shapes) and the engine's greedy tokens are
     transformers'; new prompts and their chunks run eagerly beside the graphed decode rows."""
     import tiny
-    from engine_helpers import Collector
 
     from headstart.engine.config import EngineConfig, GraphConfig, SchedulingConfig
-    from headstart.engine.engine import EngineRequest, Finish, wait_idle
     from headstart.models import family_for
-    from headstart.sampling import SamplingParams
 
     ref = hf_model("M*-M-", tmp_path, seed=6)
     model = family_for(tmp_path).load(tmp_path, torch.float32, "cpu", "reference")
@@ -307,21 +312,9 @@ def test_the_engine_with_decode_graphs_serves_what_transformers_generates(tmp_pa
     runner = e.runner
     assert runner.decode_graphs is not None and runner.prompt_graphs is None
     assert runner.continuation_graphs is None
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(2, 160, (n,), generator=gen).tolist() for n in (21, 5, 37)]
-    results = []
-    for i, ids in enumerate(prompts):
-        c = Collector()
-        e.submit(EngineRequest(f"g{i}", ids, params, params.max_tokens, c))
-        results.append(c)
-    for c in results:
-        assert c.done.wait(120) and isinstance(c.finish, Finish)
-    assert wait_idle(e)
-    for ids, c in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        assert c.tokens == want[0, len(ids) :].tolist()
+    assert_serves_transformers_tokens(e, ref, prompts, 8)
 
 
 def test_kernel_choice():
