@@ -289,39 +289,13 @@ def test_window_graphs_at_the_context_edge(target, tokenizer, engines):
     assert run(e) == expected
 
 
-def test_span_batch_equals_a_continued_chunk(target):
+@pytest.mark.parametrize("width", [11, 12, 16, 29])
+def test_span_batch_equals_a_continued_chunk(target, width):
     """A continued prefill chunk built from tensors (decode-style attention, the span GDN by
-    slot tensor) against the same chunk as an ordinary span: last-row logits, taps, state."""
+    slot tensor) against the same chunk as an ordinary span; padded to ``width`` rows
+    (garbage ids after its 11 real rows) where ``width`` > 11. The logits of its last real
+    row, the real rows' taps, and the slot's conv tail, recurrent state and KV rows agree."""
     gen = torch.Generator().manual_seed(8)
-    prompt = torch.randint(5, 150, (19,), generator=gen).tolist()
-    chunk = torch.randint(5, 150, (11,), generator=gen).tolist()
-    pools = [target.new_state_pool(3, 64) for _ in range(2)]
-    for pool in pools:
-        target.forward(ForwardBatch.build([SeqChunk(1, 0, prompt)]), pool)
-    ref = target.forward_ex(ForwardBatch.build([SeqChunk(1, 19, chunk)]), pools[0], (0, 2))
-    got = target.forward_ex(
-        ForwardBatch.windows_of(
-            torch.tensor(chunk), torch.tensor([1]), torch.tensor([19]), 11, span=True
-        ),
-        pools[1],
-        (0, 2),
-    )
-    assert got.records == {}
-    torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got.taps, ref.taps, atol=1e-4, rtol=1e-4)
-    for name in ("conv", "recurrent"):
-        torch.testing.assert_close(
-            getattr(pools[1], name)[:, 1], getattr(pools[0], name)[:, 1], atol=1e-5, rtol=1e-4
-        )
-    torch.testing.assert_close(pools[1].keys[:, 1, :, :30], pools[0].keys[:, 1, :, :30])
-
-
-@pytest.mark.parametrize("width", [12, 16, 29])
-def test_padded_span_batch_equals_a_continued_chunk(target, width):
-    """The same continued chunk padded to ``width`` rows (garbage ids after its 11 real
-    rows): the logits of its last real row, the real rows' taps, and the slot's conv tail,
-    recurrent state and KV rows are the unpadded chunk's."""
-    gen = torch.Generator().manual_seed(9)
     prompt = torch.randint(5, 150, (19,), generator=gen).tolist()
     chunk = torch.randint(5, 150, (11,), generator=gen).tolist()
     padding = torch.randint(5, 150, (width - 11,), generator=gen).tolist()
@@ -336,11 +310,12 @@ def test_padded_span_batch_equals_a_continued_chunk(target, width):
             torch.tensor([19]),
             width,
             span=True,
-            length=torch.tensor([11]),
+            length=torch.tensor([11]) if width > 11 else None,
         ),
         pools[1],
         (0, 2),
     )
+    assert got.records == {}
     torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.taps[:11], ref.taps, atol=1e-4, rtol=1e-4)
     for name in ("conv", "recurrent"):
