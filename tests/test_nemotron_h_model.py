@@ -50,6 +50,9 @@ def hf_model(pattern: str, tmp_path, seed: int, **overrides):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.ndim == 1 else 0.15))
     model.save_pretrained(tmp_path)
+    # Greedy references run their whole length (as the engine's ignore_eos does): a random
+    # model that picks token 1 would otherwise end transformers' generation there.
+    model.generation_config.eos_token_id = None
     return model
 
 
@@ -116,7 +119,7 @@ def assert_matches(ref, model) -> None:
     assert (got - want).abs().max() <= 1e-4
     # 20 greedy steps: transformers' own cached generation against ours, token by token.
     with torch.no_grad():
-        out = ref.generate(ids[None], max_new_tokens=20, do_sample=False, min_new_tokens=20)
+        out = ref.generate(ids[None], max_new_tokens=20, do_sample=False)
     want_tokens = out[0, len(ids) :].tolist()
     tokens, position = [], len(ids)
     last = int(got[-1].argmax())
