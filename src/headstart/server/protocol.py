@@ -424,17 +424,14 @@ class CompletionRequest(_CommonRequest):
     @pydantic.field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value: Any) -> list[str] | list[list[int]]:
-        def is_id(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         if isinstance(value, str):
             return [value]
         if isinstance(value, list):
             if all(isinstance(p, str) for p in value):
                 return value
-            if all(is_id(t) for t in value):
+            if _all_ids(value):
                 return [value]
-            if all(isinstance(p, list) and all(is_id(t) for t in p) for p in value):
+            if all(isinstance(p, list) and _all_ids(p) for p in value):
                 return value
         raise ValueError(
             "must be a string, a list of strings, a list of token ids, "
@@ -474,6 +471,16 @@ def _where(path: tuple[str | int, ...]) -> str | None:
     return _loc_to_param(path)
 
 
+def _all_ids(values: list) -> bool:
+    """Every item an int (not a bool): the type set is built in C, which matters for prompts
+    of tens of thousands of token ids (a generator over them costs milliseconds per request)."""
+    return set(map(type, values)) <= {int}
+
+
+#: Items that hold no text: lists of them (token ids, mostly) are not walked item by item.
+_NO_TEXT = frozenset({int, float, bool, type(None)})
+
+
 def _check_text(data: Any) -> None:
     """Raise a 400 naming the first string (or object key) that holds a lone surrogate."""
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
@@ -495,7 +502,7 @@ def _check_text(data: Any) -> None:
                         _where(path),
                     )
                 stack.append((item, (*path, key)))
-        elif isinstance(value, list):
+        elif isinstance(value, list) and not set(map(type, value)) <= _NO_TEXT:
             stack.extend((item, (*path, i)) for i, item in enumerate(value))
 
 
