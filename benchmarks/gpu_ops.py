@@ -13,6 +13,8 @@ convention of the device notes), then:
   WRONG on its line (the lm_head, too large for an fp32 copy, is compared to our own output).
 * decode_attention at n = 16 streams, lengths 512 and 8192 (floor = K+V bytes / bandwidth), with
   the reference path (gather the slots' rows + attend_decode) for comparison.
+* chunk_attention: one stream's continued chunk of 64..1024 rows at position 12000, beside
+  the same rows as decode rows and SDPA over the slot's rows.
 * gdn_decode for 48 layers of 27B state at n = 1 and 16 (floor = state read + write / bandwidth):
   one layer alone, and all 48 layers replayed from a CUDA graph.
 
@@ -309,6 +311,81 @@ def bench_attention(bw: float) -> list[dict]:
     return rows
 
 
+# chunk_attention configs (query block, key block, warps, stages) that --sweep times.
+CHUNK_SWEEP = [
+    (64, 32, 8, 2),
+    (64, 64, 8, 2),
+    (64, 64, 4, 2),
+    (64, 32, 4, 3),
+    (128, 32, 8, 2),
+    (128, 64, 8, 2),
+    (64, 128, 8, 2),
+    (64, 64, 8, 3),
+    (128, 32, 8, 3),
+]
+
+
+def bench_chunk(bw: float, sweep: bool = False) -> list[dict]:
+    """One stream's continued chunk of W rows at position 12000 (27B heads): chunk_attention,
+    the same rows as decode rows (what continuation graphs ran before it), and SDPA over the
+    slot's rows (the eager path's ``attn_span``). Floor: the larger of K+V bytes over the copy
+    bandwidth and the causal FLOPs over 790 TFLOP/s."""
+    from headstart.ops.attention.sdpa import attn_span
+    from headstart.ops.attention.triton import chunk_attention
+
+    rows, nh, nkv, hd, start, copies = [], 24, 4, 256, 12000, 4
+    max_tokens = start + 1024
+    keys = torch.randn(copies, nkv, max_tokens, hd, device=DEV).to(torch.bfloat16)
+    values = torch.randn(copies, nkv, max_tokens, hd, device=DEV).to(torch.bfloat16)
+    at = torch.tensor([start], device=DEV)
+    slots = [torch.tensor([c], device=DEV) for c in range(copies)]
+    for width in (64, 512, 1024):
+        q = torch.randn(width, nh, hd, device=DEV).to(torch.bfloat16)
+        end = start + width
+        flops = 4 * width * (start + width / 2) * nh * hd
+        floor = max(2 * nkv * end * hd * 2 / (bw * 1e9), flops / 790e12) * 1e6
+        ours = bench_graph([lambda s=s: chunk_attention(q, keys, values, s, at) for s in slots])
+        lengths = torch.arange(start + 1, end + 1, device=DEV, dtype=torch.int32)
+        repeated = [s.repeat(width) for s in slots]
+        as_rows = bench_graph(
+            [lambda s=s: decode_attention(q, keys, values, s, lengths) for s in repeated]
+        )
+        sdpa = bench(lambda: attn_span(q, keys[0, :, :end], values[0, :, :end], start))
+        for config in CHUNK_SWEEP if sweep and width >= 512 else ():
+            for splits in (None, 1):
+                try:
+                    t = bench_graph(
+                        [
+                            lambda s=s: chunk_attention(
+                                q, keys, values, s, at, num_splits=splits, config=config
+                            )
+                            for s in slots
+                        ]
+                    )
+                except Exception as e:  # out of resources: report it, go on
+                    print(f"  chunk W={width} {config} splits {splits}: {type(e).__name__}")
+                    continue
+                print(f"  chunk W={width} {config} splits {splits}: {t:.1f} us", flush=True)
+        rows.append(
+            {
+                "width": width,
+                "start": start,
+                "ours_us": ours,
+                "decode_rows_us": as_rows,
+                "sdpa_us": sdpa,
+                "floor_us": floor,
+            }
+        )
+        print(
+            f"  chunk W={width} at {start}: ours {ours:.1f} us, as decode rows {as_rows:.1f}, "
+            f"sdpa {sdpa:.1f}, floor {floor:.1f}",
+            flush=True,
+        )
+    del keys, values
+    torch.cuda.empty_cache()
+    return rows
+
+
 def bench_gdn(bw: float) -> list[dict]:
     rows = []
     layers, Hk, Hv, D = 48, 16, 48, 128
@@ -360,7 +437,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the torch matmul baselines")
     ap.add_argument("--lm-head", action="store_true", help="also time the 248320x5120 lm_head")
     ap.add_argument("--before", default="", help="a quant_matmul.py to time alongside")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: matmul,attention,gdn")
+    ap.add_argument("--skip", default="", help="parts to skip: matmul,attention,gdn,chunk")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_ops.json"))
     args = ap.parse_args()
     if args.configs:
@@ -378,9 +455,13 @@ def main() -> None:
     mm = [] if "matmul" in skip else bench_matmul(bw, args.sweep, args.quick, args.lm_head, before)
     att = [] if "attention" in skip else bench_attention(bw)
     gdn = [] if "gdn" in skip else bench_gdn(bw)
+    chunk = [] if "chunk" in skip else bench_chunk(bw, args.sweep)
     with contextlib.suppress(OSError):
         Path(args.json).write_text(
-            json.dumps({"copy_GBps": bw, "matmul": mm, "attention": att, "gdn": gdn}, indent=1)
+            json.dumps(
+                {"copy_GBps": bw, "matmul": mm, "attention": att, "gdn": gdn, "chunk": chunk},
+                indent=1,
+            )
         )
 
     print(
@@ -409,6 +490,12 @@ def main() -> None:
         print(
             f"gdn decode n={r['n']:<2d} x48 layers {r['graph48_us']:6.1f} {r['eager48_us']:6.1f} "
             f"{r['floor48_us']:6.1f} {r['ratio']:5.2f}"
+        )
+    for r in chunk:
+        print(
+            f"chunk attention W={r['width']:<4d} at {r['start']}: ours {r['ours_us']:.1f} us, "
+            f"decode rows {r['decode_rows_us']:.1f}, sdpa {r['sdpa_us']:.1f}, floor "
+            f"{r['floor_us']:.1f}"
         )
 
 

@@ -51,7 +51,7 @@ run_scenarios() {
       --scenario "$name" ${extra//,/ } --out "$receipts/$shape-$tag" --no-progress \
       >"$receipts/$shape-$tag.log" 2>&1
     echo "== $shape $sc (rc $?)"
-    grep -v -E "^(bench check|receipt|---)" "$receipts/$shape-$tag.log" | tail -14
+    grep -v -E "^(bench check|receipt|---)" "$receipts/$shape-$tag.log" | tail -"${TAIL:-14}"
   done
 }
 

@@ -10,8 +10,8 @@ tolerances below only have to cover the kernels' own roundings:
   fp32) and states within 1e-4 relative Frobenius.
 * gdn_prefill_varlen (flash-linear-attention chunked kernels, bf16 intermediates inside FLA):
   outputs and final states within 2e-2 relative Frobenius.
-* decode_attention: probabilities are rounded to bf16 before the PV product and the output is bf16:
-  relative Frobenius error <= 1e-2.
+* decode_attention, chunk_attention: probabilities are rounded to bf16 before the PV product and
+  the output is bf16: relative Frobenius error <= 1e-2.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from headstart.ops.attention.reference import attend_decode
-from headstart.ops.attention.triton import decode_attention
+from headstart.ops.attention.reference import attend_chunk, attend_decode
+from headstart.ops.attention.triton import chunk_attention, decode_attention
 from headstart.ops.gated_delta.fla import gdn_prefill_varlen
 from headstart.ops.gated_delta.reference import gated_delta_step, recurrent_gated_delta
 from headstart.ops.gated_delta.triton import gdn_decode
@@ -312,6 +312,36 @@ def test_decode_attention(nh, nkv, hd, max_tokens, lens, splits):
         keys[s, :, lens[i] :] = float("nan")
         values[s, :, lens[i] :] = float("nan")
     out = decode_attention(q, keys, values, slots, lengths, num_splits=splits)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    "nh,nkv,hd,max_tokens,width,start",
+    [
+        (8, 2, 64, 300, 2, 0),
+        (8, 2, 64, 300, 130, 77),
+        (24, 4, 256, 16384, 512, 12000),
+        (24, 4, 256, 16384, 48, 9000),
+        (16, 4, 128, 4096, 64, 1),
+    ],
+)
+@pytest.mark.parametrize("splits", [None, 1, 8])
+def test_chunk_attention(nh, nkv, hd, max_tokens, width, start, splits):
+    """One stream's continued chunk (slot and start as device tensors) against the reference;
+    the pool rows past the chunk and every other slot hold NaN, which must never be read."""
+    g = gen(hd + width)
+    shape = (3, nkv, max_tokens, hd)
+    keys = torch.full(shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    values = torch.full(shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    end = start + width
+    keys[2, :, :end] = torch.randn(nkv, end, hd, generator=g, device=DEV).to(torch.bfloat16)
+    values[2, :, :end] = torch.randn(nkv, end, hd, generator=g, device=DEV).to(torch.bfloat16)
+    q = torch.randn(width, nh, hd, generator=g, device=DEV).to(torch.bfloat16)
+    slot, at = (torch.tensor([v], device=DEV) for v in (2, start))
+    ref = attend_chunk(q.float(), keys.float(), values.float(), slot, at)
+    out = chunk_attention(q, keys, values, slot, at, num_splits=splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2

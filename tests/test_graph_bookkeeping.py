@@ -331,6 +331,9 @@ def test_continuation_widths():
     assert continuation_widths(64) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     assert continuation_widths(100) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
     assert continuation_widths(2) == [2]
+    # Past 256, every 128 tokens: long tool results pad by at most 128 rows.
+    assert continuation_widths(1024)[-8:] == [192, 256, 384, 512, 640, 768, 896, 1024]
+    assert continuation_widths(300)[-3:] == [192, 256, 300]
 
 
 def test_engine_with_continuation_graphs_equals_eager(target, tokenizer, engines):

@@ -94,7 +94,8 @@ class MultiRows:
 class WindowRows:
     """Verify windows of ``W`` rows for ``n`` streams, in the form a CUDA graph can capture:
     slots and start positions are tensors, not Python ints (see engine/cuda_graph.py). The GDN
-    layers run the rows as ``W`` batched one-row steps; attention runs them as decode rows.
+    layers run the rows as ``W`` batched one-row steps; attention runs them as decode rows (a
+    ``span``: as one chunk, ``Kernels.attn_chunk``).
     Recorded for rollback like a ``record`` span; records are keyed by stream index ``0..n-1``."""
 
     rows: torch.Tensor  # [n, W] packed row of each window row

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from headstart.ops.attention.reference import attend, attend_decode
+from headstart.ops.attention.reference import attend, attend_chunk, attend_decode
 from headstart.ops.gated_delta.reference import chunked_gated_delta, gated_delta_step
 from headstart.ops.pointwise import reference as pointwise
 
@@ -127,13 +127,16 @@ class Kernels:
     sigmoid_mul: Callable[..., torch.Tensor] = pointwise.sigmoid_mul
     conv_step_rows: Callable[..., torch.Tensor] = pointwise.conv_step_rows
     attn_decode_inputs: Callable[..., torch.Tensor] = pointwise.attn_decode_inputs
+    # (q [W,nh,hd] at positions start.. of stream slot, keys/values [slots,nkv,max_tokens,hd]
+    # with the rows written, slot [1], start [1] tensors) -> [W,nh,hd] (graph-capturable)
+    attn_chunk: Callable[..., torch.Tensor] = attend_chunk
 
 
 REFERENCE = Kernels("reference", _ref_gdn_decode_gates, _ref_gdn_spans, _ref_attn_decode)
 
 
 def gpu_kernels() -> Kernels:
-    from headstart.ops.attention.triton import decode_attention
+    from headstart.ops.attention.triton import chunk_attention, decode_attention
     from headstart.ops.gated_delta.fla import gdn_prefill_varlen
     from headstart.ops.gated_delta.triton import gdn_decode_gates
     from headstart.ops.pointwise import triton as gpu_fused
@@ -168,6 +171,7 @@ def gpu_kernels() -> Kernels:
         sigmoid_mul=gpu_fused.sigmoid_mul,
         conv_step_rows=gpu_fused.conv_step_rows,
         attn_decode_inputs=gpu_fused.attn_decode_inputs,
+        attn_chunk=chunk_attention,
     )
 
 

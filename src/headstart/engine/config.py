@@ -99,7 +99,7 @@ class GraphConfig:
     prefill_rows: int = 2048
     windows: bool = True
     continuations: bool = True
-    continuation_tokens: int = 64
+    continuation_tokens: int = 1024
 
 
 @dataclass(frozen=True)

@@ -436,13 +436,16 @@ class RollbackGraphs:
         self.graphs[keep].replay()
 
 
-def continuation_widths(max_tokens: int) -> list[int]:
+def continuation_widths(max_tokens: int, step: int = 128) -> list[int]:
     """The padded widths of continued-chunk graphs: 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-    ``max_tokens`` (included): at most half a chunk of padding, a handful of graphs."""
+    ``2 * step``, then every ``step`` tokens, up to ``max_tokens`` (included): at most half a
+    short chunk of padding and at most ``step`` rows of a long one (a tool result of 520
+    tokens pads to 640, not 768), a handful of graphs."""
     widths, p = {max_tokens}, 2
-    while p < max_tokens:
+    while p < min(max_tokens, 2 * step):
         widths.update(w for w in (p, p * 3 // 2) if w < max_tokens)
         p *= 2
+    widths.update(range(2 * step, max_tokens, step))
     return sorted(w for w in widths if w >= 2)
 
 
@@ -451,7 +454,8 @@ class ContinuationGraphs:
     new turn after a prompt-cache hit, the later chunks of a long prompt), each padded to the
     next of :func:`continuation_widths`, one graph per width, with slot, start position and
     real length in static tensors (``ForwardBatch.windows_of(span=True, length=...)``).
-    Attention runs as decode rows over the pool; the GDN through the kernels' span recurrence;
+    Attention runs over the pool by slot and start tensors (``Kernels.attn_chunk``: each key
+    block read once per block of query rows); the GDN through the kernels' span recurrence;
     padding rows leave the stream's state as its last real row left it."""
 
     def __init__(

@@ -222,9 +222,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--continuation-graph-tokens",
         type=int,
-        default=64,
+        default=1024,
         metavar="N",
-        help="the longest continued chunk replayed from a graph (default: %(default)s)",
+        help="the longest continued chunk replayed from a graph: an agent's tool result or a "
+        "pasted file appended to a cached conversation (default: %(default)s)",
     )
     p.add_argument(
         "--prefill-graph-tokens",

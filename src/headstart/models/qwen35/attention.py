@@ -132,14 +132,19 @@ class GatedAttention:
     def _decode_rows(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
         """Decode rows (one per stream), and graphed windows whose every row is a decode row of
         its stream: write all the rows, then attend from the pool in place (a window's later
-        rows are masked by length)."""
+        rows are masked by length; a continued chunk's rows by position)."""
         for d in (batch.decode, batch.windows.as_decode if batch.windows else None):
             if d is not None:
                 keys[d.slots, :, d.positions] = k[d.rows]
                 values[d.slots, :, d.positions] = v[d.rows]
-                out[d.rows] = self.m.kernels.attn_decode(
-                    q[d.rows], keys, values, d.slots, d.positions + 1
-                )
+                if d is batch.decode or not batch.windows.span:
+                    out[d.rows] = self.m.kernels.attn_decode(
+                        q[d.rows], keys, values, d.slots, d.positions + 1
+                    )
+                else:  # one stream's continued chunk: its key blocks read once per query block
+                    out[d.rows] = self.m.kernels.attn_chunk(
+                        q[d.rows], keys, values, batch.windows.slots, d.positions[:1]
+                    )
 
     def _padded(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
         """New prompts padded to one length (graph-capturable): every row's KV written at its

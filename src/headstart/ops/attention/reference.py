@@ -46,3 +46,21 @@ def attend_decode(
     v_rows = v_rows.masked_fill(beyond[:, None, :, None], 0)
     out = probs.to(v_rows.dtype) @ v_rows  # [n, nkv, group, hd]
     return out.reshape(n, nh, hd).to(q.dtype)
+
+
+def attend_chunk(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    start: torch.Tensor,
+) -> torch.Tensor:
+    """One stream's continued chunk, addressed by tensors (as a CUDA graph holds them).
+
+    q: [W, nh, hd] for positions ``start .. start+W-1`` of stream ``slot`` ([1] int tensors);
+    keys, values: one layer of the pool, [slots, nkv, max_tokens, hd], the chunk's rows already
+    written. Row ``i`` attends to pool rows ``0 .. start + i`` (:func:`attend`). Returns
+    [W, nh, hd] in q's dtype.
+    """
+    s, p, end = int(slot), int(start), int(start) + q.shape[0]
+    return attend(q, keys[s, :, :end], values[s, :, :end], p)

@@ -25,10 +25,17 @@ Measured on the H200 (benchmarks/gpu_ops.py, 27B heads nh 24, nkv 4, hd 256, n =
 CUDA-graph replay, cold L2): length 8192 141 us (floor, K+V bytes over the copy bandwidth, 126 us:
 1.11x); length 512 16.5 us (floor 7.9 us). The reference gather + attend_decode: 1068 / 191 us.
 
+:func:`chunk_attention` is the same pair for one stream's continued chunk of ``W`` rows (a new
+turn after a prompt-cache hit, the later chunks of a long prompt) whose slot and start position
+are device tensors, so that a graph captured once per width serves every start: program
+(query block of ``BM`` rows, query head, split) runs the online softmax over its split of the
+keys its block needs (``0 .. start + its last row``), causally masked; with one split it writes
+the output itself. Each key block is read once per query block and head, not once per row as
+decode rows would read it.
+
 Layout: ``keys``/``values`` ``[slots, nkv, max_tokens, hd]`` (one layer of the pool) with ``hd``
-contiguous; ``hd`` a power of two in 64..256. Non-goals: more than one query row per stream
-(prefill uses :func:`headstart.ops.attention.reference.attend` or a prefill kernel), paged KV,
-ALiBi/softcap.
+contiguous; ``hd`` a power of two in 16..256. Non-goals: paged KV, ALiBi/softcap; new prompts
+(SDPA's flash kernels: ``ops/attention/sdpa.py``).
 """
 
 from __future__ import annotations
@@ -145,6 +152,154 @@ if HAVE_TRITON:
         out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
         tl.store(o_ptr + i_n * stride_on + i_h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _chunk_block(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_base,
+        v_base,
+        n0,
+        hi,
+        pos,
+        stride_kt,
+        stride_vt,
+        qk_scale,
+        HD: tl.constexpr,
+        BN: tl.constexpr,
+        CAUSAL: tl.constexpr,
+    ):
+        """One block of ``BN`` keys from ``n0`` (those at ``hi`` and after masked; with
+        ``CAUSAL``, those after each row's position too) into the online softmax."""
+        cols = n0 + tl.arange(0, BN)
+        d = tl.arange(0, HD)
+        live = cols < hi
+        k = tl.load(k_base + cols[:, None] * stride_kt + d[None, :], mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # log2-domain scores [BM, BN]
+        if CAUSAL:
+            s = tl.where(live[None, :] & (cols[None, :] <= pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * stride_vt + d[None, :], mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _chunk_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        slot_ptr,
+        start_ptr,
+        po_ptr,
+        pm_ptr,
+        pl_ptr,
+        o_ptr,
+        W,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        stride_vs,
+        stride_vh,
+        stride_vt,
+        stride_ot,
+        stride_oh,
+        qk_scale,
+        NH: tl.constexpr,
+        GROUP: tl.constexpr,
+        HD: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        NS: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        pdl_wait(PDL)  # q and the chunk's KV rows come from earlier kernels
+        i_m = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_s = tl.program_id(2)
+        start = tl.load(start_ptr).to(tl.int32)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        rows = i_m * BM + tl.arange(0, BM)
+        live_q = rows < W
+        pos = start + rows  # each query row sees keys 0 .. pos
+        end = start + tl.minimum((i_m + 1) * BM, W)  # keys this block needs
+        per = tl.cdiv(tl.cdiv(end, NS), BN) * BN
+        lo = i_s * per
+        hi = tl.minimum(lo + per, end)
+        # Keys before the block's first row's position are seen by every row: no causal mask.
+        seen = tl.maximum(tl.minimum(hi, start + i_m * BM), lo)
+        seen = lo + (seen - lo) // BN * BN
+
+        d = tl.arange(0, HD)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + i_h * stride_qh + d[None, :],
+            mask=live_q[:, None],
+            other=0.0,
+        )
+        kv = i_h // GROUP
+        k_base = k_ptr + slot * stride_ks + kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv * stride_vh
+        m_i = tl.full([BM], -1.0e30, dtype=tl.float32)  # finite: empty splits combine to 0
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, HD], dtype=tl.float32)
+        for n0 in range(lo, seen, BN):
+            acc, m_i, l_i = _chunk_block(
+                q,
+                acc,
+                m_i,
+                l_i,
+                k_base,
+                v_base,
+                n0,
+                hi,
+                pos,
+                stride_kt,
+                stride_vt,
+                qk_scale,
+                HD,
+                BN,
+                False,
+            )
+        for n0 in range(seen, hi, BN):
+            acc, m_i, l_i = _chunk_block(
+                q,
+                acc,
+                m_i,
+                l_i,
+                k_base,
+                v_base,
+                n0,
+                hi,
+                pos,
+                stride_kt,
+                stride_vt,
+                qk_scale,
+                HD,
+                BN,
+                True,
+            )
+        if NS == 1:
+            out = acc / l_i[:, None]
+            tl.store(
+                o_ptr + rows[:, None] * stride_ot + i_h * stride_oh + d[None, :],
+                out.to(o_ptr.dtype.element_ty),
+                mask=live_q[:, None],
+            )
+        else:  # partials laid out [W, nh, NS(, HD)], as _combine_kernel reads them
+            row = (rows * NH + i_h) * NS + i_s
+            tl.store(
+                po_ptr + row.to(tl.int64)[:, None] * HD + d[None, :], acc, mask=live_q[:, None]
+            )
+            tl.store(pm_ptr + row, m_i, mask=live_q)
+            tl.store(pl_ptr + row, l_i, mask=live_q)
+
 
 def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device, block: int = 32) -> int:
     """Splits per (stream, kv head): about two programs per SM, a power of two, at most 64."""
@@ -229,4 +384,102 @@ def decode_attention(
         num_warps=4 if hd >= 128 else 2,
         **pdl_options(q.device),
     )
+    return out
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    start: torch.Tensor,
+    num_splits: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """q: [W, nh, hd], rows at positions ``start ..`` of stream ``slot`` ([1] int tensors on
+    q's device), whose KV rows are already in the pool; keys, values: [slots, nkv, max_tokens,
+    hd]. Row ``i`` attends to rows ``0 .. start + i``. Returns [W, nh, hd] in q's dtype: the
+    contract of :func:`headstart.ops.attention.reference.attend_chunk`. ``config``: (query
+    block, key block, warps, stages), for tuning."""
+    W, nh, hd = q.shape
+    nkv, max_tokens = keys.shape[1], keys.shape[2]
+    if nh % nkv:
+        raise ValueError(f"{nh} query heads do not group over {nkv} kv heads")
+    if hd & (hd - 1) or not 16 <= hd <= 256:
+        raise ValueError(f"head_dim {hd} must be a power of two in 16..256")
+    out = torch.empty_like(q)
+    if W == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values need a contiguous head dimension")
+    # Chosen by benchmarks/gpu_ops.py --sweep on an H200 (27B heads, hd 256): query blocks of
+    # 128 rows once the chunk has more than 64, else 64 (fewer idle rows).
+    if config is None:
+        wide = W > 64
+        if hd >= 256:
+            config = (128, 64, 8, 2) if wide else (64, 32, 4, 3)
+        else:
+            config = (128, 64, 4, 2) if wide else (64, 64, 4, 2)
+    BM, BN, warps, stages = config
+    blocks = -(-W // BM)
+    if num_splits is None:
+        # About two programs per SM; splits only where the query blocks are too few for that.
+        want = -(-2 * sm_count(q.device) // (blocks * nh))
+        num_splits = 1
+        while num_splits < want and num_splits < 64:
+            num_splits *= 2
+        num_splits = max(1, min(num_splits, triton.next_power_of_2(-(-max_tokens // BN))))
+    NS = num_splits
+    parts = W * nh * NS if NS > 1 else 1
+    po = torch.empty(parts * hd, dtype=torch.float32, device=q.device)
+    pm = torch.empty(parts, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _chunk_kernel[(blocks, nh, NS)](
+        q,
+        keys,
+        values,
+        slot,
+        start,
+        po,
+        pm,
+        pl,
+        out,
+        W,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        out.stride(0),
+        out.stride(1),
+        hd**-0.5 * LOG2E,
+        NH=nh,
+        GROUP=nh // nkv,
+        HD=hd,
+        BM=BM,
+        BN=BN,
+        NS=NS,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_options(q.device),
+    )
+    if NS > 1:
+        _combine_kernel[(W, nh)](
+            po,
+            pm,
+            pl,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NH=nh,
+            HD=hd,
+            NS=NS,
+            num_warps=4 if hd >= 128 else 2,
+            **pdl_options(q.device),
+        )
     return out
