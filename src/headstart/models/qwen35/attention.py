@@ -74,7 +74,8 @@ class GatedAttention:
         gate = qkv[:, : 2 * nh * hd].view(T, nh, 2 * hd)[..., hd:]
         keys, values = pool.keys[m.state_index[i]], pool.values[m.state_index[i]]
         if batch.all_decode is not None:
-            out = self._all_decode(p, qkv, batch.all_decode, keys, values, lengths)
+            span = batch.windows is not None and batch.windows.span
+            out = self._all_decode(p, qkv, batch.all_decode, keys, values, lengths, span)
         else:
             q, k, v = self._inputs(p, qkv, cos, sin)
             out = torch.empty_like(q)
@@ -92,8 +93,11 @@ class GatedAttention:
         keys: torch.Tensor,
         values: torch.Tensor,
         lengths: torch.Tensor,
+        span: bool = False,
     ) -> torch.Tensor:
-        """Every row a decode row: norms, RoPE and the KV write in one kernel."""
+        """Every row a decode row: norms, RoPE and the KV write in one kernel. ``span``: the
+        rows are one stream's continued chunk, attended as one (each key block read once per
+        block of query rows, not once per row)."""
         m, cfg = self.m, self.m.cfg
         q = m.kernels.attn_decode_inputs(
             qkv,
@@ -109,6 +113,8 @@ class GatedAttention:
             d.slots,
             d.positions,
         )
+        if span:
+            return m.kernels.attn_chunk(q, keys, values, d.slots[:1], d.positions[:1])
         return m.kernels.attn_decode(q, keys, values, d.slots, lengths)
 
     def _inputs(
@@ -132,19 +138,14 @@ class GatedAttention:
     def _decode_rows(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
         """Decode rows (one per stream), and graphed windows whose every row is a decode row of
         its stream: write all the rows, then attend from the pool in place (a window's later
-        rows are masked by length; a continued chunk's rows by position)."""
+        rows are masked by length)."""
         for d in (batch.decode, batch.windows.as_decode if batch.windows else None):
             if d is not None:
                 keys[d.slots, :, d.positions] = k[d.rows]
                 values[d.slots, :, d.positions] = v[d.rows]
-                if d is batch.decode or not batch.windows.span:
-                    out[d.rows] = self.m.kernels.attn_decode(
-                        q[d.rows], keys, values, d.slots, d.positions + 1
-                    )
-                else:  # one stream's continued chunk: its key blocks read once per query block
-                    out[d.rows] = self.m.kernels.attn_chunk(
-                        q[d.rows], keys, values, batch.windows.slots, d.positions[:1]
-                    )
+                out[d.rows] = self.m.kernels.attn_decode(
+                    q[d.rows], keys, values, d.slots, d.positions + 1
+                )
 
     def _padded(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
         """New prompts padded to one length (graph-capturable): every row's KV written at its
