@@ -112,6 +112,38 @@ def test_wait_quiet_waits_for_a_burst_to_end_within_its_bound():
     assert 0.15 <= time.monotonic() - t0 < 5
 
 
+def test_wait_quiet_waits_for_requests_still_arriving():
+    """A request being parsed (longer than the quiet gap) holds the gathering until it is
+    submitted, and a lone request that is not followed by any is not held beyond the gap."""
+    inbox = Inbox(num_slots=8, max_queue=8, context=64)
+    inbox.submit(request("first"))
+    entered, parsed = threading.Event(), threading.Event()
+
+    def slow_parse():
+        with inbox.arriving():
+            entered.set()
+            time.sleep(0.2)  # 400 quiet gaps
+        inbox.submit(request("second"))
+        parsed.set()
+
+    parser = threading.Thread(target=slow_parse)
+    parser.start()
+    entered.wait(5)
+    t0 = time.monotonic()
+    inbox.wait_quiet(gap=0.0005, longest=5.0)
+    assert parsed.is_set() and 0.15 <= time.monotonic() - t0 < 5
+    assert [c.req.id for c in inbox.drain()] == ["first", "second"]
+    parser.join()
+    inbox.submit(request("alone"))
+    t0 = time.monotonic()
+    inbox.wait_quiet(gap=0.0005, longest=5.0)
+    assert time.monotonic() - t0 < 0.1
+    with inbox.arriving():  # never submitted (a 400): bounded by longest
+        t0 = time.monotonic()
+        inbox.wait_quiet(gap=0.0005, longest=0.2)
+        assert 0.15 <= time.monotonic() - t0 < 5
+
+
 def test_a_slow_step_is_logged_as_a_warning_with_its_shape(caplog, monkeypatch):
     import headstart.engine.step_log as step_log
     from headstart.engine.scheduler import Sequence, Work

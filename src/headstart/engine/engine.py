@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -94,6 +95,10 @@ class Engine:
         """Queue a request; raises QueueFull when slots and queue are all taken, ValueError when
         it cannot fit the context."""
         self._inbox.submit(req)
+
+    def arriving(self) -> AbstractContextManager[None]:
+        """Around a request's way in, up to its :meth:`submit` (:meth:`Inbox.arriving`)."""
+        return self._inbox.arriving()
 
     def abort(self, request_id: str) -> None:
         """End a request wherever it is and free its slot; it receives no further events."""

@@ -2,10 +2,10 @@
 
 Contract, by thread:
 
-- any thread: :meth:`Inbox.submit`, :meth:`Inbox.abort`, :meth:`Inbox.end_all` and
-  :meth:`Inbox.close` never block on the engine (only on a short lock) and never touch engine
-  state; :attr:`Inbox.active` and :attr:`Inbox.closed` may be read anywhere (snapshots, possibly
-  stale by the time they are used);
+- any thread: :meth:`Inbox.submit`, :meth:`Inbox.abort`, :meth:`Inbox.end_all`,
+  :meth:`Inbox.arriving` and :meth:`Inbox.close` never block on the engine (only on a short
+  lock) and never touch engine state; :attr:`Inbox.active` and :attr:`Inbox.closed` may be
+  read anywhere (snapshots, possibly stale by the time they are used);
 - the engine thread only: :meth:`Inbox.drain` (take every command, in the order they were put),
   :meth:`Inbox.ended` (once per accepted request, when it ends), :meth:`Inbox.wait` and
   :meth:`Inbox.wait_quiet`.
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from headstart.engine.request import EngineRequest
@@ -63,6 +65,7 @@ class Inbox:
         self._wake = threading.Event()
         self._closed = False
         self._last_put = float("-inf")  # time.monotonic() of the newest command
+        self._arriving = 0  # requests read or being parsed, not yet submitted; guarded by _lock
 
     # -- any thread --------------------------------------------------------------------------
     def submit(self, req: EngineRequest) -> None:
@@ -78,6 +81,21 @@ class Inbox:
             self._commands.append(Add(req))
             self._last_put = time.monotonic()
         self._wake.set()
+
+    @contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Around a request's way in (its body read and parsed, up to its ``submit``): an idle
+        engine gathering a burst (:meth:`wait_quiet`) waits for it too, so requests sent
+        together start in one step even when parsing them takes longer than the quiet gap.
+        Leaving restarts the gap, covering the moment between leaving and ``submit``."""
+        with self._lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
+                self._last_put = time.monotonic()
 
     def abort(self, request_id: str) -> None:
         self._put(Abort(request_id))
@@ -134,13 +152,15 @@ class Inbox:
         self._wake.clear()
 
     def wait_quiet(self, gap: float, longest: float) -> None:
-        """Sleep until nothing has been put for ``gap`` seconds, or ``longest`` seconds pass,
-        or :meth:`close`. Returns at once when the newest command is older than ``gap``."""
+        """Sleep until nothing has been put for ``gap`` seconds and no request is
+        :meth:`arriving`, or ``longest`` seconds pass, or :meth:`close`. Returns at once when
+        the newest command is older than ``gap`` and nothing is arriving."""
         deadline = time.monotonic() + longest
         while not self._closed:
             now = time.monotonic()
-            until = min(self._last_put + gap, deadline)
-            if now >= until:
+            quiet_at = self._last_put + gap
+            if now >= deadline or (now >= quiet_at and not self._arriving):
                 return
             # Sleeping releases the GIL, so the HTTP thread can hand over what it is parsing.
-            time.sleep(until - now)
+            wake = quiet_at if now < quiet_at else now + max(gap / 4, 1e-4)
+            time.sleep(max(0.0, min(wake, deadline) - now))

@@ -602,16 +602,20 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
             "has_audio_understanding": False,
         }
 
+    # Each request counts as arriving while its body is read and parsed, so an idle engine
+    # gathering a burst waits for the ones still being parsed (Inbox.arriving).
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
-        prep = await _off_loop(state, _prepare_chat, state, body)
+        with state.engine.arriving():
+            body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+            prep = await _off_loop(state, _prepare_chat, state, body)
         return await _complete(state, request, "chat", prep)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
-        prep = await _off_loop(state, _prepare_completion, state, body)
+        with state.engine.arriving():
+            body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+            prep = await _off_loop(state, _prepare_completion, state, body)
         return await _complete(state, request, "completion", prep)
 
     return app
