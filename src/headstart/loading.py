@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -131,7 +132,7 @@ def load(
     tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
-    to float32 on CPU and bfloat16 elsewhere; kernels: "auto" (GPU kernels on CUDA when
+    as :func:`default_dtype` says; kernels: "auto" (GPU kernels on CUDA when
     available), "reference" or "gpu"; load_format: "auto" (the checkpoint's weights) or
     "dummy" (random weights at its config's shapes: speed measurements without the weights);
     prefill_weights: "auto" (the family's rule for keeping dense copies of quantized weights
@@ -143,7 +144,7 @@ def load(
     if prefill_weights not in PREFILL_WEIGHTS:
         raise ValueError(f"prefill_weights must be one of {sorted(PREFILL_WEIGHTS)}")
     path = resolve_model_dir(name)
-    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    dtype = dtype or default_dtype(path, device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     family = family_for(path)
@@ -166,6 +167,34 @@ def load(
 
         model = load_parallel(family, path, tensor_parallel, DTYPES[dtype], device, kernels, extra)
     return LoadedModel(path, model, tokenizer, family)
+
+
+#: Above this many bytes of fp32 weights, a 4-bit checkpoint on the CPU runs in bfloat16: its
+#: weights stay packed (too big to unpack at load, models/qwen35/pipeline.py's rule) and only
+#: bf16 activations have a fast int4 CPU kernel (ops/quant_matmul/cpu.py).
+CPU_FP32_MAX_BYTES = 1 << 30
+
+
+def default_dtype(path: Path, device: str) -> str:
+    """bfloat16 on an accelerator; on the CPU float32 (exact against fp32 references), except
+    for a 4-bit checkpoint whose weights would take more than ``CPU_FP32_MAX_BYTES`` in fp32
+    (estimated from config.json): bfloat16 there, the int4 CPU kernel's dtype."""
+    if device != "cpu":
+        return "bfloat16"
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"  # the family's loader reports a bad config properly
+    text = cfg.get("text_config") or cfg
+    quant = cfg.get("quantization") or cfg.get("quantization_config") or {}
+    if not isinstance(quant, dict) or quant.get("bits") != 4 or not isinstance(text, dict):
+        return "float32"
+    h, layers = text.get("hidden_size", 0), text.get("num_hidden_layers", 0)
+    inter, vocab = text.get("intermediate_size", 0), text.get("vocab_size", 0)
+    if not all(isinstance(v, int) for v in (h, layers, inter, vocab)):
+        return "float32"
+    params = layers * (4 * h * h + 3 * h * inter) + vocab * h  # attention-sized mixers, MLP, head
+    return "bfloat16" if 4 * params > CPU_FP32_MAX_BYTES else "float32"
 
 
 def check_tensor_parallel(family: ModelFamily, path: Path, world: int) -> None:

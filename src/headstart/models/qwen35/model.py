@@ -96,6 +96,13 @@ class Qwen35Model:
         shapes = stand_ins(weights)  # meta: nothing is read or copied
         unpack = self.kernels.name == "reference" and unpack_fits(shapes, dtype, unpack_bytes)
         dense = self.kernels.name != "reference" and unpack_fits(shapes, dtype, self.dense_bytes)
+        # Too big to unpack, in bf16 on the CPU: torch's int4 kernel reads the codes as they are.
+        cpu_int4 = (
+            self.kernels.name == "reference"
+            and not unpack
+            and dtype == torch.bfloat16
+            and self.device.type == "cpu"
+        )
         if dense:
             log.info("4-bit layer weights keep a dense %s copy for prefill", dtype)
 
@@ -110,7 +117,7 @@ class Qwen35Model:
                 planned.append(name)
                 return plan.add(name, t)
 
-            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add, dense)
+            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add, dense, cpu_int4)
             self.arena = plan.allocate(self.device)
             place, final = self.arena.fill, len(planned)
         with progress("loading weights", final) as tick:
@@ -120,7 +127,7 @@ class Qwen35Model:
                 return place(name, t)
 
             self.w, self.head = consume(
-                weights, cfg, self.kernels, dtype, unpack, unpack_bytes, placed, dense
+                weights, cfg, self.kernels, dtype, unpack, unpack_bytes, placed, dense, cpu_int4
             )
         if self.arena is not None:
             self.arena.check_complete()

@@ -15,6 +15,7 @@ import torch
 
 from headstart.models.qwen35.config import ModelConfig
 from headstart.models.qwen35.weights import Weight
+from headstart.ops.quant_matmul import cpu as cpu_quant
 from headstart.quant import QuantizedTensor
 
 __all__ = [
@@ -142,6 +143,7 @@ def consume(
     unpack_bytes: int,
     place: Callable[[str, Weight], Weight],
     dense: bool = False,
+    cpu_int4: bool = False,
 ) -> tuple[dict[str, Weight], Weight]:
     """The pipeline: every weight popped from ``weights`` (unpacked to ``dtype`` when
     ``unpack``: the reference path's small models), fused layer by layer, prepared for
@@ -149,7 +151,8 @@ def consume(
     ``place``. Returns (name -> weight, head); a tied head is its own prepared copy of the
     embedding table, or the table itself where preparing changes nothing. ``dense``: the
     prepared layer weights also keep a copy unpacked to ``dtype`` for prefill (the head does
-    not: it multiplies only the rows whose logits are asked for)."""
+    not: it multiplies only the rows whose logits are asked for). ``cpu_int4``: 4-bit weights
+    left packed go to torch's int4 CPU kernel's layout (bf16 models on the CPU)."""
 
     def convert(k: str, t: Weight) -> Weight:
         return (
@@ -164,7 +167,12 @@ def consume(
             if k == EMBED:
                 w[k] = place(k, t)
             else:
-                w[k] = place(k, kernels.prepare(t, dense=dtype if dense and k != HEAD else None))
+                w[k] = place(k, prepare(k, t))
+
+    def prepare(k: str, t: Weight) -> Weight:
+        if cpu_int4 and isinstance(t, QuantizedTensor) and cpu_quant.fits(t):
+            return cpu_quant.prepare(t)
+        return kernels.prepare(t, dense=dtype if dense and k != HEAD else None)
 
     for i in range(cfg.num_hidden_layers):
         fuse_layer(weights, i, convert)
@@ -172,7 +180,7 @@ def consume(
     take(list(weights))
     if not cfg.tie_word_embeddings:
         return w, w[HEAD]
-    head = kernels.prepare(w[EMBED])
+    head = prepare(HEAD, w[EMBED])
     if (
         kernels.name == "reference"
         and isinstance(head, QuantizedTensor)
