@@ -1,66 +1,108 @@
 #!/usr/bin/env bash
-# The default model's training run on the `device` tool's GPU machine, in two calls that each
-# fit its 10-minute limit (the one-command form, `python -m training.run --out DIR`, needs
-# about 10 minutes in all). Run from the repository root there, with `.whl` carried
-# (benchmarks/device_wheels.sh) and, for the second call, `.work` carried:
-#   bash benchmarks/train_default_gpu.sh target    # GPU smoke run, the target (5.5 min), GPU tests
-#   bash benchmarks/train_default_gpu.sh drafter   # the drafter (4 min) and every evaluation
-# or, in one call: bash benchmarks/train_default_gpu.sh all (then the 2B prefill-graph TTFT).
-# For `all`, `python -m training.data --tar .work/stdlib.tgz` first packs a standard library
-# with its test suite (carry it too). The first call returns the target in $OUT/bundle.tgz.*;
-# unpack it here with
-#   mkdir -p .work && cat FILES_AT/bundle.tgz.* | tar xz -C .work
+# The default model's training run on the `device` tool's GPU machine (H200, 10-minute calls).
+# Run from the repository root there, with `.whl` (benchmarks/device_wheels.sh) and
+# `.work/corpus.tgz` carried; make the corpus here first (the GPU machine's Python has no test
+# suite and none of these packages):
+#   python -m training.data --tar .work/corpus.tgz
+#   bash benchmarks/train_default_gpu.sh all       # everything in one call, ~9.5 min at most
+# or in two calls (the first also runs a smoke test and the GPU tests):
+#   bash benchmarks/train_default_gpu.sh target    # target + chat pass; returns $OUT/bundle.tgz.*
+#   bash benchmarks/train_default_gpu.sh drafter   # drafter + evaluations (carry .work/bundle too)
+# unpacking the first call's bundle here with
+#   mkdir -p .work/bundle && cat FILES_AT/bundle.tgz.* | tar xz -C .work/bundle
+# The result comes back as $OUT/default_model.tgz; unpack it here with
+#   tar xzf FILES_AT/default_model.tgz -C src/headstart/   (it holds default_model/)
+# Each stage is its own process under its own `timeout`, and each training stage writes its
+# weights to default_model/ before anything is evaluated, so a slow stage costs only itself
+# and what follows it, never what came before.
+# A dry run of the flow on a CPU (toy sizes, no wheels): NO_WHEELS=1 DEVICE=cpu WORK=/tmp/w \
+#   EXTRA="--layers 4 --hidden 64 --seq-len 64 --batch 4 --steps 3 ..." bash ... all
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+if [ -z "${NO_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD
+fi
+export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
-work=/tmp/work
+work=${WORK:-/tmp/work}
+device=${DEVICE:-cuda}
 mkdir -p "$out" "$work"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+if [ ! -f .work/corpus.tgz ]; then
+  echo "carry .work/corpus.tgz (python -m training.data --tar .work/corpus.tgz)"; exit 2
+fi
+tar xzf .work/corpus.tgz -C "$work"
+export HEADSTART_CORPUS=$work/corpus
+model=$work/default_model
+# shellcheck disable=SC2206  # EXTRA is split into words on purpose
+run=(python -m training.run --out "$model" --work "$work/run" --device "$device"
+  --chat-examples "$work/chat.jsonl" --chat-max-chars 20000000 ${EXTRA:-})
+
+stage() {  # stage NAME SECONDS ARGS...: one stage, its log in $OUT, its last lines shown
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "${run[@]}" --stage "$name" "$@" > "$out/$name.log" 2>&1
+  echo "stage $name rc=$? $((SECONDS - t0))s (limit ${limit}s, at ${SECONDS}s)"
+  grep -E "^(data|chat data|continuations|target:|chat:|drafter:|stage)|validation|stopping|Error" \
+    "$out/$name.log" | tail -6 | cut -c1-300
+}
+
+examples() {  # the chat pass's conversations, built on the CPU while the GPU trains the target
+  timeout 240 python -m training.chat --examples "$work/chat.jsonl" > "$out/examples.log" 2>&1
+}
+
+warm() {  # headstart's kernels compiled (Triton caches them on disk) on the shipped model,
+  # which has the new one's shapes, while the target trains: the drafter stage's engine and
+  # forwards then start without paying first-use compilation inside their time limit
+  timeout 240 python -m training.evaluate --model src/headstart/default_model --device "$device" \
+    --prompts 2 --max-tokens 16 --ppl-rows 2 --code-max-tokens 16 > "$out/warm.log" 2>&1
+}
+
+summary() {
+  tar czf "$out/default_model.tgz" -C "$work" default_model
+  du -sb "$model" | cut -f1 | sed 's/^/package bytes on disk: /'
+  python -m training.run --out "$model" --summary 2>&1 | tail -20
+}
+
 case "${1:-}" in
+  all)
+    # Budget (an H200; wall seconds): setup ~15, target 265 (3.5 min of steps), chat 95
+    # (0.85 min), drafter 170 (continuations, at most 75 s, + 1.5 min), evaluations until 575.
+    examples & building=$!
+    warm & warming=$!
+    stage target 265 --target-minutes 3.5
+    wait $building $warming
+    tail -1 "$out/examples.log"; grep -c . "$out/warm.log" | sed 's/^/kernel warm-up log lines: /'
+    stage chat 95 --chat-minutes 0.85
+    stage drafter 170 --drafter-minutes 1.5 --continuations 4096 --generation-timeout 75
+    left=$((575 - SECONDS))
+    [ $left -gt 20 ] && stage eval $left
+    summary
+    ;;
   target)
-    timeout 150 python -m training.run --out /tmp/smoke --device cuda --steps 5 --drafter-steps 5 \
-      --max-chars 150000 --layers 4 --hidden 64 --seq-len 64 --batch 4 --block 4 \
-      --eval-prompts 2 --continuations 8 > "$out/smoke.log" 2>&1
-    echo "smoke rc=$?"; tail -2 "$out/smoke.log" | cut -c1-1500
+    timeout 150 python -m training.run --out /tmp/smoke --work /tmp/smoke_work --device cuda \
+      --steps 5 --chat-steps 5 --drafter-steps 5 --max-chars 150000 --chat-max-chars 300000 \
+      --layers 4 --hidden 64 --seq-len 64 --batch 4 --block 4 --eval-prompts 2 \
+      --continuations 8 --code-max-tokens 16 --ppl-rows 8 > "$out/smoke.log" 2>&1
+    echo "smoke rc=$?"; tail -18 "$out/smoke.log" | cut -c1-300
     # The GPU tests share the GPU with the (small) training run meanwhile.
-    (timeout 400 python -m pytest tests/test_gpu_ops.py tests/test_gpu_model.py -q \
+    (timeout 420 python -m pytest tests/test_gpu_ops.py tests/test_gpu_model.py -q \
       -p no:cacheprovider > "$out/gputests.log" 2>&1) &
-    timeout 420 python -m training.run --out "$work/default_model" --device cuda \
-      --target-minutes 5.5 --save-target "$work/target_hf" --no-drafter > "$out/target.log" 2>&1
-    echo "target rc=$?"; grep -v "^target step" "$out/target.log" | tail -3 | cut -c1-1500
-    wait; echo "gpu tests:"; tail -15 "$out/gputests.log" | cut -c1-300
-    grep "^target step" "$out/target.log" | awk 'NR % 20 == 1' | tail -15
-    tar czf - -C "$work" target_hf default_model | split -b 15M - "$out/bundle.tgz."
+    examples & building=$!
+    stage target 330 --target-minutes 4.5
+    wait $building
+    stage chat 100 --chat-minutes 1
+    wait
+    echo "gpu tests:"; tail -15 "$out/gputests.log" | cut -c1-300
+    rm -f "$work/run/rows.pt"  # remade from the corpus in the second call
+    tar czf - -C "$work" default_model run chat.jsonl | split -b 15M - "$out/bundle.tgz."
     ;;
   drafter)
-    [ -d "$work/target_hf" ] || cp -r .work/target_hf "$work/"
-    timeout 560 python -m training.run --out "$work/default_model" --device cuda \
-      --drafter-minutes 4 --load-target "$work/target_hf" > "$out/drafter.log" 2>&1
-    echo "drafter rc=$?"; grep -v "^drafter step" "$out/drafter.log" | tail -3 | cut -c1-3000
-    grep "^drafter step" "$out/drafter.log" | awk 'NR % 10 == 1' | tail -12
-    tar czf "$out/default_model.tgz" -C "$work" default_model
+    [ -d "$work/run" ] || cp -r .work/bundle/* "$work/"
+    stage drafter 300 --drafter-minutes 3.5 --continuations 8192 --generation-timeout 120
+    stage eval $((575 - SECONDS))
+    summary
     ;;
-  all)
-    # The one-command form in one call: target (early stopping, at most 2.5 min), drafter
-    # (2 min), evaluations; the corpus is .work/stdlib.tgz if carried (a standard library
-    # with its test suite), else this machine's. Then TTFT with/without prefill graphs.
-    stdlib=()
-    if [ -f .work/stdlib.tgz ]; then
-      mkdir -p "$work/corpus" && tar xzf .work/stdlib.tgz -C "$work/corpus"
-      stdlib=(--stdlib "$work/corpus/stdlib")
-    fi
-    timeout 420 python -m training.run --out "$work/default_model" --device cuda \
-      --target-minutes 2.5 --drafter-minutes 2 --continuations 2048 "${stdlib[@]}" \
-      > "$out/all.log" 2>&1
-    echo "all rc=$?"; grep -E "^data|validation|stopping|^target:|^drafter( data)?:" "$out/all.log" | tail -14
-    tail -1 "$out/all.log" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); \
-      r['target'].pop('loss_history', None); print(json.dumps(r)[:2500])" || tail -3 "$out/all.log"
-    tar czf "$out/default_model.tgz" -C "$work" default_model
-    left=$((530 - SECONDS))
-    [ $left -gt 40 ] && timeout $left python benchmarks/ttft_graphs.py --shape 2b 2>&1 \
-      | grep -v Warn | tail -4
-    ;;
-  *) echo "usage: $0 target|drafter|all"; exit 2 ;;
+  *) echo "usage: $0 all|target|drafter"; exit 2 ;;
 esac

@@ -9,7 +9,7 @@ import torch
 from headstart.loading import default_model_dir, load
 from headstart.quant import QuantizedTensor
 from headstart.tokenizer import Tokenizer
-from training.data import documents, is_held_out, stdlib_files, token_rows
+from training.data import candidate_files, documents, split_of, token_rows
 from training.export import export_default, model_files_bytes
 from training.target import target_config, train_target
 
@@ -20,10 +20,10 @@ def tokenizer():
 
 
 def test_split_is_deterministic_and_disjoint():
-    files = stdlib_files()
-    held = [f for f in files if is_held_out(f, 0.05)]
+    files = candidate_files(packages=False)
+    held = [f for f in files if split_of(f.rel) == "held_out"]
     assert files and 0 < len(held) < len(files) // 5
-    assert held == [f for f in stdlib_files() if is_held_out(f, 0.05)]
+    assert held == [f for f in candidate_files(packages=False) if split_of(f.rel) == "held_out"]
     train_docs = set(documents("train", 200_000))
     held_docs = set(documents("held_out", 200_000))
     assert train_docs and held_docs and not train_docs & held_docs
@@ -59,65 +59,32 @@ def test_target_trains_exports_and_loads(tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_one_command_pipeline_end_to_end(tmp_path):
-    """`python -m training.run` at a toy scale: every stage runs and the result serves."""
-    from training.run import main
+    """`python -m training.run` at a toy scale, one stage per call as
+    benchmarks/train_default_gpu.sh runs it: every stage runs, the report holds every figure,
+    and the result serves with thinking off and its drafter."""
+    from training.run import HOW_MEASURED, STAGES, main
 
     out = tmp_path / "default_model"
-    report = main(
-        [
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--steps",
-            "3",
-            "--drafter-steps",
-            "3",
-            "--max-chars",
-            "150000",
-            "--layers",
-            "4",
-            "--hidden",
-            "64",
-            "--seq-len",
-            "64",
-            "--batch",
-            "4",
-            "--block",
-            "4",
-            "--eval-prompts",
-            "2",
-            "--continuations",
-            "4",
-        ]
-    )
+    args = ["--out", str(out), "--device", "cpu", "--steps", "3", "--chat-steps", "3"]
+    args += ["--drafter-steps", "3", "--max-chars", "150000", "--chat-max-chars", "300000"]
+    args += ["--layers", "4", "--hidden", "64", "--seq-len", "64", "--batch", "4"]
+    args += ["--block", "4", "--eval-prompts", "2", "--continuations", "4"]
+    args += ["--code-max-tokens", "8", "--ppl-rows", "4", "--work", str(tmp_path / "work")]
+    for stage in STAGES:
+        report = main([*args, "--stage", stage])
+    assert set(report["stage_seconds"]) == set(STAGES)
     assert (out / "drafter" / "config.json").exists() and (out / "training_report.json").exists()
     assert report["acceptance"]["rounds"] > 0 and report["model_bytes"] < 15_000_000
-    assert report["target"]["held_out_ppl"] > 1 and set(report["samples"])
+    assert report["target"]["held_out_ppl"] > 1 and report["exported_held_out_ppl"] > 1
+    assert report["chat"]["steps"] == 3 and report["drafter"]["steps"] == 3
+    assert report["code"]["prompts"] == 20 and len(report["code"]["answers"]) == 20
+    assert set(report["samples"]) == {"completion", "chat"} and report["samples"]["chat"]
+    assert set(HOW_MEASURED) <= set(report["how_measured"])
     loaded = load(str(out))
+    assert loaded.template_defaults == {"enable_thinking": False}
     from headstart.engine.spec.drafter import DFlashDrafter
 
     DFlashDrafter.load(out / "drafter", loaded.model)
-
-
-def test_greedy_continuations_are_what_the_target_would_say(tokenizer):
-    """Generated with the cache, step by step; a full forward over the result must pick every
-    generated token as its argmax (teacher forcing on greedy output is greedy decoding)."""
-    from transformers import Qwen3_5ForCausalLM
-
-    from training.continuations import continuation_batches, greedy_continuations
-
-    torch.manual_seed(3)
-    model = Qwen3_5ForCausalLM(target_config(4160, [1, 2], layers=4, hidden=64)).eval()
-    prompts = torch.randint(5, 4000, (3, 9))
-    seqs = greedy_continuations(model, prompts, 12, batch=2)
-    assert seqs.shape == (3, 21) and torch.equal(seqs[:, :9], prompts)
-    with torch.no_grad():
-        argmax = model(seqs).logits.argmax(-1)
-    assert torch.equal(argmax[:, 8:-1], seqs[:, 9:])
-    item = next(continuation_batches(seqs, 9, batch=5))
-    assert item["input_ids"].shape == (5, 21)
-    assert not item["loss_mask"][:, :8].any() and item["loss_mask"][:, 8:].all()
 
 
 @pytest.mark.slow

@@ -477,11 +477,16 @@ def tapped_features(
     headstart's ``forward_ex(taps=...)`` feeds the drafter at inference.
 
     Runs the base model only (no ``[N, T, V]`` logits). Right padding needs no attention mask:
-    the target is causal, so real rows never see the padding after them."""
+    the target is causal, so real rows never see the padding after them. A target that has its
+    own ``tapped_features(input_ids, layer_ids)`` (``training.selfdistill.HeadstartTarget``: a
+    headstart-loaded model) is asked for them instead."""
     L = target_model.config.num_hidden_layers
     if max(layer_ids) >= L - 1:
         # HF replaces hidden_states[-1] with the final-normed state; headstart taps pre-norm.
         raise ValueError(f"tapping the last target layer ({L - 1}) is not supported")
+    own = getattr(target_model, "tapped_features", None)
+    if own is not None:
+        return own(input_ids, layer_ids)
     base = getattr(target_model, "model", target_model)
     out = base(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -557,7 +562,8 @@ def train_drafter(
     history: list[float] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainableDrafter:
-    """Train a drafter for ``target_model`` (transformers ``Qwen3_5ForCausalLM``, already on its
+    """Train a drafter for ``target_model`` (transformers ``Qwen3_5ForCausalLM``, or a
+    headstart model wrapped in ``training.selfdistill.HeadstartTarget``; already on its
     device; used frozen in eval mode, its parameters are not modified).
 
     token_batches yields what :func:`as_batch` accepts; training stops after ``steps``, at the

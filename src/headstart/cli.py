@@ -1,10 +1,11 @@
-"""The ``headstart`` command line: ``headstart run``, ``serve`` and ``bench``."""
+"""The ``headstart`` command line: ``headstart run``, ``serve``, ``bench`` and ``train-drafter``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from headstart.errors import HeadstartError
 
@@ -65,6 +66,81 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``headstart train-drafter`` (``training/selfdistill.py`` does the work)."""
+    p.add_argument("--target", required=True, help="the target checkpoint folder")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="a text file of user messages, one per line, or a .jsonl file of "
+        '{"prompt": text} (raw completion) or {"messages": [...]} (chat) objects',
+    )
+    p.add_argument("--out", required=True, help="the drafter folder to write (serve --drafter)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--block", type=int, default=16, help="block size, anchor included (16)")
+    p.add_argument("--layers", type=int, default=2, help="drafter layers (2)")
+    p.add_argument(
+        "--taps",
+        default=None,
+        help="comma-separated target layers the drafter reads (default: DFlash's rule, "
+        "--layers of them evenly spaced from layer 1 to L-3)",
+    )
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (the target's)")
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="the block filler id (default: the embedding's last row, when past the tokenizer)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per continuation (256)")
+    p.add_argument("--streams", type=int, default=64, help="prompts decoding at once (64)")
+    p.add_argument("--steps", type=int, default=None, help="training steps")
+    p.add_argument(
+        "--minutes", type=float, default=None, help="training time (10 when --steps is not given)"
+    )
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (16)")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step (32)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=0)
+    think = p.add_mutually_exclusive_group()
+    think.add_argument(
+        "--think",
+        dest="think",
+        action="store_true",
+        default=None,
+        help="render chat prompts with enable_thinking=true (default: the folder's headstart.json)",
+    )
+    think.add_argument(
+        "--no-think",
+        dest="think",
+        action="store_false",
+        help="render chat prompts with enable_thinking=false",
+    )
+
+
+def _train_drafter(args: argparse.Namespace) -> int:
+    """Run ``training.selfdistill``: the training code lives in the source checkout's
+    ``training/`` folder (not in the wheel), found beside ``src/`` when not importable."""
+    try:
+        from training import selfdistill
+    except ImportError:
+        root = Path(__file__).resolve().parents[2]
+        if not (root / "training" / "selfdistill.py").is_file():
+            raise HeadstartError(
+                "train-drafter needs the repository's training/ folder: run it from a source "
+                "checkout installed with pip install -e ."
+            ) from None
+        sys.path.insert(0, str(root))
+        from training import selfdistill
+    return selfdistill.run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headstart", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from headstart.bench.command import add_bench_args
 
     add_bench_args(bench)
+    distill = sub.add_parser(
+        "train-drafter",
+        help="train a DFlash drafter for a Qwen3.5 checkpoint on its own greedy "
+        "continuations of a prompt file (for serve --drafter)",
+    )
+    add_train_drafter_args(distill)
     args = parser.parse_args(argv)
     try:
         if args.command in ("run", "serve"):
@@ -137,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from headstart.bench.command import main as bench_main
 
             return bench_main(args, None if argv is None else ["headstart", *argv])
+        if args.command == "train-drafter":
+            return _train_drafter(args)
         return _run(args)
     except (HeadstartError, ValueError) as e:
         print(f"headstart: error: {e}", file=sys.stderr)
