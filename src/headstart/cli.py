@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="activation dtype (default: float32 on CPU, bfloat16 on GPU)",
+        help="activation dtype (default: bfloat16 on GPU; float32 on CPU, but bfloat16 for 4-bit "
+        "checkpoints too big to unpack, which run through the int4 CPU kernel)",
     )
 
 
@@ -81,7 +82,7 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="the target's dtype (default: float32 on CPU, bfloat16 on GPU)",
+        help="the target's dtype (default: as serve's --dtype)",
     )
     p.add_argument("--block", type=int, default=16, help="block size, anchor included (16)")
     p.add_argument("--layers", type=int, default=2, help="drafter layers (2)")
