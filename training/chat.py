@@ -313,7 +313,7 @@ def train_chat(
     ``steps`` or the time budget, whichever ends first. ``corpus_rows`` rows of ``corpus``
     (plain pre-training rows, every token in the loss) join each batch so the pass does not
     erase plain completion. Returns steps, seconds, the loss history."""
-    from training.target import _torch_gated_delta
+    from training.target import _torch_gated_delta, optimizer_step
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -349,10 +349,7 @@ def train_chat(
             with torch.autocast(**amp):
                 logits = model(ids).logits
             loss = masked_loss(logits, ids, mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            optimizer_step(model.parameters(), opt, loss)
             step += 1
             history.append((step, loss.item()))
             if step % 50 == 0 or step == 1:

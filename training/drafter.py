@@ -39,6 +39,7 @@ from headstart.engine.spec.drafter import (
     drafter_shapes,
     load_drafter_config,
 )
+from training.target import optimizer_step
 
 logger = logging.getLogger("training.drafter")
 
@@ -615,10 +616,7 @@ def train_drafter(
                     device=device,
                     chunk_rows=chunk_rows,
                 )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
-            opt.step()
+            optimizer_step(drafter.parameters(), opt, loss, grad_clip)
             step += 1
             value = float(loss.detach())
             recent.append(value)

@@ -14,6 +14,16 @@ from contextlib import contextmanager
 import torch
 
 
+def optimizer_step(
+    params, opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float = 1.0
+) -> None:
+    """One step of every training loop here: backward, gradients clipped to ``clip``, update."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
 def target_config(vocab_size: int, eos_ids: list[int], layers: int = 8, hidden: int = 256):
     from transformers import Qwen3_5TextConfig
 
@@ -165,10 +175,7 @@ def _train(
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
         )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(model.parameters(), opt, loss)
         step += 1
         history.append((step, loss.item()))
         if step % 50 == 0 or step == 1:
