@@ -449,15 +449,3 @@ def run(args: argparse.Namespace) -> int:
         think=args.think,
     )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from headstart.cli import add_train_drafter_args
-
-    ap = argparse.ArgumentParser(prog="python -m training.selfdistill", description=__doc__)
-    add_train_drafter_args(ap)
-    return run(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
