@@ -4,7 +4,8 @@
 # so no checkpoint is written). Run from the repository root on the device machine, after
 # `bash benchmarks/device_wheels.sh` here and with `.whl` carried:
 #   bash benchmarks/prefill_session.sh [2b] [27b]
-# Results: /tmp/receipts/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases),
+# Results: /tmp/receipts/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases;
+# .requests beside it: the server's request log, whose TTFTs each table is followed by),
 # and every scenario's table on stdout. SCENARIOS="burst long,--prompt-tokens,500" picks
 # scenarios, each with its bench options after commas (default: burst long turn beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
 # FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
@@ -25,7 +26,8 @@ trap stop EXIT
 start_server() {
   port=$((port + 1))
   setsid python3 -m headstart serve "/tmp/m-$1" --load-format dummy --port "$port" \
-    --context 16384 --parallel 16 ${SERVE_FLAGS:-} >"$2" 2>&1 &
+    --context 16384 --parallel 16 --request-log "$2.requests" ${SERVE_FLAGS:-} >"$2" 2>&1 &
+  log=$2 seen=0
   server=$!
   python3 - "$port" <<'EOF' || { tail -20 "$2"; stop; return 1; }
 import sys, time, urllib.request
@@ -41,6 +43,22 @@ EOF
   grep -E "step budget|ready in|loaded|dense| in [0-9.]+s" "$2" | cut -c25-
 }
 
+# The server's own TTFT (its request log, past line $2) beside the client's: what HTTP and the
+# client add to it.
+server_ttft() {
+  python3 - "$1" "${2:-0}" <<'EOF'
+import json, statistics, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1]).readlines()[int(sys.argv[2]):]]
+except OSError:
+    sys.exit(0)
+ttft = sorted(1e3 * r["ttft_s"] for r in rows if r.get("ttft_s") is not None)
+if ttft:
+    print(f"server-side ttft ms over {len(ttft)} requests: median {statistics.median(ttft):.1f}, "
+          f"max {ttft[-1]:.1f}")
+EOF
+}
+
 # Run each scenario (name,opt,value,...) against the server on $port, print its table.
 run_scenarios() {
   for sc in "$@"; do
@@ -52,6 +70,8 @@ run_scenarios() {
       >"$receipts/$shape-$tag.log" 2>&1
     echo "== $shape $sc (rc $?)"
     grep -v -E "^(bench check|receipt|---)" "$receipts/$shape-$tag.log" | tail -"${TAIL:-14}"
+    server_ttft "$log.requests" "$seen"
+    seen=$(wc -l <"$log.requests" 2>/dev/null || echo 0)
   done
 }
 
