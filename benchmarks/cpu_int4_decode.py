@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_engine import config
 
+from headstart.arena import leaves
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.models.qwen35.dummy import random_weights
 from headstart.models.qwen35.model import Qwen35Model
@@ -31,13 +32,8 @@ from headstart.ops.quant_matmul.cpu import CpuInt4
 
 def packed_bytes(model: Qwen35Model) -> int:
     """Bytes of the weights a decode step reads (the embedding table: one row, left out)."""
-    total = 0
-    for k, w in {**model.w, "head": model.head}.items():
-        if k == "embed_tokens.weight":
-            continue
-        parts = [w] if isinstance(w, torch.Tensor) else list(vars(w).values())
-        total += sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
-    return total
+    weights = [w for k, w in model.w.items() if k != "embed_tokens.weight"] + [model.head]
+    return sum(t.numel() * t.element_size() for w in weights for _, t in leaves(w))
 
 
 def step_ms(model: Qwen35Model, steps: int) -> float:

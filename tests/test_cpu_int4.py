@@ -106,3 +106,24 @@ def test_the_cpu_default_dtype_is_bf16_only_for_big_4bit_checkpoints(tmp_path):
     assert default_dtype(folder("q8-2b", **two_b, quantization={"bits": 8}), "cpu") == "float32"
     assert default_dtype(folder("q4-2b-gpu", **two_b, **q4), "cuda") == "bfloat16"
     assert default_dtype(tmp_path / "missing", "cpu") == "float32"
+
+
+def test_nemotron_h_packed_in_bf16_runs_the_kernel_too(tmp_path):
+    """The same rule for the second family: packed 4-bit weights of a bf16 model on the CPU go
+    to the kernel, its logits close to the fp32 model's."""
+    from test_nemotron_h_model import mlx_checkpoint
+
+    from headstart.models.nemotron_h.config import load_config
+    from headstart.models.nemotron_h.model import NemotronHModel
+    from headstart.models.nemotron_h.weights import load_weights
+
+    _, out = mlx_checkpoint(tmp_path, "M*-M-", 4, 5, vocab_size=256, intermediate_size=128)
+    cfg = load_config(out)
+    fast = NemotronHModel(cfg, load_weights(out, cfg), torch.bfloat16, unpack_bytes=0)
+    assert isinstance(fast.head, cpu.CpuInt4)
+    assert any(isinstance(w, cpu.CpuInt4) for w in fast.w.values())
+    assert fast.num_parameters() == NemotronHModel.load(out, torch.float32, "cpu").num_parameters()
+    truth = NemotronHModel.load(out, torch.float32, "cpu")
+    ids = torch.randint(2, 256, (21,), generator=torch.Generator().manual_seed(5)).tolist()
+    tokens = [7, 91, 200]
+    assert rel_err(_logits(fast, ids, tokens), _logits(truth, ids, tokens)) <= 5e-2

@@ -13,6 +13,7 @@ import torch
 
 from headstart.errors import CheckpointError, HeadstartError
 from headstart.models import CausalLM, ModelFamily, family_for
+from headstart.ops.quant_matmul.cpu import UNPACK_BYTES
 from headstart.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,16 +170,11 @@ def load(
     return LoadedModel(path, model, tokenizer, family)
 
 
-#: Above this many bytes of fp32 weights, a 4-bit checkpoint on the CPU runs in bfloat16: its
-#: weights stay packed (too big to unpack at load, models/qwen35/pipeline.py's rule) and only
-#: bf16 activations have a fast int4 CPU kernel (ops/quant_matmul/cpu.py).
-CPU_FP32_MAX_BYTES = 1 << 30
-
-
 def default_dtype(path: Path, device: str) -> str:
     """bfloat16 on an accelerator; on the CPU float32 (exact against fp32 references), except
-    for a 4-bit checkpoint whose weights would take more than ``CPU_FP32_MAX_BYTES`` in fp32
-    (estimated from config.json): bfloat16 there, the int4 CPU kernel's dtype."""
+    for a 4-bit checkpoint too big to unpack at load (more than ``UNPACK_BYTES`` in fp32,
+    estimated from config.json): its weights stay packed, and only bf16 activations have a
+    fast int4 CPU kernel (``ops/quant_matmul/cpu.py``)."""
     if device != "cpu":
         return "bfloat16"
     try:
@@ -194,7 +190,7 @@ def default_dtype(path: Path, device: str) -> str:
     if not all(isinstance(v, int) for v in (h, layers, inter, vocab)):
         return "float32"
     params = layers * (4 * h * h + 3 * h * inter) + vocab * h  # attention-sized mixers, MLP, head
-    return "bfloat16" if 4 * params > CPU_FP32_MAX_BYTES else "float32"
+    return "bfloat16" if 4 * params > UNPACK_BYTES else "float32"
 
 
 def check_tensor_parallel(family: ModelFamily, path: Path, world: int) -> None:

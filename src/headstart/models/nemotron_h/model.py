@@ -12,7 +12,8 @@ Weights are plain tensors or, from an MLX checkpoint, :class:`~headstart.quant.Q
 every projection goes through :func:`~headstart.ops.linear.linear`, and the embedding lookup
 unpacks only the rows it looks up. As for Qwen3.5, a model whose quantized linear weights unpack
 to at most ``UNPACK_BYTES`` is unpacked once at load (per-call unpacking would dominate a small
-model's step); a larger one keeps its memory saving and unpacks per call.
+model's step); a larger one keeps its memory saving: in bf16 on the CPU through torch's int4
+kernel (``ops/quant_matmul/cpu.py``), else unpacked per call.
 
 Batch shapes: decode rows (one batched step) and multi-row spans (prefill chunks, one by one).
 On CUDA (with Triton) the decode rows' attention is the flash-decoding kernel reading the pool
@@ -35,10 +36,12 @@ from headstart.batch import ForwardBatch
 from headstart.kernels import REFERENCE as SHARED_REFERENCE
 from headstart.models.contract import ForwardOutput
 from headstart.models.nemotron_h.config import ATTENTION, MAMBA, ModelConfig, load_config
-from headstart.models.qwen35.pipeline import UNPACK_BYTES, unpack_fits
+from headstart.models.qwen35.pipeline import unpack_fits
 from headstart.models.qwen35.weights import Weight
 from headstart.ops.attention.reference import attend
 from headstart.ops.linear import linear
+from headstart.ops.quant_matmul import cpu as cpu_quant
+from headstart.ops.quant_matmul.cpu import UNPACK_BYTES
 from headstart.ops.ssd import reference as ssd
 from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool
@@ -112,12 +115,17 @@ class NemotronHModel:
         self.arena = None
         layers = {k: t for k, t in weights.items() if k != EMBED}
         unpack = unpack_fits(layers, dtype, unpack_bytes)
+        cpu_int4 = not unpack and cpu_quant.takes(dtype, self.device)
         self.w: dict[str, Weight] = {}
         for name in list(weights):
             t = weights[name]
             if isinstance(t, QuantizedTensor):
                 t = t.to(self.device)
-                self.w[name] = t.dequantize(dtype) if unpack and name != EMBED else t
+                if name != EMBED and unpack:
+                    t = t.dequantize(dtype)
+                elif name != EMBED and cpu_int4 and cpu_quant.fits(t):
+                    t = cpu_quant.prepare(t)
+                self.w[name] = t
                 continue
             keep = torch.float32 if name.rsplit(".", 1)[-1] in _FP32 else dtype
             self.w[name] = t.to(device=self.device, dtype=keep)
@@ -128,6 +136,8 @@ class NemotronHModel:
             {"head": self.head}, dtype, unpack_bytes
         ):
             self.head = self.head.dequantize(dtype)
+        elif isinstance(self.head, QuantizedTensor) and cpu_int4 and cpu_quant.fits(self.head):
+            self.head = cpu_quant.prepare(self.head)
         self.state_index = {i: n for n, i in enumerate(cfg.mamba_layers)}
         self.state_index.update({i: n for n, i in enumerate(cfg.attention_layers)})
 

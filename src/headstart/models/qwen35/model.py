@@ -33,6 +33,7 @@ from headstart.models.qwen35.speculative import GDNRecord, WindowRecords
 from headstart.models.qwen35.weights import Weight, load_weights, stand_ins
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import Rotary, rms_norm
+from headstart.ops.quant_matmul import cpu as cpu_quant
 from headstart.progress import progress
 from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool
@@ -97,12 +98,7 @@ class Qwen35Model:
         unpack = self.kernels.name == "reference" and unpack_fits(shapes, dtype, unpack_bytes)
         dense = self.kernels.name != "reference" and unpack_fits(shapes, dtype, self.dense_bytes)
         # Too big to unpack, in bf16 on the CPU: torch's int4 kernel reads the codes as they are.
-        cpu_int4 = (
-            self.kernels.name == "reference"
-            and not unpack
-            and dtype == torch.bfloat16
-            and self.device.type == "cpu"
-        )
+        cpu_int4 = not unpack and cpu_quant.takes(dtype, self.device)
         if dense:
             log.info("4-bit layer weights keep a dense %s copy for prefill", dtype)
 

@@ -19,9 +19,10 @@ import torch
 
 from headstart.models.qwen35.config import ModelConfig, load_config
 from headstart.models.qwen35.model import Qwen35Model
-from headstart.models.qwen35.pipeline import EMBED, UNPACK_BYTES
+from headstart.models.qwen35.pipeline import EMBED
 from headstart.models.qwen35.shard import ShardedWeights, check_split, local_config
 from headstart.models.qwen35.weights import Weight, load_weights
+from headstart.ops.quant_matmul.cpu import UNPACK_BYTES
 from headstart.parallel.group import TPGroup
 from headstart.parallel.peers import Peers, lockstep
 

@@ -16,6 +16,7 @@ import torch
 from headstart.models.qwen35.config import ModelConfig
 from headstart.models.qwen35.weights import Weight
 from headstart.ops.quant_matmul import cpu as cpu_quant
+from headstart.ops.quant_matmul.cpu import UNPACK_BYTES
 from headstart.quant import QuantizedTensor
 
 __all__ = [
@@ -97,11 +98,6 @@ def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = 
                 t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t for t in tensors
             ]
         weights[p + fused] = _stack(tensors)
-
-
-# Unpacking per call costs the reference path most of a small model's step (the embedded default
-# decodes several times faster unpacked); a large model keeps its memory saving instead.
-UNPACK_BYTES = 1 << 30
 
 
 # On the GPU, prefill-sized matmuls on a 4-bit weight unpack it whole per call (at 27B on an

@@ -302,12 +302,24 @@ if HAVE_TRITON:
 
 
 def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device, block: int = 32) -> int:
-    """Splits per (stream, kv head): about two programs per SM, a power of two, at most 64."""
+    """Splits of the keys per program of ``n * nkv`` (decode: stream, kv head; a chunk: query
+    block, head): about two programs per SM, a power of two, at most 64."""
     want = -(-2 * sm_count(device) // max(1, n * nkv))
     ns = 1
     while ns < want and ns < 64:
         ns *= 2
     return max(1, min(ns, triton.next_power_of_2(-(-max_tokens // block))))
+
+
+def _check_layout(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """What both kernels need of q [.., nh, hd] and the pool's keys/values [slots, nkv, T, hd]."""
+    nh, hd, nkv = q.shape[1], q.shape[2], keys.shape[1]
+    if nh % nkv:
+        raise ValueError(f"{nh} query heads do not group over {nkv} kv heads")
+    if hd & (hd - 1) or not 16 <= hd <= 256:
+        raise ValueError(f"head_dim {hd} must be a power of two in 16..256")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys/values need a contiguous head dimension")
 
 
 def decode_attention(
@@ -325,17 +337,11 @@ def decode_attention(
     in q's dtype."""
     n, nh, hd = q.shape
     nkv, max_tokens = keys.shape[1], keys.shape[2]
-    if nh % nkv:
-        raise ValueError(f"{nh} query heads do not group over {nkv} kv heads")
-    if hd & (hd - 1) or not 16 <= hd <= 256:
-        raise ValueError(f"head_dim {hd} must be a power of two in 16..256")
+    _check_layout(q, keys, values)
     out = torch.empty_like(q)
     if n == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise ValueError("keys/values need a contiguous head dimension")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     group = nh // nkv
     BL = block or (32 if hd >= 256 else 64)
     NS = num_splits or num_splits_for(n, nkv, max_tokens, q.device, BL)
@@ -403,17 +409,11 @@ def chunk_attention(
     block, key block, warps, stages), for tuning."""
     W, nh, hd = q.shape
     nkv, max_tokens = keys.shape[1], keys.shape[2]
-    if nh % nkv:
-        raise ValueError(f"{nh} query heads do not group over {nkv} kv heads")
-    if hd & (hd - 1) or not 16 <= hd <= 256:
-        raise ValueError(f"head_dim {hd} must be a power of two in 16..256")
+    _check_layout(q, keys, values)
     out = torch.empty_like(q)
     if W == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise ValueError("keys/values need a contiguous head dimension")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     # Chosen by benchmarks/gpu_ops.py --sweep on an H200 (27B heads, hd 256): query blocks of
     # 128 rows once the chunk has more than 64, else 64 (fewer idle rows).
     if config is None:
@@ -424,14 +424,8 @@ def chunk_attention(
             config = (128, 64, 4, 2) if wide else (64, 64, 4, 2)
     BM, BN, warps, stages = config
     blocks = -(-W // BM)
-    if num_splits is None:
-        # About two programs per SM; splits only where the query blocks are too few for that.
-        want = -(-2 * sm_count(q.device) // (blocks * nh))
-        num_splits = 1
-        while num_splits < want and num_splits < 64:
-            num_splits *= 2
-        num_splits = max(1, min(num_splits, triton.next_power_of_2(-(-max_tokens // BN))))
-    NS = num_splits
+    # About two programs per SM: splits only where the (query block, head) pairs are too few.
+    NS = num_splits or num_splits_for(blocks, nh, max_tokens, q.device, BN)
     parts = W * nh * NS if NS > 1 else 1
     po = torch.empty(parts * hd, dtype=torch.float32, device=q.device)
     pm = torch.empty(parts, dtype=torch.float32, device=q.device)

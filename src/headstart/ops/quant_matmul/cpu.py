@@ -24,6 +24,18 @@ from headstart.quant import QuantizedTensor, unpack
 
 GROUPS = (32, 64, 128, 256)  # the kernel's group sizes
 
+# On the CPU, quantized linear weights that unpack to at most this many bytes in all are
+# unpacked once at load: unpacking per call costs the reference path most of a small model's
+# step (the embedded default decodes several times faster unpacked). A larger model keeps its
+# memory saving: packed, through this kernel in bf16, else unpacked per call.
+UNPACK_BYTES = 1 << 30
+
+
+def takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of ``dtype`` on ``device`` runs its packed 4-bit weights through this
+    kernel (each weight that :func:`fits`)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
 
 @dataclass(frozen=True)
 class CpuInt4:
