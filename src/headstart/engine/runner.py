@@ -139,12 +139,23 @@ class ModelRunner:
         if self.graphed and getattr(model, "tp", None) is not None:
             log.info("CUDA graphs off: tensor-parallel forwards run eagerly")
             self.graphed = False
-        self.pool = model.new_state_pool(self.num_slots + int(self.graphed), self.context)
+        from headstart.engine import cpu_programs
+
+        self.compiled = (
+            config.cpu_programs is not False
+            and cpu_programs.offered(model)
+            and not self.graphed
+            and self.peers is None
+        )
+        self.cpu_programs: cpu_programs.DecodePrograms | None = None
+        scratch = int(self.graphed or self.compiled)
+        self.pool = model.new_state_pool(self.num_slots + scratch, self.context)
         self.twins = SnapshotTwins(self.peers) if self.peers is not None else None
         if self.peers is not None:
             self.peers.call(Call("worker", "start_runner", (config,)))
         self.scratch = self.num_slots
         self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
+        self.compile_background = True  # tests compile before the first step instead
         self.decode_graphs = self.prompt_graphs = self.continuation_graphs = None
         self.window_graphs = self.rollback_graphs = None
         # Of the last step: slot -> its chunk, GDN record, and (graphed windows) the padded
@@ -162,6 +173,12 @@ class ModelRunner:
             with _phase("warm-up of the eager paths"):
                 self.warm_eager(self.scratch)
             self._capture()
+        if self.compiled:
+            from headstart.engine.cpu_programs import DecodePrograms
+
+            self.cpu_programs = DecodePrograms(
+                self.model, self.pool, self.num_slots, self.scratch, self.compile_background
+            )
         if self.spec is not None and self.spec.block >= 2:
             features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
             self.spec.measure(self._runnable, features)
@@ -280,7 +297,10 @@ class ModelRunner:
         self._chunks, self._records, self._ran_rows = {}, {}, {}
         chunks = step.chunks
         plan = self._graph_plan(chunks)
-        if plan is not None:
+        compiled = self._compiled_decode(chunks) if not step.taps or not self.taps else None
+        if compiled is not None:
+            out = compiled
+        elif plan is not None:
             out = self._graph_forward(chunks, plan)
         elif self._windows_fit(chunks):
             out = self._window_forward(chunks)
@@ -323,6 +343,23 @@ class ModelRunner:
         return self.model.forward_ex(
             ForwardBatch.build(chunks, self.model.device), self.pool, self.taps if taps else ()
         )
+
+    def _compiled_decode(self, chunks: Sequence[SeqChunk]) -> ForwardOutput | None:
+        """A step of decode rows only, from a compiled CPU program (None: not such a step, or
+        no program ready for its stream count yet)."""
+        progs = self.cpu_programs
+        if progs is None or not all(
+            len(c.tokens) == 1 and c.logit_rows and not _is_window(c) for c in chunks
+        ):
+            return None
+        return progs.run(
+            [c.tokens[0] for c in chunks], [c.start for c in chunks], [c.slot for c in chunks]
+        )
+
+    def close(self) -> None:
+        """Stop background compilation (the engine is shutting down)."""
+        if self.cpu_programs is not None:
+            self.cpu_programs.close()
 
     def _graph_plan(self, chunks: Sequence[SeqChunk]) -> _GraphPlan | None:
         """How the whole step replays graphs (chunks by index), or None when it cannot."""

@@ -185,6 +185,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
     p.add_argument(
+        "--cpu-compile",
+        choices=["auto", "off"],
+        default=os.environ.get("HEADSTART_CPU_COMPILE", "auto"),
+        help="on a CPU, compile the decode step per stream bucket in the background (steps run "
+        "eagerly until their bucket is ready; the compiler's disk cache makes restarts quick); "
+        "auto: on for models that offer it; default from HEADSTART_CPU_COMPILE, else auto",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -615,6 +623,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
             interval=max(0, interval),
         ),
         spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
+        cpu_programs=None if args.cpu_compile == "auto" else False,
         graphs=GraphConfig(
             enabled=False if args.no_graphs else None,
             prefill_tokens=args.prefill_graph_tokens,

@@ -27,6 +27,7 @@ from headstart.models.contract import ForwardOutput
 from headstart.models.qwen35 import speculative
 from headstart.models.qwen35.attention import GatedAttention
 from headstart.models.qwen35.config import FULL, ModelConfig, load_config
+from headstart.models.qwen35.decode_step import decode_step
 from headstart.models.qwen35.gdn import GatedDeltaNet
 from headstart.models.qwen35.pipeline import UNPACK_BYTES, consume, dense_budget, unpack_fits
 from headstart.models.qwen35.speculative import GDNRecord, WindowRecords
@@ -34,6 +35,7 @@ from headstart.models.qwen35.weights import Weight, load_weights, stand_ins
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import Rotary, rms_norm
 from headstart.ops.quant_matmul import cpu as cpu_quant
+from headstart.ops.quant_matmul import cpu_f32
 from headstart.progress import progress
 from headstart.quant import QuantizedTensor
 from headstart.state import StateGroup, StatePool
@@ -99,6 +101,8 @@ class Qwen35Model:
         dense = self.kernels.name != "reference" and unpack_fits(shapes, dtype, self.dense_bytes)
         # Too big to unpack, in bf16 on the CPU: torch's int4 kernel reads the codes as they are.
         cpu_int4 = not unpack and cpu_quant.takes(dtype, self.device)
+        # Small fp32 models on the CPU: decode reads the 4-bit codes, prefill the unpacked copy.
+        packed_f32 = unpack and cpu_f32.takes(dtype, self.device)
         if dense:
             log.info("4-bit layer weights keep a dense %s copy for prefill", dtype)
 
@@ -113,7 +117,18 @@ class Qwen35Model:
                 planned.append(name)
                 return plan.add(name, t)
 
-            consume(shapes, cfg, self.kernels, dtype, unpack, unpack_bytes, add, dense, cpu_int4)
+            consume(
+                shapes,
+                cfg,
+                self.kernels,
+                dtype,
+                unpack,
+                unpack_bytes,
+                add,
+                dense,
+                cpu_int4,
+                packed_f32,
+            )
             self.arena = plan.allocate(self.device)
             place, final = self.arena.fill, len(planned)
         with progress("loading weights", final) as tick:
@@ -123,7 +138,16 @@ class Qwen35Model:
                 return place(name, t)
 
             self.w, self.head = consume(
-                weights, cfg, self.kernels, dtype, unpack, unpack_bytes, placed, dense, cpu_int4
+                weights,
+                cfg,
+                self.kernels,
+                dtype,
+                unpack,
+                unpack_bytes,
+                placed,
+                dense,
+                cpu_int4,
+                packed_f32,
             )
         if self.arena is not None:
             self.arena.check_complete()
@@ -248,6 +272,20 @@ class Qwen35Model:
             assert len(tapped) == len(taps), "tap ids must be distinct layer indices"
         h = rms_norm(x[batch.logit_index], w["norm.weight"], eps)
         return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None, records)
+
+    def decode_step(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+        *groups: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """One decode row per stream as a traceable function (``decode_step.py``): reads the
+        pool's group tensors (``groups``, in :meth:`state_groups` order), writes the rows' keys
+        and values, returns (logits, the new rows of each fixed-size group in order: conv
+        tails and recurrent states, ``[layers, n, ...]``) for the caller to write back."""
+        return decode_step(self, ids, positions, slots, fresh, *groups)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(h, self.head)

@@ -16,6 +16,7 @@ import torch
 from headstart.models.qwen35.config import ModelConfig
 from headstart.models.qwen35.weights import Weight
 from headstart.ops.quant_matmul import cpu as cpu_quant
+from headstart.ops.quant_matmul import cpu_f32
 from headstart.ops.quant_matmul.cpu import UNPACK_BYTES
 from headstart.quant import QuantizedTensor
 
@@ -140,6 +141,7 @@ def consume(
     place: Callable[[str, Weight], Weight],
     dense: bool = False,
     cpu_int4: bool = False,
+    packed_f32: bool = False,
 ) -> tuple[dict[str, Weight], Weight]:
     """The pipeline: every weight popped from ``weights`` (unpacked to ``dtype`` when
     ``unpack``: the reference path's small models), fused layer by layer, prepared for
@@ -148,12 +150,15 @@ def consume(
     embedding table, or the table itself where preparing changes nothing. ``dense``: the
     prepared layer weights also keep a copy unpacked to ``dtype`` for prefill (the head does
     not: it multiplies only the rows whose logits are asked for). ``cpu_int4``: 4-bit weights
-    left packed go to torch's int4 CPU kernel's layout (bf16 models on the CPU)."""
+    left packed go to torch's int4 CPU kernel's layout (bf16 models on the CPU).
+    ``packed_f32`` (with ``unpack``, fp32 on the CPU): the 4-bit weights our fp32 kernel takes
+    keep their codes for decode beside the unpacked copy (:class:`~headstart.ops.quant_matmul.
+    cpu_f32.CpuPacked`)."""
 
     def convert(k: str, t: Weight) -> Weight:
-        return (
-            t.dequantize(dtype) if unpack and k != EMBED and isinstance(t, QuantizedTensor) else t
-        )
+        if not unpack or k == EMBED or not isinstance(t, QuantizedTensor):
+            return t
+        return t if packed_f32 and cpu_f32.fits(t) else t.dequantize(dtype)
 
     w: dict[str, Weight] = {}
 
@@ -166,6 +171,8 @@ def consume(
                 w[k] = place(k, prepare(k, t))
 
     def prepare(k: str, t: Weight) -> Weight:
+        if packed_f32 and isinstance(t, QuantizedTensor) and cpu_f32.fits(t):
+            return cpu_f32.prepare(t)
         if cpu_int4 and isinstance(t, QuantizedTensor) and cpu_quant.fits(t):
             return cpu_quant.prepare(t)
         return kernels.prepare(t, dense=dtype if dense and k != HEAD else None)

@@ -140,14 +140,33 @@ def attn_decode_inputs(
     RMSNorm and RoPE at ``positions``; k and v are written into the pools ``keys``/``values``
     (``[slots, nkv, max_tokens, hd]``) at ``(slots[i], positions[i])``. Returns q
     ``[n, nh, hd]``."""
-    hd = keys.shape[-1]
-    x = qkv[rows]
-    n = x.shape[0]
+    q, k, v = decode_qkv(
+        qkv[rows], num_heads, num_kv_heads, keys.shape[-1], q_scale, k_scale, eps, inv_freq,
+        positions,
+    )  # fmt: skip
+    keys[slots, :, positions] = k
+    values[slots, :, positions] = v
+    return q
+
+
+def decode_qkv(
+    x: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attn_decode_inputs` without the writes: from ``x [n, 2*nh*hd + 2*nkv*hd]`` (the
+    rows' fused projection), q [n, nh, hd] and k [n, nkv, hd] normed and rotated at
+    ``positions``, and v [n, nkv, hd]."""
+    n, hd = x.shape[0], head_dim
     qg, k, v = torch.split(x, [2 * num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], dim=-1)
     q = qg.reshape(n, num_heads, 2 * hd)[..., :hd]
     cos, sin = Rotary(inv_freq).cos_sin(positions, x.dtype)
     q = Rotary.apply(rms_norm(q, q_scale, eps), cos, sin)
     k = Rotary.apply(rms_norm(k.reshape(n, num_kv_heads, hd), k_scale, eps), cos, sin)
-    keys[slots, :, positions] = k
-    values[slots, :, positions] = v.reshape(n, num_kv_heads, hd)
-    return q
+    return q, k, v.reshape(n, num_kv_heads, hd)

@@ -1,0 +1,47 @@
+"""Decode attention on the CPU as one opaque op, for traced decode programs
+(:mod:`headstart.engine.cpu_programs`).
+
+A traced program has fixed shapes, but a decode row attends to a history whose length changes
+every step; this op hides that length from the trace. It writes each stream's new key and value
+row into the pool at its position and attends each stream over its own slot's rows as views (no
+gather of the histories, which at long contexts would copy megabytes a layer). The spec is the
+reference: the same writes, then :func:`headstart.ops.attention.reference.attend_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["decode_attention"]
+
+
+@torch.library.custom_op("headstart::decode_attention_cpu", mutates_args=("keys", "values"))
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """q [n, nh, hd], k/v [n, nkv, hd] of one decode row per stream at ``positions`` of
+    ``slots``; keys/values one layer of the pool, [slots, nkv, max_tokens, hd] (written
+    at those rows). Returns [n, nh, hd] in q's dtype (softmax in fp32)."""
+    keys[slots, :, positions] = k
+    values[slots, :, positions] = v
+    _, nh, hd = q.shape
+    nkv = k.shape[1]
+    out = torch.empty_like(q)
+    for j, (s, p) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+        kr, vr = keys[s, :, : p + 1], values[s, :, : p + 1]  # [nkv, p+1, hd] views
+        qh = q[j].view(nkv, nh // nkv, hd)
+        scores = torch.bmm(qh, kr.transpose(1, 2)).float() * hd**-0.5
+        probs = scores.softmax(-1).to(vr.dtype)
+        out[j] = torch.bmm(probs, vr).view(nh, hd)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k, v, keys, values, slots, positions):
+    return torch.empty_like(q)

@@ -1,0 +1,170 @@
+"""The CPU decode path: our fp32 4-bit kernel (ops/quant_matmul/cpu_f32.py) against the reference
+on fresh random weights; a small 4-bit fp32 model keeping its codes for decode against the same
+model unpacked; and compiled decode programs (engine/cpu_programs.py) against the eager forward
+(logits and every state the step writes), with padding rows, fresh streams and through the
+engine (greedy tokens equal)."""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+from engine_helpers import Collector
+
+from headstart.batch import ForwardBatch, SeqChunk
+from headstart.engine.config import EngineConfig, SchedulingConfig
+from headstart.engine.cpu_programs import DecodePrograms
+from headstart.engine.engine import EngineRequest, Finish, Piece
+from headstart.models.qwen35.model import Qwen35Model
+from headstart.ops.quant_matmul import cpu_f32
+from headstart.ops.quant_matmul.reference import quant_matmul
+from headstart.quant import QuantizedTensor, quantize
+from headstart.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_f32.available(), reason="no C compiler")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# (n, k, group): whole 16-word blocks (the AVX-512 loop where the CPU has it) and not (the
+# portable loop), every group size the kernel takes.
+SHAPES = [(64, 128, 32), (48, 256, 64), (32, 512, 128), (16, 512, 256), (40, 96, 32), (24, 64, 8)]
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+def test_int4_f32_matmul_matches_the_reference(n, k, group, rows):
+    g = torch.Generator().manual_seed(n * k + group + rows)
+    w = quantize(torch.randn(n, k, generator=g) * 0.05, 4, group)
+    x = torch.randn(rows, k, generator=g)
+    got = cpu_f32.matmul(x, cpu_f32.prepare(w))
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # fp32: summation order, and scale and bias applied per group (cancellation in big groups)
+    assert rel_err(got, quant_matmul(x, w)) <= 1e-5
+
+
+def test_what_the_f32_kernel_takes():
+    assert cpu_f32.fits(quantize(torch.randn(40, 96), 4, 32))
+    assert not cpu_f32.fits(quantize(torch.randn(48, 128), 8, 64))
+    w = quantize(torch.randn(48, 128), 4, 64)
+    with pytest.raises(ValueError, match="features"):
+        cpu_f32.matmul(torch.randn(1, 64), cpu_f32.prepare(w))
+    meta = cpu_f32.prepare(
+        QuantizedTensor(*(t.to("meta") for t in (w.packed, w.scales, w.biases)), 4, 64)
+    )
+    real = cpu_f32.prepare(w)
+    for a, b in ((meta.packed, real.packed), (meta.dense, real.dense)):
+        assert a.is_meta and (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+def _q4(tmp_path_factory, tied: bool):
+    """A 4-bit checkpoint (groups of 32) with whole 16-word blocks in every projection."""
+    ref = tiny.causal_lm(seed=31, tie_word_embeddings=tied, hidden_size=128, intermediate_size=256)
+    deq, packed = tiny.dequantized_copy(ref, 4, 32)
+    return tiny.save_mlx(deq, packed, tmp_path_factory.mktemp("q4") / "m", 4, 32)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def q4(request, tmp_path_factory):
+    return _q4(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def q4_tied(tmp_path_factory):
+    """The checkpoint the compiled tests share (one compilation per bucket for all of them,
+    through inductor's cache)."""
+    return _q4(tmp_path_factory, True)
+
+
+def _decode_logits(model: Qwen35Model, prompts: list[list[int]], token: int) -> torch.Tensor:
+    pool = model.new_state_pool(len(prompts), 64)
+    for s, ids in enumerate(prompts):
+        model.forward(ForwardBatch.build([SeqChunk(s, 0, tuple(ids))]), pool)
+    chunks = [SeqChunk(s, len(ids), (token + s,)) for s, ids in enumerate(prompts)]
+    return model.forward(ForwardBatch.build(chunks), pool)
+
+
+def test_a_small_4bit_model_decodes_from_its_codes(q4, monkeypatch):
+    """fp32 on the CPU: decode rows read the 4-bit codes, prefill the unpacked copy; the same
+    logits as the model unpacked at load, as the reference path always did."""
+    fast = Qwen35Model.load(q4)
+    assert all(
+        isinstance(w, cpu_f32.CpuPacked)
+        for k, w in (*fast.w.items(), ("head", fast.head))
+        if k.endswith("proj.weight") or k == "head"
+    )
+    monkeypatch.setattr(cpu_f32, "takes", lambda dtype, device: False)
+    plain = Qwen35Model.load(q4)
+    assert isinstance(plain.head, torch.Tensor)
+    prompts = [[3, 9, 27, 81, 5], [7] * 12, [11, 13]]
+    assert rel_err(_decode_logits(fast, prompts, 40), _decode_logits(plain, prompts, 40)) < 1e-5
+
+
+def _prefilled(model: Qwen35Model, slots: int, max_tokens: int = 64):
+    """A pool (plus a scratch slot) whose slots hold prompts of different lengths."""
+    pool = model.new_state_pool(slots + 1, max_tokens)
+    g = torch.Generator().manual_seed(5)
+    lengths = [3 + 4 * s for s in range(slots)]
+    for s, n in enumerate(lengths):
+        ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist()
+        model.forward(ForwardBatch.build([SeqChunk(s, 0, tuple(ids))]), pool)
+    return pool, lengths
+
+
+def test_compiled_decode_equals_the_eager_forward(q4_tied):
+    """A step of 1 and of 2 streams from their compiled buckets, and of 1 stream padded into
+    the 2-stream bucket (its padding row on the scratch slot), one of them a fresh stream at
+    position 0: logits and every state of the real slots as the eager forward leaves them; and
+    no program once none is ready (the runner then steps eagerly)."""
+    model = Qwen35Model.load(q4_tied)
+    pool, lengths = _prefilled(model, 3)
+    progs = DecodePrograms(model, pool, 2, scratch_slot=3, background=False)
+    assert sorted(progs.ready) == [1, 2] and not progs.failed
+    start = {k: t.clone() for k, t in pool.tensors.items()}
+    cases = [([0], [lengths[0]]), ([1, 2], [lengths[1], 0]), ([2], [lengths[2]])]
+    for case, (slots, positions) in enumerate(cases):
+        if case == 2:
+            progs.ready.pop(1)  # one stream in the 2-stream bucket: a padding row
+        tokens = [17 + s for s in slots]
+        for k, t in pool.tensors.items():
+            t.copy_(start[k])
+        chunks = [SeqChunk(s, p, (t,)) for s, p, t in zip(slots, positions, tokens, strict=True)]
+        want = model.forward(ForwardBatch.build(chunks), pool)
+        after = {k: t[:, :3].clone() for k, t in pool.tensors.items()}
+        for k, t in pool.tensors.items():
+            t.copy_(start[k])
+        got = progs.run(tokens, positions, slots)
+        assert got is not None and got.logits.shape == want.shape
+        assert rel_err(got.logits, want) < 1e-5, case
+        for k, t in pool.tensors.items():
+            assert rel_err(t[:, :3], after[k]) < 1e-5, (case, k)
+    progs.ready.clear()
+    assert progs.run([5], [3], [0]) is None
+
+
+def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
+    """Greedy tokens of three requests on two slots, with compiled decode steps and without."""
+    model = Qwen35Model.load(q4_tied)
+    tokenizer = tiny.small_tokenizer(model.cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[3, 9, 27], [5, 6, 7, 8, 9, 10], [40]]
+
+    def tokens(compiled: bool) -> list[list[int]]:
+        config = EngineConfig(
+            2, 64, scheduling=SchedulingConfig(16, 64), cpu_programs=compiled
+        )
+        engine = engines(model, tokenizer, (1,), config, start=False)
+        if compiled:
+            engine.runner.cpu_programs.wait()
+            assert sorted(engine.runner.cpu_programs.ready) == [1, 2]
+        engine.start()
+        collectors = [Collector() for _ in prompts]
+        for i, (ids, c) in enumerate(zip(prompts, collectors, strict=True)):
+            engine.submit(EngineRequest(f"r{i}", ids, params, 1, c))
+        for c in collectors:
+            assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+        return [[e.token_id for e in c.events if isinstance(e, Piece)] for c in collectors]
+
+    assert tokens(True) == tokens(False)
