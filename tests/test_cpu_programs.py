@@ -152,9 +152,7 @@ def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
     prompts = [[3, 9, 27], [5, 6, 7, 8, 9, 10], [40]]
 
     def tokens(compiled: bool) -> list[list[int]]:
-        config = EngineConfig(
-            2, 64, scheduling=SchedulingConfig(16, 64), cpu_programs=compiled
-        )
+        config = EngineConfig(2, 64, scheduling=SchedulingConfig(16, 64), cpu_programs=compiled)
         engine = engines(model, tokenizer, (1,), config, start=False)
         if compiled:
             engine.runner.cpu_programs.wait()

@@ -109,18 +109,20 @@ class DecodePrograms:
         from torch._inductor.compile_fx import compile_fx
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        # One thread: no pool of compiler processes beside a server on a small machine (set
+        # before anything of inductor's runs, which would start that pool).
+        inductor_config.compile_threads = 1
         inputs = self._inputs(n)
         # Fake tensors: tracing computes nothing and writes nothing into the pool.
         traced = make_fx(self.model.decode_step, tracing_mode="fake", _allow_non_fake_inputs=True)(
             *inputs
         )
-        # One thread: no pool of compiler processes beside a server on a small machine.
-        with inductor_config.patch(compile_threads=1):
-            return compile_fx(traced, inputs)
+        return compile_fx(traced, inputs)
 
     def bucket(self, n: int) -> int | None:
         """The smallest compiled bucket of at least ``n`` streams (None: none yet)."""
-        return min((b for b in self.ready if b >= n), default=None)
+        # tuple(): one step of the GIL, while the compiling thread may add a bucket.
+        return min((b for b in tuple(self.ready) if b >= n), default=None)
 
     def run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]
