@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py builds the refer
 sys.path.insert(1, str(Path(__file__).parent.parent))  # the training/ package (not installed)
 
 torch.set_num_threads(2)
-# Servers the tests start compile no CPU decode programs in the background (minutes of both
-# cores): tests/test_cpu_programs.py checks them on purpose.
+# Servers the tests start compile no CPU decode steps (a minute of start-up each for a new
+# model's shapes): tests/test_cpu_programs.py checks them on purpose.
 os.environ.setdefault("HEADSTART_CPU_COMPILE", "off")
 if not torch.cuda.is_available():
     # Triton kernels (where Triton is installed) run on the CPU through Triton's interpreter;

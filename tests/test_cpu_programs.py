@@ -120,8 +120,8 @@ def test_compiled_decode_equals_the_eager_forward(q4_tied):
     no program once none is ready (the runner then steps eagerly)."""
     model = Qwen35Model.load(q4_tied)
     pool, lengths = _prefilled(model, 3)
-    progs = DecodePrograms(model, pool, 2, scratch_slot=3, background=False)
-    assert sorted(progs.ready) == [1, 2] and not progs.failed
+    progs = DecodePrograms(model, pool, 2, scratch_slot=3)
+    assert sorted(progs.ready) == [1, 2]
     start = {k: t.clone() for k, t in pool.tensors.items()}
     cases = [([0], [lengths[0]]), ([1, 2], [lengths[1], 0]), ([2], [lengths[2]])]
     for case, (slots, positions) in enumerate(cases):
@@ -153,11 +153,9 @@ def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
 
     def tokens(compiled: bool) -> list[list[int]]:
         config = EngineConfig(2, 64, scheduling=SchedulingConfig(16, 64), cpu_programs=compiled)
-        engine = engines(model, tokenizer, (1,), config, start=False)
+        engine = engines(model, tokenizer, (1,), config)
         if compiled:
-            engine.runner.cpu_programs.wait()
             assert sorted(engine.runner.cpu_programs.ready) == [1, 2]
-        engine.start()
         collectors = [Collector() for _ in prompts]
         for i, (ids, c) in enumerate(zip(prompts, collectors, strict=True)):
             engine.submit(EngineRequest(f"r{i}", ids, params, 1, c))
@@ -166,3 +164,32 @@ def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
         return [[e.token_id for e in c.events if isinstance(e, Piece)] for c in collectors]
 
     assert tokens(True) == tokens(False)
+
+
+def test_a_first_start_warms_the_cache_for_the_next(q4_tied, tmp_path, monkeypatch):
+    """serve's rule: not compiled here before, the steps are compiled in a separate process,
+    which leaves the marker that makes the next start compile them at once."""
+    import argparse
+    import shutil
+
+    from headstart.engine import cpu_programs
+    from headstart.loading import default_model_dir, load
+    from headstart.server import serve
+
+    ckpt = tmp_path / "model"
+    shutil.copytree(q4_tied, ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # load() reads a tokenizer too
+        shutil.copy(default_model_dir() / name, ckpt / name)
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "cache"))
+    loaded = load(str(ckpt))
+    args = argparse.Namespace(
+        cpu_compile="auto", tensor_parallel=1, kernels="auto", load_format="auto"
+    )
+    compile_now, warming = serve._cpu_programs(args, loaded, 1, 64)
+    assert not compile_now and warming is not None
+    assert warming.wait(300) == 0
+    assert serve._cpu_programs(args, loaded, 1, 64) == (True, None)
+    assert serve._cpu_programs(argparse.Namespace(**{**vars(args), "cpu_compile": "off"}),
+                               loaded, 1, 64) == (False, None)  # fmt: skip
+    assert list((tmp_path / "cache" / "programs").iterdir())
+    assert not cpu_programs.warm("another-key")

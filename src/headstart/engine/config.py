@@ -114,7 +114,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
-    # Compiled decode steps on the CPU (engine/cpu_programs.py), built in the background:
-    # None: when the model offers a traceable decode step there (``serve``'s default); off by
+    # Compiled decode steps on the CPU (engine/cpu_programs.py), compiled at start-up: None:
+    # when the model offers a traceable decode step there (``serve``'s default); off by
     # default here, so that engines made in process (tests) compile nothing unasked.
     cpu_programs: bool | None = False

@@ -2,35 +2,46 @@
 
 Why: on a CPU an eager decode step of a small model is mostly dispatch, about 900 small aten
 ops a step each paying Python and dispatcher overhead (BENCHMARKS.md). A model that offers
-``decode_step`` (a decode forward written to be traced: fixed shapes, no host syncs, fixed-size
-state returned rather than written in place; Qwen3.5's ``decode_step.py``) gets it traced once
-per stream bucket (1, 2, 4, ... up to the slots) with ``make_fx`` and compiled by inductor's C++
-backend: the per-row pieces fuse into a few loops, the matmuls and the opaque attention op are
-called straight from generated code. Dynamo is bypassed on purpose: its frame evaluation and
-guards cost about 30 us a call, as much as a fused layer.
+``decode_program`` (its decode forward as a pure function of its tensors: fixed shapes, no host
+syncs, fixed-size state returned rather than written in place; Qwen3.5's ``decode_step.py``)
+gets it traced once per stream bucket (1, 2, 4, ... up to the slots) with ``make_fx`` and
+compiled by inductor's C++ backend: the per-row pieces fuse into a few loops, the matmuls and
+the opaque attention op are called straight from generated code. Dynamo is bypassed on purpose:
+its frame evaluation and guards cost about 30 us a call, as much as a fused layer.
 
-Compilation runs on a background thread at low priority, smallest bucket first; until a bucket
-is ready its steps run eagerly, so start-up waits for none of it (inductor's on-disk cache makes
-a restart's compilation quick). A step of fewer streams than its bucket pads with rows on the
-scratch slot, which compute harmlessly and are dropped, as in the CUDA decode graphs.
+Compilation happens before the server answers: compiled on a background thread of the server
+instead, it held the GIL for seconds at a time and a 4,000-token prompt took 18-42 s instead of
+2 (BENCHMARKS.md). The weights are arguments of the traced step, so a compiled step depends only
+on shapes and inductor's on-disk cache serves a restart in seconds, while a first compilation
+takes about a minute. So ``serve`` compiles at start-up only when a marker (:func:`warm`) says
+this model's steps were compiled here before; else it serves eagerly at once and warms the
+cache for the next start in a separate, low-priority process (``python -m
+headstart.engine.cpu_programs``), which shares no GIL with the server. A step of fewer streams
+than its bucket pads with rows on the scratch slot, which compute harmlessly and are dropped,
+as in the CUDA decode graphs.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import hashlib
+import json
 import logging
 import os
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from headstart.engine.cuda_graph import buckets_for
 from headstart.models.contract import CausalLM, ForwardOutput
+from headstart.progress import progress
 from headstart.state import StatePool
 
-__all__ = ["DecodePrograms", "offered"]
+__all__ = ["DecodePrograms", "cache_key", "offered", "warm", "warm_in_background"]
 
 log = logging.getLogger("headstart.engine")
 
@@ -41,88 +52,67 @@ def offered(model: CausalLM) -> bool:
     return (
         model.device.type == "cpu"
         and getattr(model, "dtype", None) == torch.float32
-        and callable(getattr(model, "decode_step", None))
+        and callable(getattr(model, "decode_program", None))
     )
 
 
 class DecodePrograms:
-    """Compiled decode steps of ``model`` over ``pool``, one per stream bucket (see the module
-    docstring). ``background=False`` compiles every bucket before returning (tests)."""
+    """Compiled decode steps of ``model`` over ``pool``, one per stream bucket, all compiled
+    when it is made (see the module docstring); a bucket that fails to compile and those after
+    it stay eager."""
 
     def __init__(
-        self,
-        model: CausalLM,
-        pool: StatePool,
-        max_streams: int,
-        scratch_slot: int,
-        background: bool = True,
+        self, model: CausalLM, pool: StatePool, max_streams: int, scratch_slot: int
     ) -> None:
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         self.fixed = [g.name for g in pool.groups if not g.per_token]
-        self.buckets = buckets_for(max_streams)
+        self.step, self.weights = model.decode_program()
         self.ready: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {}
-        self.failed = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if background:
-            self._thread = threading.Thread(
-                target=self._compile_all, name="headstart-cpu-compile", daemon=True
-            )
-            self._thread.start()
-        else:
-            self._compile_all()
-
-    def close(self) -> None:
-        """Stop compiling after the bucket in progress."""
-        self._stop.set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Until every bucket is compiled (or compilation stopped)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _compile_all(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # below the engine: serving first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        for b in self.buckets:
-            if self._stop.is_set():
-                return
-            started = time.monotonic()
-            try:
-                self.ready[b] = self._compile(b)
-            except Exception:  # eager steps go on: slower, never wrong
-                log.exception("compiling the CPU decode step for %d streams failed", b)
-                self.failed = True
-                return
-            took = time.monotonic() - started
-            log.info("CPU decode step for %d streams compiled in %.1fs", b, took)
+        buckets = buckets_for(max_streams)
+        with progress("compiling CPU decode steps", len(buckets)) as tick:
+            for b in buckets:
+                started = time.monotonic()
+                try:
+                    self.ready[b] = self._compile(b)
+                except Exception:  # eager steps instead: slower, never wrong
+                    log.exception("compiling the CPU decode step for %d streams failed", b)
+                    return
+                took = time.monotonic() - started
+                log.info("CPU decode step for %d streams compiled in %.1fs", b, took)
+                tick()
 
     def _inputs(self, n: int) -> list[torch.Tensor]:
         ids = torch.zeros(n, dtype=torch.int64)
         positions = torch.ones(n, dtype=torch.int64)
         slots = torch.full((n,), self.scratch, dtype=torch.int64)
         fresh = torch.zeros(n, dtype=torch.bool)
-        return [ids, positions, slots, fresh, *(self.pool[g.name] for g in self.pool.groups)]
+        return [ids, positions, slots, fresh, *self._groups(), *self.weights]
+
+    def _groups(self) -> list[torch.Tensor]:
+        return [self.pool[g.name] for g in self.pool.groups]
 
     def _compile(self, n: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+        from torch._guards import TracingContext, tracing
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        # One thread: no pool of compiler processes beside a server on a small machine (set
-        # before anything of inductor's runs, which would start that pool).
+        # One compiler thread: a pool of compiler processes made a first compilation slower
+        # here (2 cores), not faster.
         inductor_config.compile_threads = 1
         inputs = self._inputs(n)
         # Fake tensors: tracing computes nothing and writes nothing into the pool.
-        traced = make_fx(self.model.decode_step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-            *inputs
-        )
-        return compile_fx(traced, inputs)
+        traced = make_fx(self.step, tracing_mode="fake")(*inputs)
+        # A tracing context with a shape environment, as Dynamo would give: inductor's graph
+        # cache serves only such compilations (a restart then loads instead of compiling).
+        with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+            return compile_fx(traced, inputs)
 
     def bucket(self, n: int) -> int | None:
         """The smallest compiled bucket of at least ``n`` streams (None: none yet)."""
-        # tuple(): one step of the GIL, while the compiling thread may add a bucket.
-        return min((b for b in tuple(self.ready) if b >= n), default=None)
+        return min((b for b in self.ready if b >= n), default=None)
 
     def run(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]
@@ -137,8 +127,95 @@ class DecodePrograms:
         ids = torch.tensor([*tokens, *(0,) * pad], dtype=torch.int64)
         pos = torch.tensor([*positions, *(1,) * pad], dtype=torch.int64)
         sl = torch.tensor([*slots, *(self.scratch,) * pad], dtype=torch.int64)
-        out = self.ready[b](ids, pos, sl, pos == 0, *(self.pool[g.name] for g in self.pool.groups))
+        out = self.ready[b](ids, pos, sl, pos == 0, *self._groups(), *self.weights)
         logits, rows = out[0], out[1:]
         for name, new in zip(self.fixed, rows, strict=True):
             self.pool[name][:, sl] = new
         return ForwardOutput(logits[:n], None, {})
+
+
+# The code a compiled step is made from: a change here makes a marker stale (a slower start-up,
+# never a wrong step: inductor's cache is keyed by the graph itself).
+_SOURCES = (
+    "engine/cpu_programs.py",
+    "models/qwen35/decode_step.py",
+    "ops/attention/cpu.py",
+    "ops/quant_matmul/cpu_f32.py",
+    "ops/quant_matmul/int4_f32.c",
+    "ops/pointwise/reference.py",
+    "ops/gated_delta/reference.py",
+    "ops/conv/reference.py",
+)
+
+
+def _marker(key: str) -> Path:
+    from headstart.ops.quant_matmul.cpu_f32 import cache_root
+
+    return cache_root() / "programs" / f"{key}.done"
+
+
+def cache_key(load_args: dict[str, str], slots: int, context: int) -> str:
+    """What a model's compiled steps depend on: how it was loaded (``load_args``: the model's
+    folder and loading options, as :func:`warm_in_background` passes them on), its config,
+    the pool's shape, torch and the sources above."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(json.dumps([load_args, slots, context, torch.__version__]).encode())
+    h.update((Path(load_args["model"]) / "config.json").read_bytes())
+    for name in _SOURCES:
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:24]
+
+
+def warm(key: str) -> bool:
+    """Whether the steps of ``key`` were compiled on this machine before (inductor's cache
+    then holds them, unless it was cleared since)."""
+    return _marker(key).exists()
+
+
+def warm_in_background(load_args: dict[str, str], slots: int, context: int) -> subprocess.Popen:
+    """Compile the model's steps in a separate low-priority process that fills inductor's cache
+    and leaves the marker; the caller ends it when it stops first."""
+    cmd = [sys.executable, "-m", "headstart.engine.cpu_programs", "--slots", str(slots)]
+    cmd += ["--context", str(context), *(f"--{k}={v}" for k, v in load_args.items())]
+    nice = getattr(os, "nice", None)
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=(lambda: nice(10)) if nice else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m headstart.engine.cpu_programs``: compile a model's steps into the cache."""
+    from headstart.loading import load
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", required=True)
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--context", type=int, required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    load_args = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kernels": args.kernels,
+        "load-format": args.load_format,
+    }
+    loaded = load(args.model, "cpu", args.dtype, args.kernels, args.load_format)
+    pool = loaded.model.new_state_pool(args.slots + 1, args.context)  # + the scratch slot
+    programs = DecodePrograms(loaded.model, pool, args.slots, args.slots)
+    if len(programs.ready) != len(buckets_for(args.slots)):
+        return 1
+    marker = _marker(cache_key(load_args, args.slots, args.context))
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

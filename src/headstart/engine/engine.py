@@ -90,7 +90,6 @@ class Engine:
         self._inbox.close()
         self._thread.join(timeout=30)
         self.cache.close()
-        self.runner.close()
 
     def submit(self, req: EngineRequest) -> None:
         """Queue a request; raises QueueFull when slots and queue are all taken, ValueError when

@@ -155,7 +155,6 @@ class ModelRunner:
             self.peers.call(Call("worker", "start_runner", (config,)))
         self.scratch = self.num_slots
         self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
-        self.compile_background = True  # tests compile before the first step instead
         self.decode_graphs = self.prompt_graphs = self.continuation_graphs = None
         self.window_graphs = self.rollback_graphs = None
         # Of the last step: slot -> its chunk, GDN record, and (graphed windows) the padded
@@ -176,9 +175,10 @@ class ModelRunner:
         if self.compiled:
             from headstart.engine.cpu_programs import DecodePrograms
 
-            self.cpu_programs = DecodePrograms(
-                self.model, self.pool, self.num_slots, self.scratch, self.compile_background
-            )
+            with _phase("CPU decode steps compiled"):
+                self.cpu_programs = DecodePrograms(
+                    self.model, self.pool, self.num_slots, self.scratch
+                )
         if self.spec is not None and self.spec.block >= 2:
             features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
             self.spec.measure(self._runnable, features)
@@ -355,11 +355,6 @@ class ModelRunner:
         return progs.run(
             [c.tokens[0] for c in chunks], [c.start for c in chunks], [c.slot for c in chunks]
         )
-
-    def close(self) -> None:
-        """Stop background compilation (the engine is shutting down)."""
-        if self.cpu_programs is not None:
-            self.cpu_programs.close()
 
     def _graph_plan(self, chunks: Sequence[SeqChunk]) -> _GraphPlan | None:
         """How the whole step replays graphs (chunks by index), or None when it cannot."""

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from headstart.errors import HeadstartError
 from headstart.server.connection import uvicorn_connection_options
 
 if TYPE_CHECKING:
+    from headstart.loading import LoadedModel
     from headstart.server.api import ServerState
     from headstart.server.auth import ApiKeys
 
@@ -188,9 +190,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--cpu-compile",
         choices=["auto", "off"],
         default=os.environ.get("HEADSTART_CPU_COMPILE", "auto"),
-        help="on a CPU, compile the decode step per stream bucket in the background (steps run "
-        "eagerly until their bucket is ready; the compiler's disk cache makes restarts quick); "
-        "auto: on for models that offer it; default from HEADSTART_CPU_COMPILE, else auto",
+        help="on a CPU, run fp32 decode steps compiled per stream bucket (auto: for models that "
+        "offer it; the first start serves eagerly while a low-priority process compiles them, "
+        "about a minute for the default model; later starts load them from the compiler's "
+        "cache in seconds); default from HEADSTART_CPU_COMPILE, else auto",
     )
     p.add_argument(
         "--threads",
@@ -553,6 +556,31 @@ def _size_threads(args: argparse.Namespace) -> None:
     log.info("cpu threads: %d", threads)
 
 
+def _cpu_programs(
+    args: argparse.Namespace, loaded: LoadedModel, parallel: int, context: int
+) -> tuple[bool, subprocess.Popen | None]:
+    """Whether to compile the CPU decode steps at start-up (engine/cpu_programs.py): when
+    they were compiled here before (seconds from inductor's cache). Else, the first time, the
+    server starts eagerly at once and a low-priority process compiles them for the next start
+    (returned, to be ended with the server)."""
+    from headstart.engine import cpu_programs
+
+    if args.cpu_compile == "off" or args.tensor_parallel > 1:
+        return False, None
+    if not cpu_programs.offered(loaded.model):
+        return False, None
+    load_args = {
+        "model": str(loaded.path.resolve()),
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "kernels": args.kernels,
+        "load-format": args.load_format,
+    }
+    if cpu_programs.warm(cpu_programs.cache_key(load_args, parallel, context)):
+        return True, None
+    log.info("CPU decode steps: eager on this first start; compiling them for the next one")
+    return False, cpu_programs.warm_in_background(load_args, parallel, context)
+
+
 def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys | None) -> int:
     """serve() once the arguments are checked and the listening sockets bound."""
     from headstart.engine.engine import Engine
@@ -606,6 +634,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     if budget < 1:
         raise HeadstartError("--max-batched-tokens must be >= 1")
     log.info("step budget: %d tokens", budget)
+    compile_now, warming = _cpu_programs(args, loaded, parallel, context)
     interval = budget if args.prompt_cache_interval is None else args.prompt_cache_interval
     config = EngineConfig(
         parallel,
@@ -623,7 +652,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
             interval=max(0, interval),
         ),
         spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
-        cpu_programs=None if args.cpu_compile == "auto" else False,
+        cpu_programs=compile_now,
         graphs=GraphConfig(
             enabled=False if args.no_graphs else None,
             prefill_tokens=args.prefill_graph_tokens,
@@ -705,6 +734,8 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     try:
         _Server(config, _Drain(state, args.shutdown_timeout)).run(sockets=sockets)
     finally:
+        if warming is not None:  # its cache entries so far stay; the marker is not left
+            warming.terminate()
         engine.stop()
         loaded.close()  # the other ranks of a tensor-parallel model
         if state.request_log is not None:

@@ -13,14 +13,15 @@ transformers' ``modeling_qwen3_5``, including where it rounds. Weight loading is
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 
 import torch
 
-from headstart.arena import ArenaPlan, WeightArena
+from headstart.arena import ArenaPlan, WeightArena, leaves, rebuild
 from headstart.batch import ForwardBatch
 from headstart.kernels import Kernels, select_kernels
 from headstart.models.contract import ForwardOutput
@@ -273,19 +274,32 @@ class Qwen35Model:
         h = rms_norm(x[batch.logit_index], w["norm.weight"], eps)
         return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None, records)
 
-    def decode_step(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        fresh: torch.Tensor,
-        *groups: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """One decode row per stream as a traceable function (``decode_step.py``): reads the
-        pool's group tensors (``groups``, in :meth:`state_groups` order), writes the rows' keys
-        and values, returns (logits, the new rows of each fixed-size group in order: conv
-        tails and recurrent states, ``[layers, n, ...]``) for the caller to write back."""
-        return decode_step(self, ids, positions, slots, fresh, *groups)
+    def decode_program(self) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
+        """The decode step as a pure function of its tensors, to trace (``decode_step.py``):
+        ``(step, weights)`` where ``step(ids, positions, slots, fresh, *groups, *weights)``
+        runs one decode row per stream over the pool's group tensors (``groups``, in
+        :meth:`state_groups` order), writes the rows' keys and values, and returns (logits,
+        the new rows of each fixed-size group in order: conv tails and recurrent states,
+        ``[layers, n, ...]``) for the caller to write back. The weights are arguments, not
+        constants of the trace, so a compiled step depends only on shapes (a compiler's cache
+        then serves a restart)."""
+        named = [*self.w.items(), ("head", self.head)]
+        layout = [(name, value, [f for f, _ in leaves(value)]) for name, value in named]
+        weights = [t for _, value in named for _, t in leaves(value)]
+        weights.append(self.rotary.inv_freq)
+        groups = len(self.state_groups())
+
+        def step(ids, positions, slots, fresh, *rest):
+            pool, flat = rest[:groups], list(rest[groups:])
+            model = copy.copy(self)  # the same model reading the arguments as its weights
+            w = {}
+            for name, value, fields in layout:
+                w[name] = rebuild(value, {f: flat.pop(0) for f in fields})
+            model.head = w.pop("head")
+            model.w, model.rotary = w, Rotary(flat.pop(0))
+            return decode_step(model, ids, positions, slots, fresh, *pool)
+
+        return step, weights
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return linear(h, self.head)

@@ -47,9 +47,9 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 MAX_ROWS = 8
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("HEADSTART_CACHE") or Path.home() / ".cache" / "headstart"
-    return Path(root) / "kernels"
+def cache_root() -> Path:
+    """headstart's per-user cache: ``HEADSTART_CACHE``, else ``~/.cache/headstart``."""
+    return Path(os.environ.get("HEADSTART_CACHE") or Path.home() / ".cache" / "headstart")
 
 
 @functools.cache
@@ -65,7 +65,7 @@ def _library() -> ctypes.CDLL | None:
         key = hashlib.sha256(
             SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.stdout.encode()
         ).hexdigest()[:16]
-        target = _cache_dir() / f"int4_f32-{key}.so"
+        target = cache_root() / "kernels" / f"int4_f32-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
