@@ -15,15 +15,14 @@ instead, it held the GIL for seconds at a time and a 4,000-token prompt took 18-
 on shapes and inductor's on-disk cache serves a restart in seconds, while a first compilation
 takes about a minute. So ``serve`` compiles at start-up only when a marker (:func:`warm`) says
 this model's steps were compiled here before; else it serves eagerly at once and warms the
-cache for the next start in a separate, low-priority process (``python -m
-headstart.engine.cpu_programs``), which shares no GIL with the server. A step of fewer streams
+cache for the next start in a separate, low-priority process (``cpu_warmer.py``), which
+shares no GIL with the server. A step of fewer streams
 than its bucket pads with rows on the scratch slot, which compute harmlessly and are dropped,
 as in the CUDA decode graphs.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -148,7 +147,8 @@ _SOURCES = (
 )
 
 
-def _marker(key: str) -> Path:
+def marker(key: str) -> Path:
+    """The file that says the steps of ``key`` were compiled here."""
     from headstart.ops.quant_matmul.cpu_f32 import cache_root
 
     return cache_root() / "programs" / f"{key}.done"
@@ -169,13 +169,13 @@ def cache_key(load_args: dict[str, str], slots: int, context: int) -> str:
 def warm(key: str) -> bool:
     """Whether the steps of ``key`` were compiled on this machine before (inductor's cache
     then holds them, unless it was cleared since)."""
-    return _marker(key).exists()
+    return marker(key).exists()
 
 
 def warm_in_background(load_args: dict[str, str], slots: int, context: int) -> subprocess.Popen:
     """Compile the model's steps in a separate low-priority process that fills inductor's cache
     and leaves the marker; the caller ends it when it stops first."""
-    cmd = [sys.executable, "-m", "headstart.engine.cpu_programs", "--slots", str(slots)]
+    cmd = [sys.executable, "-m", "headstart.engine.cpu_warmer", "--slots", str(slots)]
     cmd += ["--context", str(context), *(f"--{k}={v}" for k, v in load_args.items())]
     nice = getattr(os, "nice", None)
     return subprocess.Popen(
@@ -185,37 +185,3 @@ def warm_in_background(load_args: dict[str, str], slots: int, context: int) -> s
         stderr=subprocess.DEVNULL,
         preexec_fn=(lambda: nice(10)) if nice else None,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m headstart.engine.cpu_programs``: compile a model's steps into the cache."""
-    from headstart.loading import load
-
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", required=True)
-    ap.add_argument("--kernels", default="auto")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--slots", type=int, required=True)
-    ap.add_argument("--context", type=int, required=True)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    load_args = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "kernels": args.kernels,
-        "load-format": args.load_format,
-    }
-    loaded = load(args.model, "cpu", args.dtype, args.kernels, args.load_format)
-    pool = loaded.model.new_state_pool(args.slots + 1, args.context)  # + the scratch slot
-    programs = DecodePrograms(loaded.model, pool, args.slots, args.slots)
-    if len(programs.ready) != len(buckets_for(args.slots)):
-        return 1
-    marker = _marker(cache_key(load_args, args.slots, args.context))
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

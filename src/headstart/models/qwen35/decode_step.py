@@ -12,25 +12,21 @@ the compiler's fusion (``tests/test_cpu_programs.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from headstart.models.qwen35.config import FULL
+from headstart.models.qwen35.parts import StepParts
 from headstart.ops.attention.cpu import decode_attention
 from headstart.ops.conv.reference import causal_conv_step
 from headstart.ops.gated_delta.reference import gated_delta_step
 from headstart.ops.linear import linear
 from headstart.ops.pointwise import reference as pointwise
 
-if TYPE_CHECKING:
-    from headstart.models.qwen35.model import Qwen35Model
-
 __all__ = ["decode_step"]
 
 
 def decode_step(
-    m: Qwen35Model,
+    m: StepParts,
     ids: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,

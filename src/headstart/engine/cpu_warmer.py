@@ -1,0 +1,48 @@
+"""``python -m headstart.engine.cpu_warmer``: a model's CPU decode steps compiled into
+inductor's cache by a process of their own (see :mod:`headstart.engine.cpu_programs`), for a
+server that started without them; the marker it leaves makes the next start compile them at
+once. Loads the model as the server did (the same folder and options, the same pool shape)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from headstart.engine.cpu_programs import DecodePrograms, cache_key, marker
+from headstart.engine.cuda_graph import buckets_for
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile a model's CPU decode steps into inductor's cache, then leave the marker."""
+    from headstart.loading import load
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", required=True)
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--context", type=int, required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    load_args = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kernels": args.kernels,
+        "load-format": args.load_format,
+    }
+    loaded = load(args.model, "cpu", args.dtype, args.kernels, args.load_format)
+    pool = loaded.model.new_state_pool(args.slots + 1, args.context)  # + the scratch slot
+    programs = DecodePrograms(loaded.model, pool, args.slots, args.slots)
+    if len(programs.ready) != len(buckets_for(args.slots)):
+        return 1
+    done = marker(cache_key(load_args, args.slots, args.context))
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.touch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
