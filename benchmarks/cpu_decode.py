@@ -8,6 +8,11 @@ with ``--shapes``). ``--pool-tokens``: tokens per slot of the state pool (defaul
 
     python benchmarks/cpu_decode.py --streams 1 16 --threads 1 2
     python benchmarks/cpu_decode.py --streams 1 --threads 1 --pool-tokens 32768 --shapes
+    python benchmarks/cpu_decode.py --streams 1 4 16 --threads 1 --compiled
+
+``--compiled``: the same steps from the compiled decode programs serve runs on a CPU
+(engine/cpu_programs.py: one bucket per stream count, compiled first, its state written back),
+beside the eager forward; the profile is then the compiled step's.
 """
 
 from __future__ import annotations
@@ -37,11 +42,23 @@ def _step_ms(model, pool, streams: int, steps: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def _profile(model, pool, streams: int, top: int, shapes: bool) -> None:
+def _compiled_ms(programs, streams: int, steps: int) -> float:
+    times = []
+    for t in range(steps):
+        start = time.perf_counter()
+        programs.run([100 + s for s in range(streams)], [30 + t] * streams, list(range(streams)))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _profile(model, pool, streams: int, top: int, shapes: bool, programs=None) -> None:
     batch = _decode_batch(streams, 30)
     cpu = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=cpu, record_shapes=shapes) as prof:
-        model.forward(batch, pool)
+        if programs is None:
+            model.forward(batch, pool)
+        else:
+            programs.run([100 + s for s in range(streams)], [30] * streams, list(range(streams)))
     ops = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
     counts = ", ".join(f"{n} {c}" for n, c in collections.Counter(ops).most_common(6))
     print(f"  {len(ops)} top-level aten ops per step ({counts})")
@@ -58,18 +75,29 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--pool-tokens", type=int, default=None)
     ap.add_argument("--shapes", action="store_true")
+    ap.add_argument("--compiled", action="store_true")
     args = ap.parse_args()
     model = load(args.model).model
     for streams in args.streams:
-        pool = model.new_state_pool(streams, args.pool_tokens or 30 + args.steps + 1)
+        # + a scratch slot for the compiled buckets' padding rows
+        pool = model.new_state_pool(streams + 1, args.pool_tokens or 30 + args.steps + 1)
         prompts = [SeqChunk(s, 0, tuple(range(3 + s, 33 + s))) for s in range(streams)]
         model.forward(ForwardBatch.build(prompts), pool)
+        programs = None
+        if args.compiled:
+            from headstart.engine.cpu_programs import DecodePrograms
+
+            programs = DecodePrograms(model, pool, streams, scratch_slot=streams)
         for threads in args.threads:
             torch.set_num_threads(threads)
             _step_ms(model, pool, streams, 20)  # warm-up
             ms = _step_ms(model, pool, streams, args.steps)
-            print(f"streams={streams} threads={threads}: {ms:.3f} ms/step median", flush=True)
-        _profile(model, pool, streams, args.top, args.shapes)
+            line = f"streams={streams} threads={threads}: {ms:.3f} ms/step median"
+            if programs is not None:
+                _compiled_ms(programs, streams, 20)
+                line += f", compiled {_compiled_ms(programs, streams, args.steps):.3f} ms"
+            print(line, flush=True)
+        _profile(model, pool, streams, args.top, args.shapes, programs)
 
 
 if __name__ == "__main__":

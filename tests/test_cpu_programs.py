@@ -60,8 +60,16 @@ def test_what_the_f32_kernel_takes():
 
 
 def _q4(tmp_path_factory, tied: bool):
-    """A 4-bit checkpoint (groups of 32) with whole 16-word blocks in every projection."""
-    ref = tiny.causal_lm(seed=31, tie_word_embeddings=tied, hidden_size=128, intermediate_size=256)
+    """A 4-bit checkpoint (groups of 32) with whole 16-word blocks in every projection, and two
+    attention layers (their steps write two layers of one pool tensor: a trace once got the
+    second wrong)."""
+    ref = tiny.causal_lm(
+        seed=31,
+        tie_word_embeddings=tied,
+        hidden_size=128,
+        intermediate_size=256,
+        layer_types=["linear_attention", "full_attention"] * 2,
+    )
     deq, packed = tiny.dequantized_copy(ref, 4, 32)
     return tiny.save_mlx(deq, packed, tmp_path_factory.mktemp("q4") / "m", 4, 32)
 

@@ -58,7 +58,7 @@ def decode_step(
                 qkv, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 w[a + "q_norm.weight"], w[a + "k_norm.weight"], eps, m.rotary.inv_freq, positions,
             )  # fmt: skip
-            o = decode_attention(q, k, v, keys[layer], values[layer], slots, positions)
+            o = decode_attention(q, k, v, keys, values, layer, slots, positions)
             gate = qkv[:, : 2 * q.shape[1] * cfg.head_dim].view(n, q.shape[1], -1)
             gate = gate[..., cfg.head_dim :]
             h = linear(pointwise.sigmoid_mul(o.reshape(n, -1), gate), w[a + "o_proj.weight"])

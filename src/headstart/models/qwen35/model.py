@@ -283,20 +283,26 @@ class Qwen35Model:
         ``[layers, n, ...]``) for the caller to write back. The weights are arguments, not
         constants of the trace, so a compiled step depends only on shapes (a compiler's cache
         then serves a restart)."""
+        weights: list[torch.Tensor] = []
+        index: dict[int, int] = {}  # each tensor once: a compiler given one tensor twice errs
+
+        def arg(t: torch.Tensor) -> int:
+            if id(t) not in index:
+                index[id(t)] = len(weights)
+                weights.append(t)
+            return index[id(t)]
+
         named = [*self.w.items(), ("head", self.head)]
-        layout = [(name, value, [f for f, _ in leaves(value)]) for name, value in named]
-        weights = [t for _, value in named for _, t in leaves(value)]
-        weights.append(self.rotary.inv_freq)
+        layout = [(name, value, {f: arg(t) for f, t in leaves(value)}) for name, value in named]
+        rotary = arg(self.rotary.inv_freq)
         groups = len(self.state_groups())
 
         def step(ids, positions, slots, fresh, *rest):
-            pool, flat = rest[:groups], list(rest[groups:])
+            pool, flat = rest[:groups], rest[groups:]
             model = copy.copy(self)  # the same model reading the arguments as its weights
-            w = {}
-            for name, value, fields in layout:
-                w[name] = rebuild(value, {f: flat.pop(0) for f in fields})
+            w = {name: rebuild(v, {f: flat[i] for f, i in at.items()}) for name, v, at in layout}
             model.head = w.pop("head")
-            model.w, model.rotary = w, Rotary(flat.pop(0))
+            model.w, model.rotary = w, Rotary(flat[rotary])
             return decode_step(model, ids, positions, slots, fresh, *pool)
 
         return step, weights

@@ -22,12 +22,16 @@ def decode_attention(
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    layer: int,
     slots: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """q [n, nh, hd], k/v [n, nkv, hd] of one decode row per stream at ``positions`` of
-    ``slots``; keys/values one layer of the pool, [slots, nkv, max_tokens, hd] (written
-    at those rows). Returns [n, nh, hd] in q's dtype (softmax in fp32)."""
+    ``slots``; keys/values the pool's whole groups, [layers, slots, nkv, max_tokens, hd], of
+    which ``layer``'s is written at those rows and read. (Whole groups, not a layer's view:
+    two mutated views of one traced input came out wrong from inductor under a tracing
+    context.) Returns [n, nh, hd] in q's dtype (softmax in fp32)."""
+    keys, values = keys[layer], values[layer]
     keys[slots, :, positions] = k
     values[slots, :, positions] = v
     _, nh, hd = q.shape
@@ -43,5 +47,5 @@ def decode_attention(
 
 
 @decode_attention.register_fake
-def _(q, k, v, keys, values, slots, positions):
+def _(q, k, v, keys, values, layer, slots, positions):
     return torch.empty_like(q)
