@@ -201,3 +201,34 @@ def test_a_first_start_warms_the_cache_for_the_next(q4_tied, tmp_path, monkeypat
                                loaded, 1, 64) == (False, None)  # fmt: skip
     assert list((tmp_path / "cache" / "programs").iterdir())
     assert not cpu_programs.warm("another-key")
+
+
+@pytest.mark.parametrize("gather_rows", [0, 1 << 20], ids=["stream-by-stream", "gathered"])
+def test_cpu_decode_attention_matches_the_reference(gather_rows, monkeypatch):
+    """Both ways the op attends (each stream over its slot's rows, or the histories gathered
+    into one batch) write the rows and attend as the reference does, GQA and a fresh row
+    included; rows past a stream's length (here NaN) are never read."""
+    from headstart.ops.attention import cpu as cpu_attention
+    from headstart.ops.attention.reference import attend_decode
+
+    monkeypatch.setattr(cpu_attention, "GATHER_ROWS", gather_rows)
+    g = torch.Generator().manual_seed(9)
+    layers, slots_n, nkv, nh, hd, max_tokens = 2, 5, 2, 4, 16, 40
+    keys = torch.randn(layers, slots_n, nkv, max_tokens, hd, generator=g)
+    values = torch.randn(layers, slots_n, nkv, max_tokens, hd, generator=g)
+    slots, positions = torch.tensor([3, 0, 4]), torch.tensor([17, 0, 33])
+    for s, p in zip(slots.tolist(), positions.tolist(), strict=True):
+        keys[:, s, :, p + 1 :] = float("nan")
+        values[:, s, :, p + 1 :] = float("nan")
+    q = torch.randn(3, nh, hd, generator=g)
+    k, v = torch.randn(3, nkv, hd, generator=g), torch.randn(3, nkv, hd, generator=g)
+    want_keys, want_values = keys.clone(), values.clone()
+    want_keys[1, slots, :, positions], want_values[1, slots, :, positions] = k, v
+    longest = int(positions.max()) + 1
+    want = attend_decode(
+        q, want_keys[1, slots, :, :longest], want_values[1, slots, :, :longest], positions + 1
+    )
+    got = cpu_attention.decode_attention(q, k, v, keys, values, 1, slots, positions)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(keys.nan_to_num(), want_keys.nan_to_num())
+    assert torch.equal(values.nan_to_num(), want_values.nan_to_num())

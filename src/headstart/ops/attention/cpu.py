@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_attention"]
+from headstart.ops.attention.reference import attend_decode
+
+__all__ = ["GATHER_ROWS", "decode_attention"]
+
+# Up to this many history rows in all, the streams' histories are gathered and attended in one
+# batch (a copy of at most 2 x GATHER_ROWS x kv heads x head_dim values); above, each stream
+# attends over its own slot's rows as views.
+GATHER_ROWS = 8192
 
 
 @torch.library.custom_op("headstart::decode_attention_cpu", mutates_args=("keys", "values"))
@@ -34,8 +41,13 @@ def decode_attention(
     keys, values = keys[layer], values[layer]
     keys[slots, :, positions] = k
     values[slots, :, positions] = v
-    _, nh, hd = q.shape
+    n, nh, hd = q.shape
     nkv = k.shape[1]
+    longest = int(positions.max()) + 1
+    if n > 1 and n * longest <= GATHER_ROWS:
+        # Short histories: one batched attention over gathered copies beats n small ones.
+        kr, vr = keys[slots, :, :longest], values[slots, :, :longest]
+        return attend_decode(q, kr, vr, positions + 1)
     out = torch.empty_like(q)
     for j, (s, p) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
         kr, vr = keys[s, :, : p + 1], values[s, :, : p + 1]  # [nkv, p+1, hd] views
