@@ -149,7 +149,7 @@ _SOURCES = (
 
 def marker(key: str) -> Path:
     """The file that says the steps of ``key`` were compiled here."""
-    from headstart.ops.quant_matmul.cpu_f32 import cache_root
+    from headstart.ops.c_build import cache_root
 
     return cache_root() / "programs" / f"{key}.done"
 

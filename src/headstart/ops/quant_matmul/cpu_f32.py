@@ -9,8 +9,8 @@ change what an fp32 model computes. ``int4_f32.c`` multiplies the exact codes by
 activations and applies each group's scale and bias once (``y = s * (x . q) + b * sum(x)`` per
 group): the result is the reference's (:func:`headstart.ops.quant_matmul.reference.
 quant_matmul`, fp32) up to summation order. It is compiled at first use with the machine's C
-compiler into a per-user cache (``HEADSTART_CACHE``, else ``~/.cache/headstart``); without a
-compiler :func:`available` is False and the weights stay unpacked as before.
+compiler (:mod:`headstart.ops.c_build`); without a compiler :func:`available` is False and the
+weights stay unpacked as before.
 
 The matmul is a torch custom op (``headstart::int4_matmul_f32``), so traced programs
 (:mod:`headstart.engine.cpu_programs`) call it as one opaque node.
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from headstart.ops import c_build
 from headstart.quant import QuantizedTensor
 
 __all__ = ["CpuPacked", "available", "fits", "matmul", "prepare", "takes"]
@@ -41,50 +37,19 @@ __all__ = ["CpuPacked", "available", "fits", "matmul", "prepare", "takes"]
 log = logging.getLogger("headstart.kernels")
 
 SOURCE = Path(__file__).with_name("int4_f32.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 # Above this many rows the dense copy's matmul (MKL) is as fast: the kernel converts every code
 # per row block, so its advantage (reading 1/8 of the bytes) fades as rows grow.
 MAX_ROWS = 8
 
 
-def cache_root() -> Path:
-    """headstart's per-user cache: ``HEADSTART_CACHE``, else ``~/.cache/headstart``."""
-    return Path(os.environ.get("HEADSTART_CACHE") or Path.home() / ".cache" / "headstart")
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel (built once per source, flags and compiler), None when it cannot be
-    built here."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler: 4-bit CPU weights stay unpacked")
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        key = hashlib.sha256(
-            SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.stdout.encode()
-        ).hexdigest()[:16]
-        target = cache_root() / "kernels" / f"int4_f32-{key}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                subprocess.run(
-                    [cc, *FLAGS, str(SOURCE), "-o", str(built)],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(built, target)  # atomic: a concurrent build loses nothing
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the 4-bit CPU kernel did not build (%s): weights stay unpacked", e)
-        return None
-    fn = lib.int4_matmul_f32
-    fn.restype = ctypes.c_int
-    p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
+    lib = c_build.library(SOURCE)
+    if lib is not None:
+        fn = lib.int4_matmul_f32
+        fn.restype = ctypes.c_int
+        p, i = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
     return lib
 
 
