@@ -1,8 +1,9 @@
 """The model side of the engine: the model, its state pool and every graph of its forward.
 
 :class:`ModelRunner` is the only caller of the target model: it warms up and captures graphs at
-start-up (:meth:`ModelRunner.warm_up`), runs each step (:meth:`ModelRunner.run`), choosing in one
-place between graph replays, a graphed verify-window batch and one eager forward, and afterwards
+start-up (:meth:`ModelRunner.warm_up`; on a CPU, compiles decode programs instead), runs each
+step (:meth:`ModelRunner.run`), choosing in one place between a compiled CPU decode step,
+graph replays, a graphed verify-window batch and one eager forward, and afterwards
 commits what a verify round accepted (:meth:`ModelRunner.rollback`,
 :meth:`ModelRunner.commit_tree`). The engine describes a step as a :class:`Step`; whichever path
 runs it, the outputs come back laid out as the eager forward's.
@@ -21,6 +22,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.config import EngineConfig
+from headstart.engine.cpu_programs import DecodePrograms, offered
 from headstart.engine.scheduler import Work
 from headstart.engine.spec.proposal import Speculator
 from headstart.engine.spec.verification import Draft
@@ -139,15 +141,14 @@ class ModelRunner:
         if self.graphed and getattr(model, "tp", None) is not None:
             log.info("CUDA graphs off: tensor-parallel forwards run eagerly")
             self.graphed = False
-        from headstart.engine import cpu_programs
-
+        # On a CPU, decode steps from compiled programs (cpu_programs.py), where asked.
         self.compiled = (
             config.cpu_programs is not False
-            and cpu_programs.offered(model)
+            and offered(model)
             and not self.graphed
             and self.peers is None
         )
-        self.cpu_programs: cpu_programs.DecodePrograms | None = None
+        self.cpu_programs: DecodePrograms | None = None
         scratch = int(self.graphed or self.compiled)
         self.pool = model.new_state_pool(self.num_slots + scratch, self.context)
         self.twins = SnapshotTwins(self.peers) if self.peers is not None else None
@@ -173,8 +174,6 @@ class ModelRunner:
                 self.warm_eager(self.scratch)
             self._capture()
         if self.compiled:
-            from headstart.engine.cpu_programs import DecodePrograms
-
             with _phase("CPU decode steps compiled"):
                 self.cpu_programs = DecodePrograms(
                     self.model, self.pool, self.num_slots, self.scratch
