@@ -192,8 +192,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("HEADSTART_CPU_COMPILE", "auto"),
         help="on a CPU, run fp32 decode steps compiled per stream bucket (auto: for models that "
         "offer it; the first start serves eagerly while a low-priority process compiles them, "
-        "about a minute for the default model; later starts load them from the compiler's "
-        "cache in seconds); default from HEADSTART_CPU_COMPILE, else auto",
+        "a few minutes on 2 cores for the default model; later starts load them from the "
+        "compiler's cache, about 15 s); default from HEADSTART_CPU_COMPILE, else auto",
     )
     p.add_argument(
         "--threads",
@@ -664,7 +664,14 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     )
     phase = time.monotonic()
     log.info("engine: state pool, warm-up and graph capture ...")
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, drafter=drafter)
+    try:
+        engine = Engine(
+            loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, drafter=drafter
+        )
+    except BaseException:
+        if warming is not None:
+            warming.terminate()
+        raise
     # Start-up leaves millions of long-lived objects (weights, graphs, tokenizer tables); a
     # full collection over them stalls every thread, the first requests' included. Frozen,
     # they are never scanned again (vLLM does the same after capturing its graphs).
