@@ -86,6 +86,19 @@ def q4_tied(tmp_path_factory):
     return _q4(tmp_path_factory, True)
 
 
+@pytest.fixture(scope="module")
+def f32_untied(tmp_path_factory):
+    """An unquantized fp32 checkpoint with its own head, attention first (plain weights)."""
+    ref = tiny.causal_lm(
+        seed=37,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        layer_types=["full_attention", "linear_attention", "full_attention"],
+    )
+    return tiny.save_text_only(ref, tmp_path_factory.mktemp("f32") / "m")
+
+
 def _decode_logits(model: Qwen35Model, prompts: list[list[int]], token: int) -> torch.Tensor:
     pool = model.new_state_pool(len(prompts), 64)
     for s, ids in enumerate(prompts):
@@ -121,12 +134,14 @@ def _prefilled(model: Qwen35Model, slots: int, max_tokens: int = 64):
     return pool, lengths
 
 
-def test_compiled_decode_equals_the_eager_forward(q4_tied):
-    """A step of 1 and of 2 streams from their compiled buckets, and of 1 stream padded into
-    the 2-stream bucket (its padding row on the scratch slot), one of them a fresh stream at
-    position 0: logits and every state of the real slots as the eager forward leaves them; and
-    no program once none is ready (the runner then steps eagerly)."""
-    model = Qwen35Model.load(q4_tied)
+@pytest.mark.parametrize("ckpt", ["q4_tied", "f32_untied"])
+def test_compiled_decode_equals_the_eager_forward(ckpt, request):
+    """A 4-bit tied model and an unquantized one with its own head: a step of 1 and of 2
+    streams from their compiled buckets, and of 1 stream padded into the 2-stream bucket (its
+    padding row on the scratch slot), one of them a fresh stream at position 0: logits and
+    every state of the real slots as the eager forward leaves them; and no program once none
+    is ready (the runner then steps eagerly)."""
+    model = Qwen35Model.load(request.getfixturevalue(ckpt))
     pool, lengths = _prefilled(model, 3)
     progs = DecodePrograms(model, pool, 2, scratch_slot=3)
     assert sorted(progs.ready) == [1, 2]
