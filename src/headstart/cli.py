@@ -109,19 +109,21 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step (32)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
+    _add_think_args(p, "render chat prompts with ", " (default: the folder's headstart.json)")
+
+
+def _add_think_args(p: argparse.ArgumentParser, before: str, after: str) -> None:
+    """``--think`` / ``--no-think`` into ``args.think`` (None when neither is given)."""
     think = p.add_mutually_exclusive_group()
     think.add_argument(
         "--think",
         dest="think",
         action="store_true",
         default=None,
-        help="render chat prompts with enable_thinking=true (default: the folder's headstart.json)",
+        help=f"{before}enable_thinking=true{after}",
     )
     think.add_argument(
-        "--no-think",
-        dest="think",
-        action="store_false",
-        help="render chat prompts with enable_thinking=false",
+        "--no-think", dest="think", action="store_false", help=f"{before}enable_thinking=false"
     )
 
 
@@ -150,20 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("prompt")
     run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     run.add_argument("--system", default=None, help="system prompt")
-    think = run.add_mutually_exclusive_group()
-    think.add_argument(
-        "--think",
-        dest="think",
-        action="store_true",
-        default=None,
-        help="enable_thinking=true in the chat template",
-    )
-    think.add_argument(
-        "--no-think",
-        dest="think",
-        action="store_false",
-        help="enable_thinking=false in the chat template",
-    )
+    _add_think_args(run, "", " in the chat template")
     run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument(
         "--temperature",

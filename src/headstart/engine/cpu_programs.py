@@ -172,11 +172,15 @@ def warm(key: str) -> bool:
     return marker(key).exists()
 
 
-def warm_in_background(load_args: dict[str, str], slots: int, context: int) -> subprocess.Popen:
+def warm_in_background(
+    load_args: dict[str, str], slots: int, context: int, key: str
+) -> subprocess.Popen:
     """Compile the model's steps in a separate low-priority process that fills inductor's cache
-    and leaves the marker; the caller ends it when it stops first."""
+    and leaves the marker of ``key`` (:func:`cache_key` of the same arguments); the caller
+    ends it when it stops first."""
     cmd = [sys.executable, "-m", "headstart.engine.cpu_warmer", "--slots", str(slots)]
-    cmd += ["--context", str(context), *(f"--{k}={v}" for k, v in load_args.items())]
+    cmd += ["--context", str(context), f"--marker={marker(key)}"]
+    cmd += [f"--{k}={v}" for k, v in load_args.items()]
     nice = getattr(os, "nice", None)
     return subprocess.Popen(
         cmd,

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from headstart.engine.cpu_programs import DecodePrograms, cache_key, marker
+from headstart.engine.cpu_programs import DecodePrograms
 from headstart.engine.cuda_graph import buckets_for
 
 
@@ -25,22 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--slots", type=int, required=True)
     ap.add_argument("--context", type=int, required=True)
+    ap.add_argument("--marker", type=Path, required=True, help="the file to leave when done")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    load_args = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "kernels": args.kernels,
-        "load-format": args.load_format,
-    }
     loaded = load(args.model, "cpu", args.dtype, args.kernels, args.load_format)
     pool = loaded.model.new_state_pool(args.slots + 1, args.context)  # + the scratch slot
     programs = DecodePrograms(loaded.model, pool, args.slots, args.slots)
     if len(programs.ready) != len(buckets_for(args.slots)):
         return 1
-    done = marker(cache_key(load_args, args.slots, args.context))
-    done.parent.mkdir(parents=True, exist_ok=True)
-    done.touch()
+    args.marker.parent.mkdir(parents=True, exist_ok=True)
+    args.marker.touch()
     return 0
 
 

@@ -575,10 +575,11 @@ def _cpu_programs(
         "kernels": args.kernels,
         "load-format": args.load_format,
     }
-    if cpu_programs.warm(cpu_programs.cache_key(load_args, parallel, context)):
+    key = cpu_programs.cache_key(load_args, parallel, context)
+    if cpu_programs.warm(key):
         return True, None
     log.info("CPU decode steps: eager on this first start; compiling them for the next one")
-    return False, cpu_programs.warm_in_background(load_args, parallel, context)
+    return False, cpu_programs.warm_in_background(load_args, parallel, context, key)
 
 
 def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys | None) -> int:
