@@ -19,7 +19,7 @@ def snapshot(seed: int, length: int = 5) -> Snapshot:
 
 
 class Broken(Snapshot):
-    def to_host(self, non_blocking: bool = False) -> Snapshot:
+    def to_host(self, non_blocking: bool = False, into: torch.Tensor | None = None) -> Snapshot:
         raise RuntimeError("no host memory")
 
 

@@ -396,3 +396,44 @@ def test_a_return_from_the_host_tier_is_exact_and_its_copies_are_counted(loaded,
 
     assert len(logprobs(got)) == 6 and all(lp[2] for lp in logprobs(got))
     assert logprobs(got) == logprobs(want)  # the same computation: bit for bit
+
+
+@pytest.mark.parametrize("copier", [False, True], ids=["inline", "copier"])
+def test_a_tight_host_tier_reuses_its_arena_without_leaking(loaded, engines, copier):
+    """A host budget of about three snapshots under many demotions: every host entry lives in
+    a block of the arena allocated at start, the blocks held and the free bytes add up to the
+    arena, the oldest entries went for good, and the newest demoted prompt still restores to
+    the answer of an engine without the cache."""
+    probe = make_engine(engines, loaded, interval=0, max_snapshots=1)
+    one = probe.cache.snapshot_bytes(16, True)
+    e = make_engine(
+        engines,
+        loaded,
+        interval=0,
+        max_snapshots=1,
+        host_bytes=3 * one + one // 2,
+        async_demotion=copier,
+    )
+    cache = e.cache
+    assert cache.arena is not None and cache.arena.capacity == cache.host.budget_bytes
+    regions = [(r.data_ptr(), r.data_ptr() + r.numel()) for r in cache.arena.regions]
+    prompts = [prompt(loaded, f"value_{i} = fetch({i}) * {i}\n") for i in range(6)]
+    for i, ids in enumerate(prompts):
+        ask(e, ids, GREEDY, f"p{i}")
+    assert wait_idle(e)
+    cache.flush()
+    host = cache.host
+    assert 0 < len(host.entries) < 2 * len(prompts) - 1  # some were dropped for good
+    assert set(cache._host_blocks) == set(host.entries)
+    held = sum(b.nbytes for b in cache._host_blocks.values())
+    assert held == host.bytes_held and held + cache.arena.free_bytes == cache.arena.capacity
+    for entry in host.entries.values():
+        for t in entry.payload._tensors():
+            assert any(lo <= t.data_ptr() < hi for lo, hi in regions)  # no tensor of its own
+    assert not any(k[: len(prompts[0])] == tuple(prompts[0]) for k in host.entries)  # oldest
+    newest = list(host.entries)[-1]  # a generation: prompt + answer; continued by a next turn
+    turn = [*newest, *prompt(loaded, "# next\n")]
+    again = ask(e, turn, GREEDY, "again")
+    assert again.finish.cached_tokens == len(newest)
+    cold = make_engine(engines, loaded, cache_mib=0)
+    assert again.tokens == ask(cold, turn, GREEDY, "cold").tokens

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from headstart.engine.host_arena import aligned
 from headstart.state import StatePool
 
 
@@ -182,23 +183,39 @@ class Snapshot:
         ValueError, writing nothing, when the snapshot does not fit ``pool``."""
         pool.load_slot(slot, self.state, self.length)
 
-    def to_host(self, non_blocking: bool = False) -> Snapshot:
-        """A copy in host memory (pinned when a GPU is present, for fast copies back);
-        ``non_blocking``: the copies may still be running on the current CUDA stream."""
+    def to_host(self, non_blocking: bool = False, into: torch.Tensor | None = None) -> Snapshot:
+        """A copy in host memory; ``non_blocking``: the copies may still be running on the
+        current CUDA stream. ``into``: a uint8 host buffer of at least :meth:`host_bytes` bytes
+        (a block of the host tier's arena) that the copy's tensors are packed into, each at an
+        offset aligned to ``ALIGN``; without it each tensor is allocated (pinned when a GPU is
+        present, for fast copies back)."""
         pin = torch.cuda.is_available()
+        offset = 0
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            nonlocal offset
             if t is None:
                 return None
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            if into is None:
+                out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            else:
+                n = t.numel() * t.element_size()
+                out = into[offset : offset + n].view(t.dtype).view(t.shape)
+                offset += aligned(n)
             return out.copy_(t, non_blocking=non_blocking)
 
+        if into is not None and into.numel() < self.host_bytes():
+            raise ValueError(f"host buffer of {into.numel()} bytes < {self.host_bytes()} needed")
         return Snapshot(
             self.length,
             {k: host(t) for k, t in self.state.items()},
             host(self.logits),
             host(self.draft_features),
         )
+
+    def host_bytes(self) -> int:
+        """The bytes :meth:`to_host` packs this snapshot into (each tensor aligned)."""
+        return sum(aligned(t.numel() * t.element_size()) for t in self._tensors())
 
     def extras_on(self, device: torch.device) -> Snapshot:
         """This snapshot with its logits and drafter features on ``device`` (copied there when

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from headstart.engine.config import CacheConfig
+from headstart.engine.host_arena import HostArena, HostBlock, aligned
 from headstart.engine.host_copies import HostCopies
 from headstart.engine.prompt_cache import CacheEntry, PromptCacheIndex, Snapshot, SnapshotStore
 from headstart.engine.scheduler import Sequence as Seq
@@ -97,7 +98,11 @@ class PromptCache:
       covers it), to stay within its byte budget or when the snapshot store has no free row;
       each entry it drops is copied to the host tier (if there is one and it lacks that
       prefix), whose own budget evicts its least recently used entries for good. The host
-      tier only receives entries demoted this way. With ``copies`` (:class:`HostCopies`, on
+      tier only receives entries demoted this way. Its memory is a :class:`HostArena`
+      allocated at construction (pinned on CUDA): a demotion reserves a block of it, evicting
+      the host tier's least recently used entries until one fits, and is not kept when none
+      can (a snapshot larger than the arena's largest region, or space held by copies in
+      flight). With ``copies`` (:class:`HostCopies`, on
       CUDA by default) a demotion is copied by a worker thread: the entry is in neither tier
       (a miss) and keeps its device row until its copy is taken in, at the next lookup or
       snapshot; a snapshot that needs a row while all are held waits for the copies.
@@ -141,7 +146,21 @@ class PromptCache:
         self.demotions = Transfers()  # device tier -> host tier
         self.store: SnapshotStore | None = None
         self.copies: HostCopies | None = None
+        # The host tier's memory (a tensor-parallel model's ranks copy per snapshot instead:
+        # their twins are kept rank by rank, outside this arena).
+        self.arena: HostArena | None = None
+        self._host_blocks: dict[tuple[int, ...], HostBlock] = {}  # host entry -> its block
         if self.enabled and self.host.enabled and twins is None:
+            since = time.perf_counter()
+            self.arena = HostArena(config.host_bytes, pin=pool.device.type == "cuda")
+            log.info(
+                "prompt cache host tier: %d MiB%s in %d regions in %.1fs",
+                self.arena.capacity >> 20,
+                " pinned" if self.arena.pinned else "",
+                len(self.arena.regions),
+                time.perf_counter() - since,
+            )
+            self.host.budget_bytes = self.arena.capacity
             wanted = config.async_demotion
             if wanted or (wanted is None and pool.device.type == "cuda"):
                 self.copies = HostCopies(pool.device)
@@ -231,6 +250,8 @@ class PromptCache:
             gone = match.index.discard(match.entry.tokens)
             if match.index is self.device:
                 self._release(gone)
+            else:
+                self._drop_host([gone] if gone is not None else [])
             return None
         match.index.stats.restored_tokens += match.entry.length
         return snap
@@ -342,17 +363,59 @@ class PromptCache:
         if entry is None:
             return
         if self.host.enabled and not self.host.contains(entry.tokens):
+            block = into = None
+            if self.arena is not None:
+                block = self._reserve_host(entry.payload.host_bytes())
+                if block is None:  # no room for it: not kept
+                    self._release(entry)
+                    return
+                into = self.arena.tensor(block)
             if self.copies is not None:  # its row comes back when the copy is done
-                self.copies.submit(entry)
+                self.copies.submit(entry, into, block)
                 return
             since = _start(self.pool.device)
-            snap = entry.payload.to_host()
+            snap = entry.payload.to_host(into=into)
             _settle(self.pool.device)
             self.demotions.add(snap.nbytes(), since)
             if self.twins is not None:
                 self.twins.copied(entry.payload, snap)
-            self.host.insert(entry.tokens, snap.nbytes(), snap)
+            self._insert_host(entry.tokens, snap, block)
         self._release(entry)
+
+    def _reserve_host(self, nbytes: int) -> HostBlock | None:
+        """A block of the arena for ``nbytes``, evicting the host tier's least recently used
+        entries until one fits; None when none can."""
+        assert self.arena is not None
+        if aligned(nbytes) > self.arena.largest_region:
+            return None
+        while (block := self.arena.reserve(nbytes)) is None and self.host.entries:
+            self._drop_host([self.host.evict_oldest()])
+        return block
+
+    def _insert_host(
+        self, tokens: tuple[int, ...], snap: Snapshot, block: HostBlock | None
+    ) -> None:
+        """Add a host copy (in ``block`` of the arena, if any) to the host tier; a copy the tier
+        refuses or has already gives its block back."""
+        nbytes = block.nbytes if block is not None else snap.nbytes()
+        if self.host.contains(tokens):
+            self._drop_block(block)
+            return
+        self._drop_host(self.host.insert(tokens, nbytes, snap))
+        if not self.host.contains(tokens):
+            self._drop_block(block)
+        elif block is not None:
+            self._host_blocks[tokens] = block
+
+    def _drop_host(self, gone: Sequence[CacheEntry | None]) -> None:
+        """Host entries that left the tier give their blocks back to the arena."""
+        for entry in gone:
+            if entry is not None:
+                self._drop_block(self._host_blocks.pop(entry.tokens, None))
+
+    def _drop_block(self, block: HostBlock | None) -> None:
+        if block is not None and self.arena is not None:
+            self.arena.release(block)
 
     def _settle_copies(self, wait: bool = False) -> None:
         """Take in the demotions copied since the last call (all pending ones when ``wait``):
@@ -362,8 +425,10 @@ class PromptCache:
             return
         for done in self.copies.wait_all() if wait else self.copies.finished():
             self.demotions.count(done.nbytes, done.seconds)
-            if done.host is not None and not self.host.contains(done.entry.tokens):
-                self.host.insert(done.entry.tokens, done.host.nbytes(), done.host)
+            if done.host is not None:
+                self._insert_host(done.entry.tokens, done.host, done.block)
+            else:
+                self._drop_block(done.block)
             self._release(done.entry)
 
     def flush(self) -> None:
