@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from engine_helpers import Collector
 
 from headstart.engine.config import CacheConfig, EngineConfig, SchedulingConfig
 from headstart.engine.engine import EngineRequest, Finish, wait_idle
-from headstart.engine.prompt_cache import PromptCacheIndex
+from headstart.engine.prompt_cache import PrefixHashes, PromptCacheIndex
 from headstart.loading import load
 from headstart.sampling import SamplingParams
 
@@ -64,7 +65,7 @@ def test_superseded_entries_are_evicted_first():
     assert idx.insert([8], 10, "d")[0].payload == "b1"  # superseded, least recently used
     assert idx.insert([7], 10, "e")[0].payload == "a1"  # the other superseded one
     assert [e.payload for e in idx.insert([4], 10, "f")] == ["a2"]  # then plain LRU
-    assert not idx.extended
+    assert not idx.superseded
     idx.insert([4, 4], 10, "g")  # supersedes f; evicts b2 (LRU, nothing superseded before)
     idx.insert([3, 3, 3], 10, "h")
     assert idx.contains([4, 4]) and not idx.contains([4])
@@ -74,6 +75,43 @@ def test_superseded_entries_are_evicted_first():
     idx2.insert([1], 10, "short")
     idx2.insert([9], 10, "x")
     assert idx2.insert([8], 10, "y")[0].payload == "short"
+
+
+def test_prefix_hashes_equal_exactly_for_equal_prefixes():
+    rng = random.Random(0)
+    tokens = tuple(rng.randrange(50) for _ in range(300))
+    h = PrefixHashes(tokens)
+    for n in [0, 1, 63, 64, 65, 128, 200, 300]:
+        assert h.at(n) == PrefixHashes(tokens[:n]).at(n)  # the same prefix, any source
+        other = (*tokens[: n - 1], tokens[n - 1] + 1) if n else (7,)
+        assert PrefixHashes(other).at(len(other)) != h.at(n)
+    assert len({h.at(n) for n in range(301)}) == 301
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_index_against_a_brute_force_model(seed):
+    """Random conversations that share and extend prefixes, under a budget: every lookup
+    finds the longest stored prefix, and the superseded count is that of a brute-force scan."""
+    rng = random.Random(seed)
+    idx = PromptCacheIndex(budget_bytes=12)
+    stems = [tuple(rng.randrange(4) for _ in range(rng.randrange(1, 150))) for _ in range(5)]
+    for _ in range(120):
+        stem = rng.choice(stems)
+        key = stem[: rng.randrange(1, len(stem) + 1)] + tuple(
+            rng.randrange(4) for _ in range(rng.randrange(0, 80))
+        )
+        if rng.random() < 0.5:
+            idx.insert(key, 1, None)
+        probe = key + tuple(rng.randrange(4) for _ in range(rng.randrange(0, 5)))
+        stored = list(idx.entries)
+        want = max((k for k in stored if probe[: len(k)] == k), key=len, default=None)
+        got = idx.lookup(probe)
+        assert (got.tokens if got else None) == want
+        superseded = sum(
+            1 for k in stored if any(len(o) > len(k) and o[: len(k)] == k for o in stored)
+        )
+        assert idx.superseded == superseded
+        assert sum(e.extensions > 0 for e in idx.entries.values()) == superseded
 
 
 def test_token_cap_and_disabled():
