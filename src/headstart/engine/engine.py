@@ -8,8 +8,8 @@ and one final :class:`~headstart.engine.output.Finish` or :class:`Failed`. After
 a request gets nothing more; an aborted request gets nothing at all. A failure in one request's
 part of a step (sampling, output, a verify round) ends that request alone; a failure of a whole
 step fails the requests of that step, and the engine goes on. A step: commands, admission (with
-prompt-cache restores), the plan, drafts, one ``ModelRunner`` run, snapshots, then sampling or
-verification and delivery per request.
+prompt-cache restores), the plan, drafts, one ``ModelRunner`` run, sampling or verification and
+delivery per request, then snapshots.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class Engine:
         graphs (see :class:`EngineConfig`); :meth:`start` starts the thread."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.eos_token_ids = tuple(eos_token_ids)
+        # Final events of requests that ended inside the step running now (None: no step runs).
+        self._finals: list[tuple[EngineRequest, Event | None]] | None = None
         self.num_slots, self.context = config.num_slots, config.context
         self.max_queue = config.max_queue
         plan = config.scheduling
@@ -218,6 +220,20 @@ class Engine:
 
     # -- a step ------------------------------------------------------------------------------
     def _step(self, work: list[Work]) -> None:
+        """One step over ``work``. Requests that end in it get their final event (and stop
+        counting as active) only when the step is over, its snapshots taken: whoever sees a
+        request finish sees the cache that its prompt left."""
+        self._finals = []
+        try:
+            self._run_step(work)
+        finally:
+            finals, self._finals = self._finals, None
+            for req, final in finals:
+                self._inbox.ended()
+                if final is not None:
+                    _send_final(req, final)
+
+    def _run_step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
         drafts = {}
         if self.spec is not None:  # a draft job for each decoding row of a drafting stream
@@ -237,14 +253,19 @@ class Engine:
                 queue.add(out.taps[step.rows(j)], work[j].start)
         features = {w.seq.id: self._live[w.seq.id].features_before for w in committed}
         last_rows = [step.last_row(j) for j in plain]
-        self.cache.take_snapshots(committed, out.logits, last_rows, features)
-        clock.mark()
+        # Which snapshots are due is decided before any output; they are taken once this
+        # step's tokens are sent, so a first token never waits for the cache's copies and
+        # bookkeeping. The slots still hold exactly those rows: nothing runs on them, and no
+        # slot a request freed meanwhile is handed out, before the next step.
+        due = self.cache.snapshots_due(committed, last_rows)
         sampling = [j for j in plain if work[j].samples]
         if sampling:
             self._sample_and_deliver(
                 [self._live[work[j].seq.id] for j in sampling],
                 out.logits[[step.last_row(j) for j in sampling]],
             )
+        clock.mark()
+        self.cache.take_snapshots(due, out.logits, features)
         clock.log(self.steps, work)
         for j, draft in drafts.items():
             live = self._live.get(work[j].seq.id)
@@ -339,6 +360,9 @@ class Engine:
             final.cached_tokens = live.seq.cached
             self.cache.take_final(live.seq, live.features_before)
         self.scheduler.finish(live.seq)
+        if self._finals is not None:  # inside a step: at its end (see _step)
+            self._finals.append((live.req, final))
+            return
         self._inbox.ended()
         if final is not None:
             _send_final(live.req, final)

@@ -44,6 +44,18 @@ class Match:
         return self.entry.payload
 
 
+@dataclass(frozen=True)
+class Due:
+    """A snapshot a step owes (:meth:`PromptCache.snapshots_due`): slot ``slot`` of sequence
+    ``seq_id`` holds exactly ``tokens``; ``logits_row``: the step's logits row of the next
+    token when the snapshot ends the prompt (kept with it), else None."""
+
+    seq_id: str
+    tokens: tuple[int, ...]
+    slot: int
+    logits_row: int | None
+
+
 @dataclass
 class Transfers:
     """Copies between the tiers: bytes copied and the wall seconds they took, each copy's
@@ -87,7 +99,8 @@ class PromptCache:
       returned, the device tier's on a tie.
     * Restore (:meth:`restore`): copies a match into a slot; a failed restore is counted in
       its tier, drops the entry and leaves the stream to prefill from scratch.
-    * Snapshots (:meth:`take_snapshots`): after a forward, a sequence whose rows just ended at
+    * Snapshots (:meth:`snapshots_due`, then :meth:`take_snapshots` once the step's tokens are
+      sent): after a forward, a sequence whose rows just ended at
       one of its boundaries, or at the end of its prompt before any output (then with that
       row's logits), is snapshotted into the device tier unless that prefix is cached already
       or the tier refuses it (over budget, or longer than ``max_tokens``); so is every
@@ -268,43 +281,42 @@ class PromptCache:
         return out
 
     # -- snapshots -------------------------------------------------------------------------
+    def snapshots_due(self, work: Sequence[Work], last_rows: Sequence[int]) -> list[Due]:
+        """After a forward over ``work`` (``last_rows[j]``: the logits row of item j's last
+        row), and before any of its tokens is delivered: the snapshots the class docstring
+        describes, to be taken by :meth:`take_snapshots`."""
+        if not self.enabled:
+            return []
+        due = []
+        for w, row in zip(work, last_rows, strict=True):
+            seq = w.seq
+            end = w.start + len(w.tokens)
+            if end > len(seq.prompt) or w.start >= len(seq.prompt):
+                continue
+            at_end = end == len(seq.prompt) and w.samples and not seq.output
+            if at_end or end in seq.boundaries:
+                due.append(Due(seq.id, tuple(seq.prompt[:end]), seq.slot, row if at_end else None))
+        return due
+
     def take_snapshots(
         self,
-        work: Sequence[Work],
+        due: Sequence[Due],
         logits: torch.Tensor,
-        last_rows: Sequence[int],
         features: Mapping[str, Callable[[int], torch.Tensor | None]],
     ) -> None:
-        """After a forward over ``work`` (``last_rows[j]``: the logits row of item j's last
-        row): take the snapshots the class docstring describes. ``features[seq.id](end)``: the
-        drafter features of the sequence's rows before ``end``, or None."""
-        if not self.enabled:
-            return
-        for w, row in zip(work, last_rows, strict=True):
+        """Take the snapshots :meth:`snapshots_due` found, once the step's tokens are out (their
+        slots must still hold exactly those rows). ``features[seq_id](end)``: the drafter
+        features of the sequence's rows before ``end``, or None."""
+        for d in due:
             try:
-                self._snapshot(w, logits, row, features)
+                self.insert(
+                    d.tokens,
+                    d.slot,
+                    logits[d.logits_row] if d.logits_row is not None else None,
+                    lambda d=d: features[d.seq_id](len(d.tokens)),
+                )
             except Exception:  # a snapshot not taken is a later cache miss, nobody's failure
-                log.exception("snapshot of %s failed; not cached", w.seq.id)
-
-    def _snapshot(
-        self,
-        w: Work,
-        logits: torch.Tensor,
-        row: int,
-        features: Mapping[str, Callable[[int], torch.Tensor | None]],
-    ) -> None:
-        seq = w.seq
-        end = w.start + len(w.tokens)
-        if end > len(seq.prompt) or w.start >= len(seq.prompt):
-            return
-        at_end = end == len(seq.prompt) and w.samples and not seq.output
-        if at_end or end in seq.boundaries:
-            self.insert(
-                seq.prompt[:end],
-                seq.slot,
-                logits[row] if at_end else None,
-                lambda: features[seq.id](end),
-            )
+                log.exception("snapshot of %s failed; not cached", d.seq_id)
 
     def take_final(self, seq: Seq, features: Callable[[int], torch.Tensor | None]) -> None:
         """At the end of ``seq``'s generation, before its slot is freed: snapshot the prompt

@@ -2,8 +2,8 @@
 
 Every step at DEBUG level (``serve --log-level debug``), slow ones as a warning: the shape of
 the step (chunks, decode rows, tokens) beside the host clock at each phase's end (forward
-enqueued, snapshots taken, first tokens sampled and sent; on a GPU the sampling waits for the
-forward), so a stall shows where it happened.
+enqueued, tokens sampled and sent: on a GPU the sampling waits for the forward; snapshots
+taken, after the tokens are sent), so a stall shows where it happened.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SLOW_STEP_S = 1.0
 
 
 class StepClock:
-    """The host clock at a step's start and at each :meth:`mark` (forward, snapshots)."""
+    """The host clock at a step's start and at each :meth:`mark` (forward, sampling)."""
 
     def __init__(self) -> None:
         self.marks = [time.perf_counter()]
@@ -36,19 +36,19 @@ class StepClock:
         """Log step ``n`` (see the module docstring); the step ends now."""
         self.mark()
         t0, end = self.marks[0], self.marks[-1]
-        run, snap = (self.marks[1:3] + [end, end])[:2]  # phases not marked end with the step
+        run, sampled = (self.marks[1:3] + [end, end])[:2]  # phases not marked end with the step
         slow = end - t0 >= SLOW_STEP_S
         if not (slow or log.isEnabledFor(logging.DEBUG)):
             return
         decode = sum(len(w.tokens) == 1 and w.start >= len(w.seq.prompt) for w in work)
         (log.warning if slow else log.debug)(
-            "step %d: %.1f ms (forward %.1f, snapshots %.1f, sampling %.1f): %d chunks, "
+            "step %d: %.1f ms (forward %.1f, sampling %.1f, snapshots %.1f): %d chunks, "
             "%d decode rows, %d tokens",
             n,
             1e3 * (end - t0),
             1e3 * (run - t0),
-            1e3 * (snap - run),
-            1e3 * (end - snap),
+            1e3 * (sampled - run),
+            1e3 * (end - sampled),
             len(work),
             decode,
             sum(len(w.tokens) for w in work),
