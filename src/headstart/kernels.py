@@ -1,10 +1,12 @@
 """The sequence-mixing cores and quantized matmul, chosen once at start-up.
 
 The model's forward calls these through a :class:`Kernels` value and never branches on the
-platform itself. Two sets exist with the same signatures:
+platform itself. Three sets exist with the same signatures:
 
 * ``reference``: pure PyTorch (the ``reference`` module of each :mod:`headstart.ops` family), runs
   anywhere; the executable spec.
+* ``cpu``: the reference with prefill attention through PyTorch's SDPA (its CPU flash kernel);
+  tested against the reference (``tests/test_kernels_cpu.py``).
 * ``gpu``: CUDA + Triton: in-place GDN decode step and flash-decoding attention straight from the
   slot pools (no gathers of whole states or histories), flash-linear-attention's chunked kernel
   for multi-row spans, a fused 4-bit matmul on the MLX layout, and one kernel per per-row piece
@@ -13,7 +15,7 @@ platform itself. Two sets exist with the same signatures:
   tested against its reference (``tests/test_gpu_ops.py``, ``tests/test_fused_ops.py``).
 
 :func:`select_kernels` picks ``gpu`` on a CUDA device when Triton and flash-linear-attention import,
-else ``reference``, and logs the choice.
+``cpu`` on any other device (``reference`` on CUDA without them), and logs the choice.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -120,6 +122,9 @@ class Kernels:
     # weight; with dense=dtype, one that also keeps an unpacked copy for prefill)
     prepare: Callable[..., Any] = _no_prepare
     graphs: bool = False  # whether the decode forward may be captured in CUDA graphs
+    # Whether ``prepare`` hands quantized weights to a fused matmul of this set (which may keep
+    # a dense copy for prefill); False: PyTorch's matmul, so a model unpacks them when they fit.
+    fused_matmul: bool = False
     # The per-row pieces around the matmuls, signatures as in headstart.ops.pointwise.reference.
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.add_rms_norm
     gated_rms_norm: Callable[..., torch.Tensor] = pointwise.gated_rms_norm
@@ -133,6 +138,33 @@ class Kernels:
 
 
 REFERENCE = Kernels("reference", _ref_gdn_decode_gates, _ref_gdn_spans, _ref_attn_decode)
+
+
+def _sdpa_fresh_spans(q, k, v, cu_seqlens, cu_seqlens_cpu):
+    """Several new prompts, each through PyTorch's SDPA on its own rows (causal)."""
+    from headstart.ops.attention import sdpa
+
+    out = torch.empty_like(q)
+    for a, b in itertools.pairwise(cu_seqlens_cpu.tolist()):
+        out[a:b] = sdpa.attn_span(q[a:b], k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), 0)
+    return out
+
+
+def cpu_kernels() -> Kernels:
+    """The reference with prefill attention through PyTorch's SDPA, whose CPU flash kernel
+    skips the masked half and materializes no scores: 4000 causal rows (4 heads of 64 over 2
+    KV heads) took 238 ms against the reference's 1,871 ms on one core of this project's CI
+    machine. Decode rows and graph chunks keep the reference (one row per stream: nothing to
+    skip)."""
+    from headstart.ops.attention import sdpa
+
+    return replace(
+        REFERENCE,
+        name="cpu",
+        attn_span=sdpa.attn_span,
+        attn_fresh_spans=_sdpa_fresh_spans,
+        attn_padded=sdpa.attn_padded,
+    )
 
 
 def gpu_kernels() -> Kernels:
@@ -165,6 +197,7 @@ def gpu_kernels() -> Kernels:
         gdn_padded,
         prepare,
         graphs=True,
+        fused_matmul=True,
         add_rms_norm=gpu_fused.add_rms_norm,
         gated_rms_norm=gpu_fused.gated_rms_norm,
         silu_mul=gpu_fused.silu_mul,
@@ -176,10 +209,12 @@ def gpu_kernels() -> Kernels:
 
 
 def select_kernels(device: torch.device | str, want: str = "auto") -> Kernels:
-    """``want``: "auto", "reference" or "gpu"."""
+    """``want``: "auto" (the GPU set on CUDA, else the CPU set), "reference", "cpu" or "gpu"."""
     device = torch.device(device)
-    if want == "reference" or (want == "auto" and device.type != "cuda"):
+    if want == "reference":
         chosen = REFERENCE
+    elif want == "cpu" or (want == "auto" and device.type != "cuda"):
+        chosen = cpu_kernels()
     else:
         try:
             import fla  # noqa: F401

@@ -133,8 +133,8 @@ def load(
     tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Load model and tokenizer, through the family the checkpoint belongs to. dtype defaults
-    as :func:`default_dtype` says; kernels: "auto" (GPU kernels on CUDA when
-    available), "reference" or "gpu"; load_format: "auto" (the checkpoint's weights) or
+    as :func:`default_dtype` says; kernels: "auto" (GPU kernels on CUDA when available, else
+    the CPU set), "reference", "cpu" or "gpu"; load_format: "auto" (the checkpoint's weights) or
     "dummy" (random weights at its config's shapes: speed measurements without the weights);
     prefill_weights: "auto" (the family's rule for keeping dense copies of quantized weights
     for prefill, by device memory), "dense" (always) or "packed" (never); tensor_parallel: the

@@ -56,7 +56,7 @@ class CausalLM(Protocol):
     """A loaded model. ``kernels.graphs`` says whether its forward may be captured in CUDA
     graphs (its kernels do no host work), and ``kernels.graph_shapes``, if present, which
     batch shapes ("decode", "prompts", "continuations", "windows"; absent: all of them);
-    ``kernels.name`` is "reference" or "gpu"."""
+    ``kernels.name`` is "reference", "cpu" or "gpu"."""
 
     cfg: LMConfig
     dtype: torch.dtype

@@ -182,8 +182,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernels",
         default="auto",
-        choices=["auto", "reference", "gpu"],
-        help="GPU kernels on CUDA (auto), or the pure-PyTorch reference everywhere",
+        choices=["auto", "reference", "cpu", "gpu"],
+        help="auto: GPU kernels on CUDA, the CPU set (the reference with SDPA prefill "
+        "attention) elsewhere; or one set by name",
     )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
     p.add_argument(

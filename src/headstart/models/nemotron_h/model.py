@@ -61,10 +61,10 @@ REFERENCE = SimpleNamespace(
 
 def select_kernels(device: torch.device, want: str) -> SimpleNamespace:
     """``want`` "auto" or "gpu": the GPU decode attention on CUDA when Triton imports ("gpu"
-    raises otherwise); "reference": the reference everywhere."""
-    if want not in ("auto", "gpu", "reference"):
-        raise ValueError(f"kernels must be auto, gpu or reference, not {want!r}")
-    if want == "reference" or (want == "auto" and device.type != "cuda"):
+    raises otherwise); "reference" or "cpu": the reference everywhere."""
+    if want not in ("auto", "gpu", "reference", "cpu"):
+        raise ValueError(f"kernels must be auto, gpu, cpu or reference, not {want!r}")
+    if want in ("reference", "cpu") or (want == "auto" and device.type != "cuda"):
         return REFERENCE
     try:
         from headstart.ops.attention.triton import decode_attention

@@ -98,8 +98,9 @@ class Qwen35Model:
         an arena planned from meta stand-ins when ``arena``), with progress on a terminal."""
         cfg, dtype, unpack_bytes = self.cfg, self.dtype, self.unpack_bytes
         shapes = stand_ins(weights)  # meta: nothing is read or copied
-        unpack = self.kernels.name == "reference" and unpack_fits(shapes, dtype, unpack_bytes)
-        dense = self.kernels.name != "reference" and unpack_fits(shapes, dtype, self.dense_bytes)
+        fused = self.kernels.fused_matmul
+        unpack = not fused and unpack_fits(shapes, dtype, unpack_bytes)
+        dense = fused and unpack_fits(shapes, dtype, self.dense_bytes)
         # Too big to unpack, in bf16 on the CPU: torch's int4 kernel reads the codes as they are.
         cpu_int4 = not unpack and cpu_quant.takes(dtype, self.device)
         # Small fp32 models on the CPU: decode reads the 4-bit codes, prefill the unpacked copy.

@@ -185,7 +185,7 @@ def consume(
         return w, w[HEAD]
     head = prepare(HEAD, w[EMBED])
     if (
-        kernels.name == "reference"
+        not kernels.fused_matmul
         and isinstance(head, QuantizedTensor)
         and unpack_fits({"head": head}, dtype, unpack_bytes)
     ):

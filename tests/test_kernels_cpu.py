@@ -1,0 +1,54 @@
+"""The CPU kernel set's prefill attention (PyTorch's SDPA) against the reference, on fresh
+random inputs: new prompts, continued spans over a history, several packed prompts, padded
+prompts; and which set ``select_kernels`` picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headstart.kernels import REFERENCE, cpu_kernels, select_kernels
+
+CPU = cpu_kernels()
+
+
+@pytest.mark.parametrize(
+    "T,start,nh,nkv,hd",
+    [
+        (1, 0, 4, 2, 64),
+        (37, 0, 4, 2, 64),
+        (300, 0, 8, 1, 32),
+        (64, 500, 4, 2, 64),
+        (5, 77, 6, 3, 16),
+    ],
+)
+def test_span_matches_the_reference(T, start, nh, nkv, hd):
+    g = torch.Generator().manual_seed(T * 1000 + start)
+    q = torch.randn(T, nh, hd, generator=g)
+    k, v = (torch.randn(nkv, start + T, hd, generator=g) for _ in range(2))
+    want = REFERENCE.attn_span(q, k, v, start)
+    got = CPU.attn_span(q, k, v, start)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_spans_and_padded_match_the_reference():
+    g = torch.Generator().manual_seed(7)
+    lengths = [3, 40, 1, 17]
+    F, nh, nkv, hd = sum(lengths), 4, 2, 32
+    q = torch.randn(F, nh, hd, generator=g)
+    k, v = (torch.randn(F, nkv, hd, generator=g) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    want = REFERENCE.attn_fresh_spans(q, k, v, cu, cu)
+    torch.testing.assert_close(CPU.attn_fresh_spans(q, k, v, cu, cu), want, rtol=1e-5, atol=1e-5)
+    qp = torch.randn(3, 20, nh, hd, generator=g)
+    kp, vp = (torch.randn(3, 20, nkv, hd, generator=g) for _ in range(2))
+    torch.testing.assert_close(
+        CPU.attn_padded(qp, kp, vp), REFERENCE.attn_padded(qp, kp, vp), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_selection():
+    assert select_kernels("cpu").name == "cpu"
+    assert select_kernels("cpu", "reference").name == "reference"
+    assert select_kernels("cpu", "cpu").name == "cpu"
