@@ -279,7 +279,7 @@ def test_gpu_prepare_through_the_arena(tmp_path, group, tied):
     def prepare(w, dense=None):
         return quant_matmul.prepare(w, dense=dense) if isinstance(w, QuantizedTensor) else w
 
-    kernels = replace(REFERENCE, name="gpu-like", prepare=prepare)
+    kernels = replace(REFERENCE, name="gpu-like", prepare=prepare, fused_matmul=True)
     plain = Qwen35Model.load(ckpt, kernels=kernels, arena=False)
     model = Qwen35Model.load(ckpt, kernels=kernels)
     assert_all_in_arena(model)
