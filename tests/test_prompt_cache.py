@@ -462,8 +462,9 @@ def test_a_tight_host_tier_reuses_its_arena_without_leaking(loaded, engines, cop
     cache.flush()
     host = cache.host
     assert 0 < len(host.entries) < 2 * len(prompts) - 1  # some were dropped for good
-    assert set(cache._host_blocks) == set(host.entries)
-    held = sum(b.nbytes for b in cache._host_blocks.values())
+    blocks = [e.payload.block for e in host.entries.values()]
+    assert None not in blocks and len(set(blocks)) == len(blocks)
+    held = sum(b.nbytes for b in blocks)
     assert held == host.bytes_held and held + cache.arena.free_bytes == cache.arena.capacity
     for entry in host.entries.values():
         for t in entry.payload._tensors():

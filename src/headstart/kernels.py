@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from headstart.ops.attention import sdpa
 from headstart.ops.attention.reference import attend, attend_chunk, attend_decode
 from headstart.ops.gated_delta.reference import chunked_gated_delta, gated_delta_step
 from headstart.ops.pointwise import reference as pointwise
@@ -69,12 +70,20 @@ def _ref_gdn_padded(q, k, v, g, beta, slots, states):
     return out
 
 
-def _ref_attn_fresh_spans(q, k, v, cu_seqlens, cu_seqlens_cpu):
-    out = torch.empty_like(q)
-    bounds = cu_seqlens_cpu.tolist()
-    for a, b in itertools.pairwise(bounds):
-        out[a:b] = attend(q[a:b], k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), 0)
-    return out
+def _each_fresh_span(attn_span: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``attn_fresh_spans`` from a one-span ``attn_span``: each packed new prompt attended on its
+    own rows (start 0)."""
+
+    def fresh_spans(q, k, v, cu_seqlens, cu_seqlens_cpu):
+        out = torch.empty_like(q)
+        for a, b in itertools.pairwise(cu_seqlens_cpu.tolist()):
+            out[a:b] = attn_span(q[a:b], k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), 0)
+        return out
+
+    return fresh_spans
+
+
+_ref_attn_fresh_spans = _each_fresh_span(attend)
 
 
 def _ref_attn_padded(q, k, v):
@@ -140,29 +149,17 @@ class Kernels:
 REFERENCE = Kernels("reference", _ref_gdn_decode_gates, _ref_gdn_spans, _ref_attn_decode)
 
 
-def _sdpa_fresh_spans(q, k, v, cu_seqlens, cu_seqlens_cpu):
-    """Several new prompts, each through PyTorch's SDPA on its own rows (causal)."""
-    from headstart.ops.attention import sdpa
-
-    out = torch.empty_like(q)
-    for a, b in itertools.pairwise(cu_seqlens_cpu.tolist()):
-        out[a:b] = sdpa.attn_span(q[a:b], k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), 0)
-    return out
-
-
 def cpu_kernels() -> Kernels:
     """The reference with prefill attention through PyTorch's SDPA, whose CPU flash kernel
     skips the masked half and materializes no scores: 4000 causal rows (4 heads of 64 over 2
     KV heads) took 238 ms against the reference's 1,871 ms on one core of this project's CI
     machine. Decode rows and graph chunks keep the reference (one row per stream: nothing to
     skip)."""
-    from headstart.ops.attention import sdpa
-
     return replace(
         REFERENCE,
         name="cpu",
         attn_span=sdpa.attn_span,
-        attn_fresh_spans=_sdpa_fresh_spans,
+        attn_fresh_spans=_each_fresh_span(sdpa.attn_span),
         attn_padded=sdpa.attn_padded,
     )
 
@@ -183,7 +180,6 @@ def gpu_kernels() -> Kernels:
     def prepare(w: Any, dense: torch.dtype | None = None) -> Any:
         return prepare_quant(w, dense=dense) if isinstance(w, QuantizedTensor) else w
 
-    from headstart.ops.attention import sdpa
     from headstart.ops.gated_delta.fla import gdn_padded
 
     return Kernels(

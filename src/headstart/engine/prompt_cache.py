@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from headstart.engine.host_arena import aligned
+from headstart.engine.host_arena import HostBlock, aligned
 from headstart.state import StatePool
 
 
@@ -116,13 +116,16 @@ class PromptCacheIndex:
         tokens: Sequence[int],
         max_length: int | None = None,
         usable: Callable[[CacheEntry], bool] | None = None,
+        hashes: PrefixHashes | None = None,
     ) -> CacheEntry | None:
         """The entry with the longest prefix of ``tokens`` (at most ``max_length`` long) that
         ``usable`` accepts (default: any), marked as recently used; None on a miss. Counts
         exactly one hit or one miss; entries ``usable`` refuses are neither marked nor
-        counted."""
+        counted. ``hashes``: ``PrefixHashes(tokens)`` when the caller has them (a lookup in two
+        tiers hashes the prompt once)."""
         limit = len(tokens) if max_length is None else min(max_length, len(tokens))
-        hashes = PrefixHashes(tuple(tokens[:limit]))
+        if hashes is None:
+            hashes = PrefixHashes(tuple(tokens[:limit]))
         for length in sorted((n for n in self.lengths if n <= limit), reverse=True):
             for entry in self._with_prefix_of(hashes, length):
                 if usable is None or usable(entry):
@@ -234,7 +237,8 @@ class Snapshot:
     """A slot's state after ``length`` tokens (see the module docstring), group by group as
     :meth:`StatePool.slot_state` lays it out: each fixed-size group whole (rows of a
     :class:`SnapshotStore` when one is used; ``row`` is then set), each per-token group's first
-    ``length`` rows."""
+    ``length`` rows. A host copy packed into a block of the host tier's arena holds that
+    ``block``, which goes back to the arena when the copy leaves the tier."""
 
     length: int
     state: Mapping[str, torch.Tensor]
@@ -243,6 +247,7 @@ class Snapshot:
     # ring is rebuilt from them), None without a drafter.
     draft_features: torch.Tensor | None = None
     row: int | None = None
+    block: HostBlock | None = None
 
     def restore(self, pool: StatePool, slot: int) -> None:
         """Overwrite everything the slot's stream reads at positions < length; raises

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +21,13 @@ import torch
 from headstart.engine.config import CacheConfig
 from headstart.engine.host_arena import HostArena, HostBlock, aligned
 from headstart.engine.host_copies import HostCopies
-from headstart.engine.prompt_cache import CacheEntry, PromptCacheIndex, Snapshot, SnapshotStore
+from headstart.engine.prompt_cache import (
+    CacheEntry,
+    PrefixHashes,
+    PromptCacheIndex,
+    Snapshot,
+    SnapshotStore,
+)
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.scheduler import Work
 from headstart.state import StatePool
@@ -162,7 +168,6 @@ class PromptCache:
         # The host tier's memory (a tensor-parallel model's ranks copy per snapshot instead:
         # their twins are kept rank by rank, outside this arena).
         self.arena: HostArena | None = None
-        self._host_blocks: dict[tuple[int, ...], HostBlock] = {}  # host entry -> its block
         if self.enabled and self.host.enabled and twins is None:
             since = time.perf_counter()
             self.arena = HostArena(config.host_bytes, pin=pool.device.type == "cuda")
@@ -218,11 +223,12 @@ class PromptCache:
         if not self.enabled:
             return None
         self._settle_copies()
+        hashes = PrefixHashes(tuple(prompt))  # once for both tiers
         found = [
             Match(entry, index)
             for index in (self.device, self.host)
             if index.enabled
-            for entry in [index.lookup(prompt, usable=usable)]
+            for entry in [index.lookup(prompt, usable=usable, hashes=hashes)]
             if entry is not None
         ]
         best = max(found, key=lambda m: m.entry.length, default=None)
@@ -407,23 +413,22 @@ class PromptCache:
     def _insert_host(
         self, tokens: tuple[int, ...], snap: Snapshot, block: HostBlock | None
     ) -> None:
-        """Add a host copy (in ``block`` of the arena, if any) to the host tier; a copy the tier
-        refuses or has already gives its block back."""
-        nbytes = block.nbytes if block is not None else snap.nbytes()
+        """Add a host copy (in ``block`` of the arena, if any, which it then holds) to the host
+        tier; a copy the tier refuses or has already gives its block back."""
         if self.host.contains(tokens):
             self._drop_block(block)
             return
+        snap = replace(snap, block=block)
+        nbytes = block.nbytes if block is not None else snap.nbytes()
         self._drop_host(self.host.insert(tokens, nbytes, snap))
         if not self.host.contains(tokens):
             self._drop_block(block)
-        elif block is not None:
-            self._host_blocks[tokens] = block
 
     def _drop_host(self, gone: Sequence[CacheEntry | None]) -> None:
         """Host entries that left the tier give their blocks back to the arena."""
         for entry in gone:
             if entry is not None:
-                self._drop_block(self._host_blocks.pop(entry.tokens, None))
+                self._drop_block(entry.payload.block)
 
     def _drop_block(self, block: HostBlock | None) -> None:
         if block is not None and self.arena is not None:
