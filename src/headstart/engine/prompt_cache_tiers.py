@@ -418,8 +418,9 @@ class PromptCache:
         if self.host.contains(tokens):
             self._drop_block(block)
             return
-        snap = replace(snap, block=block)
-        nbytes = block.nbytes if block is not None else snap.nbytes()
+        nbytes = snap.nbytes()
+        if block is not None:  # (without an arena the copy stays the object twins know by id)
+            snap, nbytes = replace(snap, block=block), block.nbytes
         self._drop_host(self.host.insert(tokens, nbytes, snap))
         if not self.host.contains(tokens):
             self._drop_block(block)
