@@ -146,6 +146,11 @@ class PromptCacheIndex:
     def contains(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self.entries
 
+    def holds(self, length: int, digest: bytes) -> bool:
+        """Whether an entry of ``length`` tokens has the prefix hash ``digest``
+        (:meth:`PrefixHashes.at`): :meth:`contains` without hashing the tokens again."""
+        return (length, digest) in self.hashed
+
     def admits(self, length: int, nbytes: int) -> bool:
         return (
             self.enabled
@@ -153,9 +158,17 @@ class PromptCacheIndex:
             and (self.max_tokens <= 0 or length <= self.max_tokens)
         )
 
-    def insert(self, tokens: Sequence[int], nbytes: int, payload: Any) -> list[CacheEntry]:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        nbytes: int,
+        payload: Any,
+        hashes: PrefixHashes | None = None,
+    ) -> list[CacheEntry]:
         """Add (or refresh) an entry, evicting least recently used ones to stay within budget.
-        Returns the evicted entries. An entry the budget or the token cap refuses is not stored."""
+        Returns the evicted entries. An entry the budget or the token cap refuses is not stored.
+        ``hashes``: ``PrefixHashes`` of exactly ``tokens`` when the caller has them (an entry
+        demoted from another tier keeps its own)."""
         key = tuple(tokens)
         if key in self.entries:
             self._touch(key)
@@ -165,7 +178,8 @@ class PromptCacheIndex:
         evicted = []
         while self.bytes_held + nbytes > self.budget_bytes and self.entries:
             evicted.append(self._remove(self._victim()))
-        hashes = PrefixHashes(key)
+        if hashes is None or len(hashes.tokens) != len(key):
+            hashes = PrefixHashes(key)
         self._count_prefixes(hashes, +1)
         # Entries this one is a prefix of (an earlier turn stored after a later one's).
         n, h = len(key), hashes.at(len(key))

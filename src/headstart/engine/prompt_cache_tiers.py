@@ -156,9 +156,11 @@ class PromptCache:
         self.interval = config.interval
         self.logit_bytes = vocab_size * 4  # a snapshot's logits row, float32
         self.fail_restores = 0  # test hook: make the next N restores raise
-        # A cached generation's prompt -> its snapshot's tokens (prompt + answer), the newest
-        # 4 x max_snapshots of them: what seam counting compares a prompt with.
-        self.generations: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+        # A cached generation's prompt -> its snapshot's tokens (prompt + answer), each as
+        # (length, prefix hash), the newest 4 x max_snapshots of them: what seam counting
+        # compares a prompt with, by hash (comparing token tuples cost O(generations x tokens)
+        # a lookup: 3 ms on this project's CI machine at turn 20 of an agent loop).
+        self.generations: OrderedDict[tuple[int, bytes], tuple[int, bytes]] = OrderedDict()
         self.generation_cap = 4 * config.max_snapshots
         self.seams = 0
         self.host_restores = Transfers()  # host tier -> a slot on the device
@@ -232,18 +234,19 @@ class PromptCache:
             if entry is not None
         ]
         best = max(found, key=lambda m: m.entry.length, default=None)
-        self._count_seam(prompt, best.entry.length if best is not None else 0)
+        self._count_seam(hashes, best.entry.length if best is not None else 0)
         return best
 
-    def _count_seam(self, prompt: Sequence[int], matched: int) -> None:
-        """Count a seam when ``prompt`` extends a cached generation's prompt, is longer than
+    def _count_seam(self, prompt: PrefixHashes, matched: int) -> None:
+        """Count a seam when the prompt extends a cached generation's prompt, is longer than
         its prompt + answer, and yet the match stopped short of that generation's snapshot."""
-        for length in {len(p) for p in self.generations if len(p) < len(prompt)}:
-            answered = self.generations.get(tuple(prompt[:length]))
+        n = len(prompt.tokens)
+        for length in {p for p, _ in self.generations if p < n}:
+            answered = self.generations.get((length, prompt.at(length)))
             if (
                 answered is not None
-                and matched < len(answered) < len(prompt)
-                and (self.device.contains(answered) or self.host.contains(answered))
+                and matched < answered[0] < n
+                and (self.device.holds(*answered) or self.host.holds(*answered))
             ):
                 self.seams += 1
                 return
@@ -332,11 +335,13 @@ class PromptCache:
         the drafter's features before ``end``."""
         if not self.enabled or seq.computed <= len(seq.prompt):
             return
-        tokens = (seq.prompt + seq.output)[: seq.computed]
+        tokens = tuple((seq.prompt + seq.output)[: seq.computed])
         try:
-            if self.insert(tokens, seq.slot, None, lambda: features(seq.computed)):
-                self.generations[tuple(seq.prompt)] = tuple(tokens)
-                self.generations.move_to_end(tuple(seq.prompt))
+            hashes = PrefixHashes(tokens)
+            if self.insert(tokens, seq.slot, None, lambda: features(seq.computed), hashes):
+                prompt = (len(seq.prompt), hashes.at(len(seq.prompt)))
+                self.generations[prompt] = (len(tokens), hashes.at(len(tokens)))
+                self.generations.move_to_end(prompt)
                 while len(self.generations) > self.generation_cap:
                     self.generations.popitem(last=False)
         except Exception:  # a snapshot not taken is a later cache miss, nobody's failure
@@ -348,10 +353,12 @@ class PromptCache:
         slot: int,
         logits: torch.Tensor | None,
         features: Callable[[], torch.Tensor | None],
+        hashes: PrefixHashes | None = None,
     ) -> bool:
         """Snapshot ``slot``, which holds exactly ``tokens``, into the device tier (with
-        ``logits``, the next token's, when given; ``features()``: the drafter's). False when
-        the prefix is cached already or the tier refuses it."""
+        ``logits``, the next token's, when given; ``features()``: the drafter's; ``hashes``:
+        the tokens' ``PrefixHashes`` when the caller has them). False when the prefix is cached
+        already or the tier refuses it."""
         key = tuple(tokens)
         if self.device.contains(key) or not self.device.admits(
             len(key), self.snapshot_bytes(len(key), logits is not None)
@@ -369,7 +376,7 @@ class PromptCache:
         )
         if self.twins is not None:
             self.twins.taken(snap, slot)
-        for gone in self.device.insert(key, snap.nbytes(), snap):
+        for gone in self.device.insert(key, snap.nbytes(), snap, hashes):
             self._demote(gone)
         if not self.device.contains(key):  # refused (over budget): give the row back
             self.store.release(snap)
@@ -397,7 +404,7 @@ class PromptCache:
             self.demotions.add(snap.nbytes(), since)
             if self.twins is not None:
                 self.twins.copied(entry.payload, snap)
-            self._insert_host(entry.tokens, snap, block)
+            self._insert_host(entry.tokens, snap, block, entry.hashes)
         self._release(entry)
 
     def _reserve_host(self, nbytes: int) -> HostBlock | None:
@@ -411,7 +418,11 @@ class PromptCache:
         return block
 
     def _insert_host(
-        self, tokens: tuple[int, ...], snap: Snapshot, block: HostBlock | None
+        self,
+        tokens: tuple[int, ...],
+        snap: Snapshot,
+        block: HostBlock | None,
+        hashes: PrefixHashes | None = None,
     ) -> None:
         """Add a host copy (in ``block`` of the arena, if any, which it then holds) to the host
         tier; a copy the tier refuses or has already gives its block back."""
@@ -421,7 +432,7 @@ class PromptCache:
         nbytes = snap.nbytes()
         if block is not None:  # (without an arena the copy stays the object twins know by id)
             snap, nbytes = replace(snap, block=block), block.nbytes
-        self._drop_host(self.host.insert(tokens, nbytes, snap))
+        self._drop_host(self.host.insert(tokens, nbytes, snap, hashes))
         if not self.host.contains(tokens):
             self._drop_block(block)
 
@@ -444,7 +455,7 @@ class PromptCache:
         for done in self.copies.wait_all() if wait else self.copies.finished():
             self.demotions.count(done.nbytes, done.seconds)
             if done.host is not None:
-                self._insert_host(done.entry.tokens, done.host, done.block)
+                self._insert_host(done.entry.tokens, done.host, done.block, done.entry.hashes)
             else:
                 self._drop_block(done.block)
             self._release(done.entry)
