@@ -9,7 +9,8 @@
 # and every scenario's table on stdout. SCENARIOS="burst long,--prompt-tokens,500" picks
 # scenarios, each with its bench options after commas (default: burst long turn beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
 # FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
-# on it; SERVE_FLAGS adds serve flags (RESTART_FLAGS instead, for the restart).
+# on it; SERVE_FLAGS adds serve flags (RESTART_FLAGS instead, for the restart); TIMELINE=1
+# runs the server through benchmarks/request_timeline.py and prints each scenario's timeline.
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
@@ -25,7 +26,9 @@ trap stop EXIT
 # Start `serve` for shape $1 on a new port, logging to $2; wait until it answers; print phases.
 start_server() {
   port=$((port + 1))
-  setsid python3 -m headstart serve "/tmp/m-$1" --load-format dummy --port "$port" \
+  local cmd=(-m headstart)  # TIMELINE=1: through benchmarks/request_timeline.py
+  [ -n "${TIMELINE:-}" ] && cmd=(benchmarks/request_timeline.py --timeline "$2.timeline")
+  setsid python3 "${cmd[@]}" serve "/tmp/m-$1" --load-format dummy --port "$port" \
     --context 16384 --parallel 16 --request-log "$2.requests" ${SERVE_FLAGS:-} >"$2" 2>&1 &
   log=$2 seen=0
   server=$!
@@ -71,6 +74,10 @@ run_scenarios() {
     echo "== $shape $sc (rc $?)"
     grep -v -E "^(bench check|receipt|---)" "$receipts/$shape-$tag.log" | tail -"${TAIL:-14}"
     server_ttft "$log.requests" "$seen"
+    if [ -n "${TIMELINE:-}" ]; then
+      sleep 2.5  # the timeline file is rewritten every 2 s
+      python3 benchmarks/request_timeline.py --show "$log.timeline" "$((seen + 1))" | tail -"${TAIL:-14}"
+    fi
     seen=$(wc -l <"$log.requests" 2>/dev/null || echo 0)
   done
 }

@@ -122,6 +122,29 @@ def profile_burst(model, pool, lines: list[str]) -> None:
     lines.append("burst 16x31: top GPU kernels\n" + t)
 
 
+def profile_case(model, pool, lines: list[str], name: str, chunks: list[SeqChunk]) -> None:
+    """The GPU kernels of one eager forward over ``chunks``, summed by kernel, largest first,
+    beside the forward's wall time (what a graph replay of it would spend, less launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = ForwardBatch.build(chunks, "cuda")
+    _, wall = host_and_wall(lambda: model.forward(batch, pool))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.forward(batch, pool)
+        torch.cuda.synchronize()
+    kernels = sorted(
+        ((e.key, e.self_device_time_total, e.count) for e in prof.key_averages()),
+        key=lambda k: -k[1],
+    )
+    total = sum(t for _, t, _ in kernels)
+    lines.append(
+        f"{name}: eager wall {wall * 1e3:.2f} ms, GPU kernels {total / 1e3:.2f} ms in "
+        f"{sum(c for _, _, c in kernels)} launches"
+    )
+    for key, t, count in kernels[:14]:
+        lines.append(f"  {t / 1e3:8.3f} ms  {count:5d}x  {key[:90]}")
+
+
 def attention_probe(cfg, lines: list[str]) -> None:
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dt = "cuda", torch.bfloat16
@@ -207,7 +230,9 @@ def main() -> None:
     ap.add_argument("--format", default="4bit", choices=["bf16", "4bit"])
     ap.add_argument("--context", type=int, default=8200)
     ap.add_argument("--budget", type=int, default=2048, help="prompt graphs' most padded rows")
-    ap.add_argument("--parts", default="attn,matmul,shapes,graphs,profile")
+    ap.add_argument(
+        "--parts", default="attn,matmul,shapes,graphs,profile", help="also: prof31, profcont"
+    )
     args = ap.parse_args()
     quant = args.format == "4bit"
     cfg = config(args.shape, quant)
@@ -227,6 +252,15 @@ def main() -> None:
         graphs_table(model, pool, lines, args.budget)
     if "profile" in parts:
         profile_burst(model, pool, lines)
+    tok = tuple(range(5, 5 + 1024))
+    if "prof31" in parts:  # one new short prompt alone, and a decode step, kernel by kernel
+        profile_case(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
+        profile_case(model, pool, lines, "decode x1", [SeqChunk(0, 100, (7,))])
+    if "profcont" in parts:  # an agent turn's chunk on a short and on a long history
+        for start in (2063, args.context - 600):
+            chunk = [SeqChunk(0, start, tok[:501])]
+            profile_case(model, pool, lines, f"cont 501 @{start}", chunk)
+        profile_case(model, pool, lines, "fresh 500", [SeqChunk(0, 0, tok[:500])])
     print("\n".join(lines))
 
 

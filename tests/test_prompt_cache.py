@@ -218,6 +218,37 @@ def test_agent_loop_restores_prompt_and_answer(engines, tmp_path, with_drafter):
             assert got.finish.cached_tokens >= answered, turn
         answered = len(ids) + len(got.tokens) - 1  # prompt and answer, but the last token
         ids = ids + got.tokens + [(11 * i + turn) % 150 + 5 for i in range(40)]
+    # Each later turn got the slot of the one before (freed slots are reused first), which
+    # still held that turn's end-of-generation state: restored without a copy.
+    assert cached.stats()["cache_restores_in_place"] == 3
+
+
+def test_a_slot_written_since_its_snapshot_is_restored_by_copy(loaded, engines):
+    """A conversation's next turn whose slot served another stream since (a whole request,
+    or one aborted at its first token) gets its state copied back, never the slot's leftovers;
+    the one that finds its slot untouched restores in place; all answer as without a cache."""
+    e, cold = make_engine(engines, loaded, interval=0), make_engine(engines, loaded, cache_mib=0)
+    ids = prompt(loaded, "def mean(xs):\n")
+    answer = ask(e, ids, GREEDY, "a1").tokens
+    turn = ids + answer[:-1] + prompt(loaded, "\n# and the median\n")
+    other = prompt(loaded, "class Tree:\n    def insert(self, key):\n")
+    ask(e, other, GREEDY, "b")  # the same slot, another stream (nothing to restore)
+    got = ask(e, turn, GREEDY, "a2")
+    assert got.finish.cached_tokens == len(ids) + len(answer) - 1
+    assert got.tokens == ask(cold, turn, GREEDY, "cold2").tokens
+    assert e.stats()["cache_restores_in_place"] == 0
+    nxt = turn + got.tokens[:-1] + prompt(loaded, "\n# and the mode\n")
+    # Aborted at its first token: its prompt went through the slot, no answer was snapshot.
+    c = Collector(on_first=lambda: e.abort("x"))
+    e.submit(EngineRequest("x", other + prompt(loaded, " pass\n") * 20, GREEDY, 12, c))
+    assert wait_idle(e) and c.tokens and not c.done.is_set()
+    again = ask(e, nxt, GREEDY, "a3")
+    assert again.tokens == ask(cold, nxt, GREEDY, "cold3").tokens
+    last = nxt + again.tokens[:-1] + prompt(loaded, "\n# done\n")
+    final = ask(e, last, GREEDY, "a4")  # its slot untouched since a3's answer
+    assert final.finish.cached_tokens == len(nxt) + len(again.tokens) - 1
+    assert final.tokens == ask(cold, last, GREEDY, "cold4").tokens
+    assert e.stats()["cache_restores_in_place"] == 1
 
 
 def test_a_seam_in_the_answer_is_counted_and_restores_only_what_matches(loaded, engines):

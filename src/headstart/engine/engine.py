@@ -208,7 +208,7 @@ class Engine:
         """Restore the longest cached prefix into the stream's slot; the cached logits when it
         was the whole prompt."""
         seq = live.seq
-        match = self.cache.match_prefix(seq.prompt)
+        match = self.cache.match_prefix(seq.prompt, seq.slot)
         snap = self.cache.restore(match, seq.slot, seq.id) if match is not None else None
         if snap is None:
             return None

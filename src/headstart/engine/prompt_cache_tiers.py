@@ -44,6 +44,7 @@ class Match:
 
     entry: CacheEntry
     index: PromptCacheIndex
+    in_place: bool = False  # the slot it is for holds exactly this state already
 
     @property
     def snapshot(self) -> Snapshot:
@@ -163,6 +164,14 @@ class PromptCache:
         self.generations: OrderedDict[tuple[int, bytes], tuple[int, bytes]] = OrderedDict()
         self.generation_cap = 4 * config.max_snapshots
         self.seams = 0
+        # Slot -> (length, prefix hash) of the generation snapshot that the slot still holds
+        # exactly: set when a stream's generation is snapshotted (its slot is freed next), and
+        # dropped when the slot is next looked up for (match_prefix), before anything writes it.
+        # The next turn of a conversation usually gets that very slot (freed slots are reused
+        # first), and then its restore copies nothing: at 12k tokens of 27B history that copy
+        # is 0.8 GB on the device.
+        self._resident: dict[int, tuple[int, bytes]] = {}
+        self.in_place = 0  # restores that found their state already in the slot
         self.host_restores = Transfers()  # host tier -> a slot on the device
         self.demotions = Transfers()  # device tier -> host tier
         self.store: SnapshotStore | None = None
@@ -216,12 +225,16 @@ class PromptCache:
         return self.pool.fixed_bytes() + self.pool.token_bytes() * length + logits
 
     # -- lookup and restore ----------------------------------------------------------------
-    def match_prefix(self, prompt: Sequence[int]) -> Match | None:
-        """The longest usable cached prefix of ``prompt`` over both tiers (see the class)."""
+    def match_prefix(self, prompt: Sequence[int], slot: int | None = None) -> Match | None:
+        """The longest usable cached prefix of ``prompt`` over both tiers (see the class).
+        ``slot``: the slot the prompt was admitted to, which nothing has written since; every
+        admission must look up with its slot, whether or not it restores (the match says
+        whether the slot holds that state already)."""
 
         def usable(entry: CacheEntry) -> bool:
             return entry.length < len(prompt) or entry.payload.logits is not None
 
+        held = self._resident.pop(slot, None) if slot is not None else None
         if not self.enabled:
             return None
         self._settle_copies()
@@ -235,6 +248,8 @@ class PromptCache:
         ]
         best = max(found, key=lambda m: m.entry.length, default=None)
         self._count_seam(hashes, best.entry.length if best is not None else 0)
+        if best is not None and held == (best.entry.length, hashes.at(best.entry.length)):
+            best = replace(best, in_place=True)
         return best
 
     def _count_seam(self, prompt: PrefixHashes, matched: int) -> None:
@@ -259,12 +274,17 @@ class PromptCache:
             if self.fail_restores:
                 self.fail_restores -= 1
                 raise RuntimeError("injected restore failure")
-            if match.index is self.host:
+            if match.in_place:  # every rank's slot holds it (they run the same steps)
+                snap = match.snapshot
+                if match.index is self.host:
+                    snap = snap.extras_on(self.pool.device)
+                self.in_place += 1
+            elif match.index is self.host:
                 snap = self._restore_from_host(match.snapshot, slot)
             else:
                 match.snapshot.restore(self.pool, slot)
                 snap = match.snapshot
-            if self.twins is not None:
+            if self.twins is not None and not match.in_place:
                 self.twins.restored(match.snapshot, slot)
         except Exception:
             log.exception("prompt-cache restore failed for %s; prefilling instead", owner)
@@ -338,6 +358,8 @@ class PromptCache:
         tokens = tuple((seq.prompt + seq.output)[: seq.computed])
         try:
             hashes = PrefixHashes(tokens)
+            assert seq.slot is not None
+            self._resident[seq.slot] = (len(tokens), hashes.at(len(tokens)))
             if self.insert(tokens, seq.slot, None, lambda: features(seq.computed), hashes):
                 prompt = (len(seq.prompt), hashes.at(len(seq.prompt)))
                 self.generations[prompt] = (len(tokens), hashes.at(len(tokens)))
@@ -498,4 +520,5 @@ class PromptCache:
             "cache_evictions": d.stats.evictions,
             "cache_failed_restores": d.stats.failed_restores,
             "cache_seams": self.seams,
+            "cache_restores_in_place": self.in_place,
         }

@@ -276,6 +276,11 @@ class _PromptCacheCollector(Collector):
             "Prompts extending a cached generation's prompt whose answer tokens differed "
             "from the generated ones (restored up to where they agree).",
         ),
+        "cache_restores_in_place": (
+            "headstart_prompt_cache_restores_in_place",
+            "Restores whose state the stream's slot still held (a conversation's next turn "
+            "in the slot of its last): nothing copied.",
+        ),
         "spec_rounds": ("headstart_spec_decode_rounds", "Verify windows run."),
         "spec_drafted": ("headstart_spec_decode_draft_tokens", "Draft tokens proposed."),
         "spec_accepted": ("headstart_spec_decode_accepted_tokens", "Draft tokens accepted."),
