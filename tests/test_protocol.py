@@ -6,12 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from headstart.sampling import SamplingParams
 from headstart.server.protocol import (
     MAX_STOP,
     SSE_DONE,
     APIError,
+    _load_object,
     chat_choice,
     chat_chunk,
     chat_completion_response,
@@ -639,3 +642,33 @@ def test_completion_logprobs(tok):
     as_ids = completion_logprobs(tok, entries, as_token_ids=True)
     assert as_ids["tokens"] == [f"token_id:{i}" for i in ids]
     assert as_ids["top_logprobs"][0] == {f"token_id:{ids[0]}": 0.0}
+
+
+# --------------------------------------------------------------------- the fast parser
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(), _JSON, max_size=6), st.booleans())
+def test_bodies_parse_as_the_standard_library_reads_them(body, ascii_only):
+    """The fast path (orjson) gives what json.loads gives, for any object: big integers (kept
+    ints), floats, text with escapes or raw UTF-8, nesting."""
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode()
+    assert _load_object(raw) == json.loads(raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"seed": 123456789012345678901}', b'{"a": 18446744073709551616}', b'{"x": 1e400}'],
+)
+def test_numbers_beyond_64_bits_are_read_exactly(raw):
+    assert _load_object(raw) == json.loads(raw)

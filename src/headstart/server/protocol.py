@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Annotated, Any, Literal, TypeVar
 
+import orjson
 import pydantic
 import tokenizers
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -507,12 +508,31 @@ def _check_text(data: Any) -> None:
 
 
 def _load_object(raw: bytes) -> dict[str, Any]:
+    # orjson first: a body of 12k token ids parses in 0.3 ms instead of 1 ms, and what it
+    # accepts holds no lone surrogate (it refuses them), so the walk for them is skipped. What
+    # it refuses (bad UTF-8, NaN, lone surrogates, infinite numbers, a byte-order mark) goes
+    # through the standard library, which accepts some of it and words the 400 for the rest;
+    # so does a body with a run of 19 digits, as orjson reads integers beyond 64 bits as floats.
+    try:
+        data = _load_slowly(raw) if _LONG_RUN in raw.translate(_DIGITS) else orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        data = _load_slowly(raw)
+    if not isinstance(data, dict):
+        raise _bad(f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+# Every digit to "0", every other byte to " ": a run of 19 digits is then a substring search
+# (a regular expression took 1.5 ms over a body of 12k token ids).
+_DIGITS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_LONG_RUN = b"0" * 19
+
+
+def _load_slowly(raw: bytes) -> Any:
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, NaN, nesting
         raise _bad(f"invalid JSON in request body: {exc}") from None
-    if not isinstance(data, dict):
-        raise _bad(f"request body must be a JSON object, got {type(data).__name__}")
     _check_text(data)
     return data
 
