@@ -4,10 +4,10 @@
 
 Runs the server as `headstart serve` would, with timing marks around the request path (parsing,
 admission, prefix lookup, restore, the step, delivery to the event loop); every 2 s and at exit
-it writes FILE: one line per request, in milliseconds, for attributing TTFT between the HTTP
-side, the engine's bookkeeping and the forward. Diagnostics only: the marks cost a few
-microseconds each. Read the table with
-``python benchmarks/request_timeline.py --show FILE [FIRST]``.
+it appends the new marks to FILE (JSON lines). Diagnostics only: the marks cost a few
+microseconds each. ``python benchmarks/request_timeline.py --show FILE [FIRST]`` prints one line
+per request from the FIRST-th on, in milliseconds, for attributing TTFT between the HTTP side,
+the engine's bookkeeping and the forward.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _rows(events: list[tuple[str, float]]) -> list[dict[str, float]]:
 def show(path: str, first: int = 1) -> None:
     """Print the table of FILE's requests from the ``first``-th on."""
     with open(path) as f:
-        events = json.load(f)
+        events = [tuple(json.loads(line)) for line in f]
     print("req " + " ".join(f"{c:>11s}" for c, _, _ in _COLUMNS))
     for j, row in enumerate(_rows(events), 1):
         if j >= first:
@@ -104,6 +104,7 @@ def main() -> int:
         print(__doc__)
         return 2
     path, argv = sys.argv[2], sys.argv[3:]
+    open(path, "w").close()
     from headstart.engine import engine, inbox, prompt_cache_tiers, runner
     from headstart.server import api
 
@@ -123,9 +124,14 @@ def main() -> int:
     ):
         _around(owner, name, tag)
 
-    def write() -> None:
-        with open(path, "w") as f:
-            json.dump(list(_EVENTS), f)
+    written = 0
+
+    def write() -> None:  # appends what is new: rewriting it all held the GIL for milliseconds
+        nonlocal written
+        new = _EVENTS[written : len(_EVENTS)]
+        written += len(new)
+        with open(path, "a") as f:
+            f.writelines(f"{json.dumps(e)}\n" for e in new)
 
     def every() -> None:
         while True:
