@@ -67,15 +67,17 @@ summary() {
 
 case "${1:-}" in
   all)
-    # Budget (an H200; wall seconds): setup ~15, target 265 (3.5 min of steps), chat 95
-    # (0.85 min), drafter 170 (continuations, at most 75 s, + 1.5 min), evaluations until 575.
+    # Budget (an H200; wall seconds): setup ~15, data ~30 (tokenizing, alone: it took 195 s
+    # while the jobs below shared the CPU), target 240 (3.2 min of steps), chat 95 (0.85 min),
+    # drafter 160 (continuations, at most 75 s, + 1.4 min), evaluations until 575.
+    stage data 120
     examples & building=$!
     warm & warming=$!
-    stage target 265 --target-minutes 3.5
+    stage target 240 --target-minutes 3.2
     wait $building $warming
     tail -1 "$out/examples.log"; grep -c . "$out/warm.log" | sed 's/^/kernel warm-up log lines: /'
     stage chat 95 --chat-minutes 0.85
-    stage drafter 170 --drafter-minutes 1.5 --continuations 4096 --generation-timeout 75
+    stage drafter 160 --drafter-minutes 1.4 --continuations 4096 --generation-timeout 75
     left=$((575 - SECONDS))
     [ $left -gt 20 ] && stage eval $left
     summary
@@ -89,17 +91,19 @@ case "${1:-}" in
     # The GPU tests share the GPU with the (small) training run meanwhile.
     (timeout 420 python -m pytest tests/test_gpu_ops.py tests/test_gpu_model.py -q \
       -p no:cacheprovider > "$out/gputests.log" 2>&1) &
+    stage data 120
     examples & building=$!
     stage target 330 --target-minutes 4.5
     wait $building
     stage chat 100 --chat-minutes 1
     wait
     echo "gpu tests:"; tail -15 "$out/gputests.log" | cut -c1-300
-    rm -f "$work/run/rows.pt"  # remade from the corpus in the second call
+    rm -f "$work/run/rows.pt"  # remade from the corpus in the second call (its data stage)
     tar czf - -C "$work" default_model run chat.jsonl | split -b 15M - "$out/bundle.tgz."
     ;;
   drafter)
     [ -d "$work/run" ] || cp -r .work/bundle/* "$work/"
+    stage data 120
     stage drafter 300 --drafter-minutes 3.5 --continuations 8192 --generation-timeout 120
     stage eval $((575 - SECONDS))
     summary
