@@ -3,7 +3,8 @@
 Every step at DEBUG level (``serve --log-level debug``), slow ones as a warning: the shape of
 the step (chunks, decode rows, tokens) beside the host clock at each phase's end (forward
 enqueued, tokens sampled and sent: on a GPU the sampling waits for the forward; snapshots
-taken, after the tokens are sent), so a stall shows where it happened.
+taken, after the tokens are sent), so a stall shows where it happened; on CUDA, what the caching
+allocator asked of the driver during the step, when it asked anything.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+
+import torch
 
 from headstart.engine.scheduler import Work
 
@@ -21,6 +24,27 @@ log = logging.getLogger("headstart.engine")
 # A step this slow is logged as a warning: at the default step budget a step computes ~0.2 s, so
 # a second means something else (a compilation, a stall) held every stream back.
 SLOW_STEP_S = 1.0
+
+
+_ALLOCATOR_KEYS = ("segment.all.allocated", "segment.all.freed", "num_alloc_retries")
+_allocator_seen: dict[str, int] = {}
+
+
+def _allocator_events() -> str:
+    """What the CUDA caching allocator did since the last call, when it did anything: segments
+    it got from and gave back to the driver (each a cudaMalloc or cudaFree, which can wait for
+    the device while the calling thread holds the GIL), and retries after a failed cudaMalloc
+    (each frees every cached block first). Empty off CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ""
+    stats = torch.cuda.memory_stats()
+    now = {k: int(stats.get(k, 0)) for k in _ALLOCATOR_KEYS}
+    delta = {k: v - _allocator_seen.get(k, v) for k, v in now.items()}
+    _allocator_seen.update(now)
+    if not any(delta.values()):
+        return ""
+    got, gave, retries = (delta[k] for k in _ALLOCATOR_KEYS)
+    return f"; allocator: {got} segments allocated, {gave} freed, {retries} retries"
 
 
 class StepClock:
@@ -43,7 +67,7 @@ class StepClock:
         decode = sum(len(w.tokens) == 1 and w.start >= len(w.seq.prompt) for w in work)
         (log.warning if slow else log.debug)(
             "step %d: %.1f ms (forward %.1f, sampling %.1f, snapshots %.1f): %d chunks, "
-            "%d decode rows, %d tokens",
+            "%d decode rows, %d tokens%s",
             n,
             1e3 * (end - t0),
             1e3 * (run - t0),
@@ -52,4 +76,5 @@ class StepClock:
             len(work),
             decode,
             sum(len(w.tokens) for w in work),
+            _allocator_events(),
         )

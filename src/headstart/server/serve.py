@@ -420,6 +420,26 @@ class _Drain:
         return False
 
 
+class _SlowCollections:
+    """A ``gc.callbacks`` entry (debug): each garbage collection of 2 ms or more in the log,
+    with its generation. A collection stops every thread; one inside a request's way in shows
+    as TTFT that the request log's clock (which starts after parsing) does not see."""
+
+    def __init__(self) -> None:
+        self.since = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.since = time.perf_counter()
+        elif (took := time.perf_counter() - self.since) >= 0.002:
+            log.debug(
+                "garbage collection of generation %d: %.1f ms, %d collected",
+                info["generation"],
+                1e3 * took,
+                info["collected"],
+            )
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus: the first signal drains before uvicorn shuts down; a second exits at once."""
 
@@ -679,6 +699,8 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     # they are never scanned again (vLLM does the same after capturing its graphs).
     gc.collect()
     gc.freeze()
+    if log.isEnabledFor(logging.DEBUG):
+        gc.callbacks.append(_SlowCollections())
     log.info(
         "engine ready in %.1fs (start-up %.1fs in all)",
         time.monotonic() - phase,

@@ -22,8 +22,7 @@ __all__ = ["GATHER_ROWS", "decode_attention"]
 GATHER_ROWS = 8192
 
 
-@torch.library.custom_op("headstart::decode_attention_cpu", mutates_args=("keys", "values"))
-def decode_attention(
+def _decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -58,6 +57,20 @@ def decode_attention(
     return out
 
 
-@decode_attention.register_fake
+# An operator of the low-level library API, not ``torch.library.custom_op``: custom_op's Python
+# wrappers for a mutating op (aliasing checks, version bumps) cost more than the attention
+# itself at short histories, once per layer of every traced decode step.
+_LIB = torch.library.Library("headstart", "FRAGMENT")
+_LIB.define(
+    "decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, "
+    "int layer, Tensor slots, Tensor positions) -> Tensor"
+)
+_LIB.impl("decode_attention_cpu", _decode_attention, "CPU")
+
+
+@torch.library.register_fake("headstart::decode_attention_cpu")
 def _(q, k, v, keys, values, layer, slots, positions):
     return torch.empty_like(q)
+
+
+decode_attention = torch.ops.headstart.decode_attention_cpu

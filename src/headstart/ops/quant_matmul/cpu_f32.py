@@ -12,7 +12,7 @@ quant_matmul`, fp32) up to summation order. It is compiled at first use with the
 compiler (:mod:`headstart.ops.c_build`); without a compiler :func:`available` is False and the
 weights stay unpacked as before.
 
-The matmul is a torch custom op (``headstart::int4_matmul_f32``), so traced programs
+The matmul is a torch operator (``headstart::int4_matmul_f32``), so traced programs
 (:mod:`headstart.engine.cpu_programs`) call it as one opaque node.
 
 Non-goals: other bit widths, bf16 or fp16 activations (``cpu.py``), autograd.
@@ -98,7 +98,6 @@ def prepare(w: QuantizedTensor) -> CpuPacked:
     )
 
 
-@torch.library.custom_op("headstart::int4_matmul_f32", mutates_args=())
 def _int4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int
 ) -> torch.Tensor:
@@ -117,7 +116,18 @@ def _int4_matmul(
     return y
 
 
-@_int4_matmul.register_fake
+# An operator of the low-level library API, not ``torch.library.custom_op``: a traced decode
+# step calls it ~30 times, and custom_op's Python wrappers (autograd, aliasing checks) cost
+# ~15 us a call on this project's CPU, a third of the kernel's own time at the default model's
+# sizes. Nothing differentiates through it.
+_LIB = torch.library.Library("headstart", "FRAGMENT")
+_LIB.define(
+    "int4_matmul_f32(Tensor x, Tensor packed, Tensor scales, Tensor biases, int group) -> Tensor"
+)
+_LIB.impl("int4_matmul_f32", _int4_matmul, "CPU")
+
+
+@torch.library.register_fake("headstart::int4_matmul_f32")
 def _(x, packed, scales, biases, group):
     return x.new_empty(x.shape[0], packed.shape[0])
 
@@ -131,4 +141,5 @@ def matmul(x: torch.Tensor, w: CpuPacked) -> torch.Tensor:
     rows = x.reshape(-1, k)
     if rows.shape[0] > MAX_ROWS or x.dtype != torch.float32:
         return F.linear(x, w.dense.to(x.dtype))
-    return _int4_matmul(rows, w.packed, w.scales, w.biases, w.group_size).reshape(*x.shape[:-1], n)
+    y = torch.ops.headstart.int4_matmul_f32(rows, w.packed, w.scales, w.biases, w.group_size)
+    return y.reshape(*x.shape[:-1], n)
