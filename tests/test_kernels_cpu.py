@@ -52,3 +52,22 @@ def test_selection():
     assert select_kernels("cpu").name == "cpu"
     assert select_kernels("cpu", "reference").name == "reference"
     assert select_kernels("cpu", "cpu").name == "cpu"
+
+
+@pytest.mark.parametrize("T,C", [(1, 768), (2, 64), (3, 40), (4, 7), (300, 768), (1000, 96)])
+def test_the_span_convolution_equals_the_reference(T, C):
+    """The CPU set's GDN convolution of a span (a C kernel) against the reference, on fresh
+    random rows, tails and weights: the output and the new tail, chunks shorter than the tail
+    included, rows taken as a strided view (as the model hands them over)."""
+    from headstart.ops.conv import cpu as cpu_conv
+    from headstart.ops.conv.reference import causal_conv
+
+    gen = torch.Generator().manual_seed(T * 1000 + C)
+    wide = torch.randn(T, C + 5, generator=gen)
+    x = wide[:, 2 : 2 + C]  # not contiguous
+    tail, weight = torch.randn(C, 3, generator=gen), torch.randn(C, 4, generator=gen)
+    want_y, want_tail = causal_conv(x, tail, weight)
+    y, new_tail = CPU.conv_span(x, tail, weight)
+    assert CPU.conv_span is cpu_conv.causal_conv and cpu_conv.available()
+    torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new_tail, want_tail)

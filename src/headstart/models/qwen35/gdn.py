@@ -281,7 +281,7 @@ class GatedDeltaNet:
                     r.g[s.begin : s.end],
                     r.beta[s.begin : s.end],
                 )
-            y, r.tails[s.slot] = causal_conv(r.mixed[s.begin : s.end], tail, r.conv_w)
+            y, r.tails[s.slot] = self.m.kernels.conv_span(r.mixed[s.begin : s.end], tail, r.conv_w)
         o = self.m.kernels.gdn_spans(
             *self._qkv(y),
             r.g[m.rows],
