@@ -11,15 +11,17 @@ callers keep their PyTorch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["cache_root", "library"]
+__all__ = ["cache_root", "function", "library"]
 
 log = logging.getLogger("headstart.kernels")
 
@@ -59,3 +61,20 @@ def library(source: Path) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("%s did not build (%s): the PyTorch path runs instead", source.name, e)
         return None
+
+
+# A C function's parameter kinds, for :func:`function`.
+POINTER, INT = ctypes.c_void_p, ctypes.c_int
+
+
+@functools.cache
+def function(source: Path, name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
+    """``name`` of ``source``'s library (:func:`library`), returning a C int, with
+    ``argtypes``; None when the library cannot be built here. Built once per process."""
+    lib = library(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = list(argtypes)
+    return fn

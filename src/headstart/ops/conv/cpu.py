@@ -11,8 +11,6 @@ dtypes and devices, the reference runs.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -26,20 +24,17 @@ __all__ = ["available", "causal_conv"]
 SOURCE = Path(__file__).with_name("causal_f32.c")
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = c_build.library(SOURCE)
-    if lib is not None:
-        fn = lib.causal_conv_f32
-        fn.restype = ctypes.c_int
-        p, i = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [p, i, i, p, p, i, p, p]
-    return lib
+_P, _I = c_build.POINTER, c_build.INT
+_ARGS = (_P, _I, _I, _P, _P, _I, _P, _P)
+
+
+def _kernel():
+    return c_build.function(SOURCE, "causal_conv_f32", _ARGS)
 
 
 def available() -> bool:
     """Whether the kernel runs on this machine (it is built on the first call)."""
-    return _library() is not None
+    return _kernel() is not None
 
 
 def causal_conv(
@@ -48,7 +43,7 @@ def causal_conv(
     """:func:`~headstart.ops.conv.reference.causal_conv`: x [T, C], tail [C, K-1], weight
     [C, K]; returns (silu(conv) [T, C], new tail [C, K-1])."""
     f32 = torch.float32
-    if x.device.type != "cpu" or x.dtype != f32 or (lib := _library()) is None:
+    if x.device.type != "cpu" or x.dtype != f32 or (kernel := _kernel()) is None:
         return reference_conv(x, tail, weight)
     x = x.contiguous()
     tail = tail.to(f32).contiguous()
@@ -57,7 +52,7 @@ def causal_conv(
     K = weight.shape[1]
     y = torch.empty(T, C, dtype=f32)
     new_tail = torch.empty(C, K - 1, dtype=f32)
-    rc = lib.causal_conv_f32(
+    rc = kernel(
         x.data_ptr(), T, C, tail.data_ptr(), weight.data_ptr(), K, y.data_ptr(),
         new_tail.data_ptr(),
     )  # fmt: skip

@@ -20,8 +20,6 @@ Non-goals: other bit widths, bf16 or fp16 activations (``cpu.py``), autograd.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,20 +40,17 @@ SOURCE = Path(__file__).with_name("int4_f32.c")
 MAX_ROWS = 8
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = c_build.library(SOURCE)
-    if lib is not None:
-        fn = lib.int4_matmul_f32
-        fn.restype = ctypes.c_int
-        p, i = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [p, i, i, p, p, p, i, i, p, i, i]
-    return lib
+_P, _I = c_build.POINTER, c_build.INT
+_ARGS = (_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I)
+
+
+def _kernel():
+    return c_build.function(SOURCE, "int4_matmul_f32", _ARGS)
 
 
 def available() -> bool:
     """Whether the kernel runs on this machine (it is built on the first call)."""
-    return _library() is not None
+    return _kernel() is not None
 
 
 def takes(dtype: torch.dtype, device: torch.device) -> bool:
@@ -101,13 +96,13 @@ def prepare(w: QuantizedTensor) -> CpuPacked:
 def _int4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int
 ) -> torch.Tensor:
-    lib = _library()
-    assert lib is not None, "the 4-bit CPU kernel is not built"
+    kernel = _kernel()
+    assert kernel is not None, "the 4-bit CPU kernel is not built"
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.int4_matmul_f32(
+    rc = kernel(
         x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), biases.data_ptr(), n, group,
         y.data_ptr(), 0, n,
     )  # fmt: skip
