@@ -5,8 +5,9 @@ platform itself. Three sets exist with the same signatures:
 
 * ``reference``: pure PyTorch (the ``reference`` module of each :mod:`headstart.ops` family), runs
   anywhere; the executable spec.
-* ``cpu``: the reference with prefill attention through PyTorch's SDPA (its CPU flash kernel);
-  tested against the reference (``tests/test_kernels_cpu.py``).
+* ``cpu``: the reference with prefill attention through PyTorch's SDPA (its CPU flash kernel)
+  and a one-stream span's GDN convolution in a small C kernel; tested against the reference
+  (``tests/test_kernels_cpu.py``).
 * ``gpu``: CUDA + Triton: in-place GDN decode step and flash-decoding attention straight from the
   slot pools (no gathers of whole states or histories), flash-linear-attention's chunked kernel
   for multi-row spans, a fused 4-bit matmul on the MLX layout, and one kernel per per-row piece

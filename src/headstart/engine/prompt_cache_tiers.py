@@ -279,13 +279,14 @@ class PromptCache:
                 if match.index is self.host:
                     snap = snap.extras_on(self.pool.device)
                 self.in_place += 1
-            elif match.index is self.host:
-                snap = self._restore_from_host(match.snapshot, slot)
             else:
-                match.snapshot.restore(self.pool, slot)
-                snap = match.snapshot
-            if self.twins is not None and not match.in_place:
-                self.twins.restored(match.snapshot, slot)
+                if match.index is self.host:
+                    snap = self._restore_from_host(match.snapshot, slot)
+                else:
+                    match.snapshot.restore(self.pool, slot)
+                    snap = match.snapshot
+                if self.twins is not None:
+                    self.twins.restored(match.snapshot, slot)
         except Exception:
             log.exception("prompt-cache restore failed for %s; prefilling instead", owner)
             match.index.stats.failed_restores += 1
@@ -358,11 +359,12 @@ class PromptCache:
         tokens = tuple((seq.prompt + seq.output)[: seq.computed])
         try:
             hashes = PrefixHashes(tokens)
+            answered = (len(tokens), hashes.at(len(tokens)))
             assert seq.slot is not None
-            self._resident[seq.slot] = (len(tokens), hashes.at(len(tokens)))
+            self._resident[seq.slot] = answered
             if self.insert(tokens, seq.slot, None, lambda: features(seq.computed), hashes):
                 prompt = (len(seq.prompt), hashes.at(len(seq.prompt)))
-                self.generations[prompt] = (len(tokens), hashes.at(len(tokens)))
+                self.generations[prompt] = answered
                 self.generations.move_to_end(prompt)
                 while len(self.generations) > self.generation_cap:
                     self.generations.popitem(last=False)
@@ -426,7 +428,7 @@ class PromptCache:
             self.demotions.add(snap.nbytes(), since)
             if self.twins is not None:
                 self.twins.copied(entry.payload, snap)
-            self._insert_host(entry.tokens, snap, block, entry.hashes)
+            self._insert_host(entry, snap, block)
         self._release(entry)
 
     def _reserve_host(self, nbytes: int) -> HostBlock | None:
@@ -439,22 +441,18 @@ class PromptCache:
             self._drop_host([self.host.evict_oldest()])
         return block
 
-    def _insert_host(
-        self,
-        tokens: tuple[int, ...],
-        snap: Snapshot,
-        block: HostBlock | None,
-        hashes: PrefixHashes | None = None,
-    ) -> None:
-        """Add a host copy (in ``block`` of the arena, if any, which it then holds) to the host
-        tier; a copy the tier refuses or has already gives its block back."""
+    def _insert_host(self, entry: CacheEntry, snap: Snapshot, block: HostBlock | None) -> None:
+        """Add the host copy ``snap`` of device entry ``entry`` (in ``block`` of the arena, if
+        any, which it then holds) to the host tier, under the entry's tokens and prefix hashes;
+        a copy the tier refuses or has already gives its block back."""
+        tokens = entry.tokens
         if self.host.contains(tokens):
             self._drop_block(block)
             return
         nbytes = snap.nbytes()
         if block is not None:  # (without an arena the copy stays the object twins know by id)
             snap, nbytes = replace(snap, block=block), block.nbytes
-        self._drop_host(self.host.insert(tokens, nbytes, snap, hashes))
+        self._drop_host(self.host.insert(tokens, nbytes, snap, entry.hashes))
         if not self.host.contains(tokens):
             self._drop_block(block)
 
@@ -477,7 +475,7 @@ class PromptCache:
         for done in self.copies.wait_all() if wait else self.copies.finished():
             self.demotions.count(done.nbytes, done.seconds)
             if done.host is not None:
-                self._insert_host(done.entry.tokens, done.host, done.block, done.entry.hashes)
+                self._insert_host(done.entry, done.host, done.block)
             else:
                 self._drop_block(done.block)
             self._release(done.entry)

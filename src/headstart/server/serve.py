@@ -184,7 +184,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "reference", "cpu", "gpu"],
         help="auto: GPU kernels on CUDA, the CPU set (the reference with SDPA prefill "
-        "attention) elsewhere; or one set by name",
+        "attention and a C convolution kernel) elsewhere; or one set by name",
     )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
     p.add_argument(
