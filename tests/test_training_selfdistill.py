@@ -104,6 +104,26 @@ def test_continuations_are_greedy_and_keep_the_token_that_ended_them(tmp_path, t
     assert generate_continuations(model, small, prompts, 12, (), timeout_s=0) == [None] * 3
 
 
+def test_batched_continuations_are_the_engines(tmp_path, tokenizer):
+    """The batched generator (the training path) gives what the engine gives (its reference):
+    prompts of several lengths in groups smaller than the prompt count, prefills split into
+    several forwards, a stop id that ends some continuations early; no time, no continuations."""
+    from training.selfdistill import batched_continuations, generate_continuations
+
+    model = Qwen35Model.load(tiny.save_text_only(tiny.causal_lm(seed=3), tmp_path / "t"))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 155, (n,), generator=gen).tolist() for n in (7, 2, 11, 4, 9)]
+    small = tiny.small_tokenizer()
+    plain = generate_continuations(model, small, prompts, 10, (), streams=5)
+    stop = plain[2][3]
+    want = generate_continuations(model, small, prompts, 10, (stop,), streams=5)
+    assert any(len(w) < 10 for w in want) and any(len(w) == 10 for w in want)
+    got = batched_continuations(model, prompts, 10, (stop,), rows=2, prefill_tokens=8)
+    assert got == want
+    assert batched_continuations(model, prompts, 10, (), rows=5) == plain
+    assert batched_continuations(model, prompts, 10, (), timeout_s=0) == [None] * 5
+
+
 def test_sequence_batches_train_on_generated_tokens_only():
     seqs = [[5, 6, 7, 8, 9], [5, 6, 10], [11, 12, 13, 14]]
     prompt = [2, 2, 3]

@@ -370,7 +370,7 @@ def stage_drafter(run: Run) -> None:
         taps=taps,
         intermediate=3 * a.hidden,
         max_new_tokens=a.seq_len - min(64, a.seq_len // 4),
-        streams=128,
+        streams=512,
         steps=a.drafter_steps,
         minutes=a.drafter_minutes,
         batch=a.batch,

@@ -3,8 +3,10 @@ on the target's own greedy continuations of a prompt file (self-distillation, DF
 
 Job, in order: load the target with headstart (any layout it reads: transformers safetensors in
 either placement, MLX 4-bit), read the prompts (:func:`read_prompts`), generate the target's
-greedy continuation of each through headstart's own Engine (many streams at once; a
-continuation ends at an end-of-sequence token, which is kept, or at ``max_new_tokens``), train a
+greedy continuation of each with headstart's own forward, many prompts in one batch
+(:func:`batched_continuations`; its reference, through headstart's Engine, is
+:func:`generate_continuations`; a continuation ends at an end-of-sequence token, which is kept,
+or at ``max_new_tokens``), train a
 drafter with :func:`training.drafter.train_drafter` against the same loaded model
 (:class:`HeadstartTarget`: its tapped features, embedding and head are what serving feeds the
 drafter, quantized weights included), and write it where ``headstart serve --drafter DIR``
@@ -90,10 +92,13 @@ def generate_continuations(
     """The greedy continuation of each prompt by ``model`` (a headstart model), through
     headstart's Engine with up to ``streams`` prompts decoding at once. A continuation that
     ends at an end-of-sequence token keeps that token (the drafter learns where turns end).
-    Prompts still unfinished after ``timeout_s`` get None (the rest is kept: a time-boxed run
-    trains on what it has)."""
+    Prompts still unfinished ``timeout_s`` after the call get None (the rest is kept: a
+    time-boxed run trains on what it has); the engine's start (graph capture, and on a fresh
+    machine the kernels' compilation) counts inside it, so a caller's budget holds."""
     from headstart.engine.engine import Engine, EngineConfig, EngineRequest, Failed, Finish, Piece
     from headstart.sampling import SamplingParams
+
+    deadline = time.monotonic() + timeout_s
 
     # The EOS ids as stop tokens, not as EOS: the final event then names the id that ended it.
     params = SamplingParams(
@@ -134,13 +139,79 @@ def generate_continuations(
     try:
         for i, ids in enumerate(prompts):
             engine.submit(EngineRequest(f"c{i}", list(ids), params, max_new_tokens, sink_for(i)))
-        all_done.wait(timeout_s)
+        all_done.wait(max(0.0, deadline - time.monotonic()))
     finally:
         engine.stop()  # what is still running ends here, unfinished
     if failures:
         raise RuntimeError(f"{len(failures)} continuation(s) failed; {failures[0]}")
     with lock:
         return [t if done else None for t, done in zip(tokens, finished, strict=True)]
+
+
+def batched_continuations(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    *,
+    rows: int = 512,
+    prefill_tokens: int = 16384,
+    timeout_s: float = 3600,
+) -> list[list[int] | None]:
+    """What :func:`generate_continuations` returns (its reference), computed by the model's
+    forward directly: ``rows`` prompts at a time, prefilled together (in forwards of at most
+    ``prefill_tokens`` tokens), then one decode row per unfinished prompt per step.
+
+    Why beside the engine: self-distillation needs many continuations of a small target, and
+    through the engine they were bound by its per-stream bookkeeping (on an H200, an 8M-parameter
+    target gave about 7k tokens/s at 128 streams, so a time-boxed training run got a few hundred
+    thousand tokens); a plain batched greedy loop has no per-request work beyond an argmax.
+    Prompts of similar length go together (fewer padded steps at the end of a group). A group
+    not finished by ``timeout_s`` after the call, and every group after it, gets None."""
+    from headstart.batch import ForwardBatch, SeqChunk
+
+    deadline = time.monotonic() + timeout_s
+    stops = set(eos_token_ids)
+    device = model.device
+    out: list[list[int] | None] = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for g in range(0, len(order), rows):
+        group = order[g : g + rows]
+        longest = max(len(prompts[i]) for i in group)
+        pool = model.new_state_pool(len(group), longest + max_new_tokens + 1)
+        firsts: list[torch.Tensor] = []
+        chunk: list[SeqChunk] = []
+        for j, i in enumerate(group):
+            chunk.append(SeqChunk(j, 0, tuple(prompts[i])))
+            if j + 1 == len(group) or sum(len(c.tokens) for c in chunk) >= prefill_tokens:
+                firsts.append(model.forward(ForwardBatch.build(chunk, device), pool))
+                chunk = []
+        logits = torch.cat(firsts)
+        tokens: list[list[int]] = [[] for _ in group]
+        alive = list(range(len(group)))
+        timed_out = False
+        while alive:
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            picked = logits.argmax(-1).tolist()
+            still = []
+            for j, t in zip(alive, picked, strict=True):
+                tokens[j].append(t)
+                if t not in stops and len(tokens[j]) < max_new_tokens:
+                    still.append(j)
+            alive = still
+            if alive:
+                step = [
+                    SeqChunk(j, len(prompts[group[j]]) + len(tokens[j]) - 1, (tokens[j][-1],))
+                    for j in alive
+                ]
+                logits = model.forward(ForwardBatch.build(step, device), pool)
+        if timed_out:
+            break
+        for j, i in enumerate(group):
+            out[i] = tokens[j]
+    return out
 
 
 class HeadstartTarget(nn.Module):
@@ -330,13 +401,12 @@ def train_drafter_for(
     load_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    conts = generate_continuations(
+    conts = batched_continuations(
         model,
-        tok,
         ids,
         max_new_tokens,
         loaded.eos_token_ids,
-        streams=streams,
+        rows=streams,
         timeout_s=generation_timeout_s,
     )
     gen_s = time.perf_counter() - t1

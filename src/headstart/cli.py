@@ -100,7 +100,7 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
         help="the block filler id (default: the embedding's last row, when past the tokenizer)",
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="per continuation (256)")
-    p.add_argument("--streams", type=int, default=64, help="prompts decoding at once (64)")
+    p.add_argument("--streams", type=int, default=64, help="prompts generated in one batch (64)")
     p.add_argument("--steps", type=int, default=None, help="training steps")
     p.add_argument(
         "--minutes", type=float, default=None, help="training time (10 when --steps is not given)"
