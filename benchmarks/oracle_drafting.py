@@ -2,7 +2,7 @@
 
     python benchmarks/oracle_drafting.py [--shape 27b|2b|tiny] [--format 4bit|bf16]
         [--streams 1 16] [--accept 2 4 7] [--block 8] [--new-tokens 121] [--prompt 32]
-        [--reps 3] [--refine 4] [--out FILE]
+        [--reps 3] [--refine 32] [--out FILE]
 
 At a real Qwen3.5 shape with random weights (made on the device, as ``serve --load-format
 dummy`` makes them), one engine serves everything: CUDA graphs for decode steps, chain verify
@@ -485,6 +485,11 @@ class Bench:
         record and run again. Returns the last record, how often it changed, the last run."""
         run, changed = self.spec(prompts, record, accept), 0
         while run.tokens != record and changed < limit:
+            # Each pass agrees with the record up to its first difference and only later
+            # windows can differ, so the agreeing prefix grows every pass: a stream of N
+            # tokens with d near-ties settles in about d passes.
+            where = first_difference(record, run.tokens)
+            print(f"k={accept}: refinement {changed + 1}, first difference at {where}", flush=True)
             record, changed = run.tokens, changed + 1
             run = self.spec(prompts, record, accept)
         return record, changed, run
@@ -574,7 +579,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=121)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream")
     ap.add_argument("--reps", type=int, default=3, help="measured runs per row")
-    ap.add_argument("--refine", type=int, default=4, help="record refinements (near-ties)")
+    ap.add_argument("--refine", type=int, default=32, help="record refinements (near-ties)")
     ap.add_argument("--device", default=None, help="default: cuda when there is one")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
