@@ -79,7 +79,7 @@ case "${1:-}" in
     wait $building $warming
     tail -1 "$out/examples.log"; grep -c . "$out/warm.log" | sed 's/^/kernel warm-up log lines: /'
     stage chat 95 --chat-minutes 0.85
-    stage drafter 185 --drafter-minutes 1.4 --continuations 4096 --generation-timeout 60
+    stage drafter 185 --drafter-minutes 1.4 --continuations 16384 --generation-timeout 60
     left=$((575 - SECONDS))
     [ $left -gt 20 ] && stage eval $left
     summary
@@ -106,7 +106,7 @@ case "${1:-}" in
   drafter)
     [ -d "$work/run" ] || cp -r .work/bundle/* "$work/"
     stage data 120
-    stage drafter 320 --drafter-minutes 2.4 --continuations 8192 --generation-timeout 110
+    stage drafter 320 --drafter-minutes 2.4 --continuations 16384 --generation-timeout 110
     stage eval $((575 - SECONDS))
     summary
     ;;
