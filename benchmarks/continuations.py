@@ -6,7 +6,7 @@ engine (training/selfdistill.py), on the embedded default model or ``--model``.
 
 Random 64-token prompts. The batched generator runs groups of ``--rows`` prompts and prints
 each group's tokens/s as it ends (so a run cut short still reports); then the engine, with
-``--rows`` streams (at most 128 as training used it), on ``--engine-prompts`` prompts, and
+``--rows`` streams (at most 128, as training used it before), on ``--engine-prompts`` prompts, and
 whether the two agree on those prompts. Each phase stops at ``--budget-s``.
 """
 

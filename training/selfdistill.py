@@ -181,19 +181,19 @@ def batched_continuations(
         pool = model.new_state_pool(len(group), longest + max_new_tokens + 1)
         firsts: list[torch.Tensor] = []
         chunk: list[SeqChunk] = []
+        chunk_tokens = 0
         for j, i in enumerate(group):
             chunk.append(SeqChunk(j, 0, tuple(prompts[i])))
-            if j + 1 == len(group) or sum(len(c.tokens) for c in chunk) >= prefill_tokens:
+            chunk_tokens += len(prompts[i])
+            if j + 1 == len(group) or chunk_tokens >= prefill_tokens:
                 firsts.append(model.forward(ForwardBatch.build(chunk, device), pool))
-                chunk = []
+                chunk, chunk_tokens = [], 0
         logits = torch.cat(firsts)
         tokens: list[list[int]] = [[] for _ in group]
         alive = list(range(len(group)))
-        timed_out = False
         while alive:
             if time.monotonic() > deadline:
-                timed_out = True
-                break
+                return out  # this group and the ones after it: unfinished
             picked = logits.argmax(-1).tolist()
             still = []
             for j, t in zip(alive, picked, strict=True):
@@ -207,8 +207,6 @@ def batched_continuations(
                     for j in alive
                 ]
                 logits = model.forward(ForwardBatch.build(step, device), pool)
-        if timed_out:
-            break
         for j, i in enumerate(group):
             out[i] = tokens[j]
     return out
