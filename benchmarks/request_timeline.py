@@ -21,6 +21,8 @@ import time
 
 _EVENTS: list[tuple[str, float]] = []
 _COLUMNS = (
+    ("read", "http0", "body1"),  # the app called (head parsed) to the body read
+    ("to parse", "body1", "prep0"),  # the hand-over to a worker thread
     ("parse", "prep0", "prep1"),  # body parsed and checked (worker thread), before the clock
     ("to submit", "gen0", "submit1"),  # the server's TTFT clock starts at gen0
     ("to admit", "submit1", "admit0"),  # the engine wakes (and gathers a burst)
@@ -32,7 +34,14 @@ _COLUMNS = (
     ("sample+send", "deliver0", "deliver1"),  # on a GPU this waits for the forward
     ("to loop", "deliver1", "take0"),  # the event loop picks the token up
     ("ttft", "gen0", "take1"),  # what the request log's ttft_s measures
+    ("from head", "http0", "take1"),  # the server's whole part of what a client sees
+    ("held", "held0", "held1"),  # the GIL or the event loop held past 2 ms meanwhile (summed)
 )
+#: Stalls of 2 ms or more: (kind, start, seconds, what the other threads were doing). "gil": a
+#: thread that sleeps 1 ms woke late (another thread held the interpreter); "loop": a task on
+#: the event loop that sleeps 1 ms woke late (the loop was busy or blocked).
+_STALLS: list[tuple[str, float, float, dict[str, str]]] = []
+STALL_S = 0.002
 
 
 def _mark(name: str) -> None:
@@ -53,16 +62,84 @@ def _around(owner: object, name: str, tag: str) -> None:
     setattr(owner, name, timed)
 
 
-def _rows(events: list[tuple[str, float]]) -> list[dict[str, float]]:
+def _around_async(owner: object, name: str, tag: str) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    async def timed(*args, **kwargs):
+        _mark(tag + "0")
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            _mark(tag + "1")
+
+    setattr(owner, name, timed)
+
+
+def _on_call(owner: object, name: str, tag: str) -> None:
+    """Mark when ``owner.name`` is called (an ASGI app: the call returns a coroutine)."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        _mark(tag)
+        return fn(*args, **kwargs)
+
+    setattr(owner, name, marked)
+
+
+def _threads_now() -> dict[str, str]:
+    """Each other thread's innermost frames, as ``file:line func`` (3 deep)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        where, f = [], frame
+        while f is not None and len(where) < 3:
+            file = f.f_code.co_filename.rsplit("/", 1)[-1]
+            where.append(f"{file}:{f.f_lineno} {f.f_code.co_name}")
+            f = f.f_back
+        out[names.get(ident, str(ident))] = " < ".join(where)
+    return out
+
+
+def _watch_gil() -> None:
+    while True:
+        t = time.perf_counter()
+        time.sleep(0.001)
+        late = time.perf_counter() - t - 0.001
+        if late >= STALL_S:
+            _STALLS.append(("gil", t, late, _threads_now()))
+
+
+async def _watch_loop() -> None:
+    import asyncio
+
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(0.001)
+        late = time.perf_counter() - t - 0.001
+        if late >= STALL_S:
+            _STALLS.append(("loop", t, late, {}))
+
+
+def _held(stalls: list[tuple[str, float, float, dict[str, str]]], a: float, b: float) -> float:
+    return sum(min(t + d, b) - max(t, a) for _, t, d, _ in stalls if t < b and t + d > a)
+
+
+def _rows(events: list[tuple[str, float]], stalls: list = ()) -> list[dict[str, float]]:
     """One row per request: from each ``gen0`` to the first ``take1`` after it (requests one
     at a time; overlapping requests mix their marks, so use it on sequential scenarios)."""
     rows, i, parsed = [], 0, None
     while i < len(events):
         name, t = events[i]
-        if name == "prep0":
-            parsed = {"prep0": t}
-        elif name == "prep1" and parsed is not None:
-            parsed["prep1"] = t
+        if name == "http0":
+            parsed = {"http0": t}
+        elif name in ("body1", "prep0", "prep1"):
+            parsed = parsed if parsed is not None else {}
+            parsed[name] = t
         if name != "gen0":
             i += 1
             continue
@@ -76,24 +153,47 @@ def _rows(events: list[tuple[str, float]]) -> list[dict[str, float]]:
             k += 1
         if k < len(events):
             seen["take1"] = events[k][1]
-        rows.append(
-            {
-                col: 1e3 * (seen[b] - seen[a]) if a in seen and b in seen else float("nan")
-                for col, a, b in _COLUMNS
-            }
+        row = {
+            col: 1e3 * (seen[b] - seen[a]) if a in seen and b in seen else float("nan")
+            for col, a, b in _COLUMNS
+            if a != "held0"
+        }
+        row["_a"], row["_b"] = seen.get("http0", seen.get("gen0")), seen.get("take1")
+        row["held"] = (
+            1e3 * _held(stalls, row["_a"], row["_b"])
+            if row["_a"] is not None and row["_b"] is not None
+            else float("nan")
         )
+        rows.append(row)
         parsed, i = None, k + 1
     return rows
 
 
 def show(path: str, first: int = 1) -> None:
-    """Print the table of FILE's requests from the ``first``-th on."""
+    """Print the table of FILE's requests from the ``first``-th on; then, for each request
+    that some stall overlapped, the stalls (FILE.stalls, written beside FILE)."""
     with open(path) as f:
         events = [tuple(json.loads(line)) for line in f]
-    print("req " + " ".join(f"{c:>11s}" for c, _, _ in _COLUMNS))
-    for j, row in enumerate(_rows(events), 1):
+    try:
+        with open(path + ".stalls") as f:
+            stalls = [tuple(json.loads(line)) for line in f]
+    except OSError:
+        stalls = []
+    rows = _rows(events, stalls)
+    print("req " + " ".join(f"{c:>10s}" for c, _, _ in _COLUMNS))
+    for j, row in enumerate(rows, 1):
         if j >= first:
-            print(f"{j:3d} " + " ".join(f"{row[c]:11.2f}" for c, _, _ in _COLUMNS))
+            print(f"{j:3d} " + " ".join(f"{row[c]:10.2f}" for c, _, _ in _COLUMNS))
+    for j, row in enumerate(rows, 1):
+        a, b = row.get("_a"), row.get("_b")
+        if j < first or a is None or b is None:
+            continue
+        for kind, t, d, threads in stalls:
+            if t < b and t + d > a:
+                print(f"  req {j}: {kind} stall {1e3 * d:.1f} ms at +{1e3 * (t - a):.1f} ms")
+                for name, where in threads.items():
+                    if not any(w in where for w in ("wait", "select", "_worker", " every")):
+                        print(f"    {name}: {where}")
 
 
 def main() -> int:
@@ -105,8 +205,8 @@ def main() -> int:
         return 2
     path, argv = sys.argv[2], sys.argv[3:]
     open(path, "w").close()
-    from headstart.engine import engine, inbox, prompt_cache_tiers, runner
-    from headstart.server import api
+    from headstart.engine import engine, host_copies, inbox, prompt_cache_tiers, runner
+    from headstart.server import api, guard
 
     for owner, name, tag in (
         (api, "_prepare_completion", "prep"),
@@ -121,16 +221,42 @@ def main() -> int:
         (prompt_cache_tiers.PromptCache, "restore", "restore"),
         (runner.ModelRunner, "run", "run"),
         (inbox.Inbox, "wait_quiet", "quiet"),
+        (host_copies.HostCopies, "_copy", "copy"),
+        (engine.Engine, "_end", "end"),
     ):
         _around(owner, name, tag)
+    _around_async(api, "read_body", "body")
+    _on_call(guard.Guard, "__call__", "http0")
+    watching = []
 
-    written = 0
+    def watch() -> None:  # from the first request on: start-up would flood the stall list
+        if not watching:
+            import asyncio
+
+            watching.append(asyncio.get_running_loop().create_task(_watch_loop()))
+            threading.Thread(target=_watch_gil, name="gil-watch", daemon=True).start()
+
+    generation_init = api._Generation.__init__
+
+    @functools.wraps(generation_init)
+    def init(*args, **kwargs):
+        watch()
+        generation_init(*args, **kwargs)
+
+    api._Generation.__init__ = init
+
+    written = stalls_written = 0
+    open(path + ".stalls", "w").close()
 
     def write() -> None:  # appends what is new: rewriting it all held the GIL for milliseconds
-        nonlocal written
+        nonlocal written, stalls_written
         new = _EVENTS[written : len(_EVENTS)]
         written += len(new)
         with open(path, "a") as f:
+            f.writelines(f"{json.dumps(e)}\n" for e in new)
+        new = _STALLS[stalls_written : len(_STALLS)]
+        stalls_written += len(new)
+        with open(path + ".stalls", "a") as f:
             f.writelines(f"{json.dumps(e)}\n" for e in new)
 
     def every() -> None:
