@@ -486,3 +486,70 @@ def test_prompt_files(tmp_path):
     assert body["chat_template_kwargs"] == {"enable_thinking": True} and body["seed"] == 0
     assert request_sha({**body, "model": "x"}) == request_sha(body)
     assert "chat_template_kwargs" not in request_body(ps[3], Sampling())
+
+
+class HeldBack(BaseHTTPRequestHandler):
+    """A stream whose first token's text is held back (part of a character): its chunk has
+    empty text and, when logprobs were asked for, the token in ``logprobs``; the text comes
+    ``DELAY_S`` later with the second token."""
+
+    protocol_version = "HTTP/1.0"
+    DELAY_S = 0.25
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+
+        def send(choice: dict) -> None:
+            self.wfile.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            self.wfile.flush()
+
+        def lp(token: str) -> dict | None:
+            return {"tokens": [token], "token_logprobs": [-1.0]} if "logprobs" in req else None
+
+        if "logprobs" in req:
+            send({"index": 0, "text": "", "logprobs": lp("token_id:175")})
+        time.sleep(self.DELAY_S)
+        send({"index": 0, "text": "\ufffd5", "logprobs": lp("token_id:20")})
+        send({"index": 0, "text": "", "finish_reason": "length"})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
+    """TTFT is the first token's arrival: a chunk with empty text that carries the token in
+    its logprobs counts (as vLLM's benchmark counts it); one with nothing in it would not."""
+    import asyncio
+
+    import httpx
+
+    from headstart.bench.client import measure, token_ids
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), HeldBack)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions"
+    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+    if logprobs:
+        body["logprobs"] = 0
+
+    async def one():
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await measure(client, url, json.dumps(body).encode(), time.perf_counter(), {})
+
+    try:
+        row, out = asyncio.run(one())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert not row["error"]
+    if logprobs:
+        assert row["ttft_s"] < HeldBack.DELAY_S / 2 and row["n_deltas"] == 2
+        assert token_ids(out.tokens) == [175, 20]
+    else:
+        assert row["ttft_s"] >= HeldBack.DELAY_S and row["n_deltas"] == 1
+    assert "".join(out.content) == "\ufffd5"

@@ -1,7 +1,7 @@
 """Send streamed requests and time them on the client's clock.
 
-Job: one request -> one raw row (send, first and last non-empty delta, ``[DONE]``, usage,
-output fingerprint); one burst -> N such requests started together. Every timestamp is
+Job: one request -> one raw row (send, first and last delta that carries a token, ``[DONE]``,
+usage, output fingerprint); one burst -> N such requests started together. Every timestamp is
 ``time.perf_counter()`` taken as close to the wire as httpx allows, minus the run's ``t0``.
 
 Works against any OpenAI-compatible server: it reads ``choices[].delta.content``,
@@ -83,6 +83,18 @@ def token_ids(tokens: list[str] | None) -> list[int] | None:
     return ids
 
 
+def _tokens_in(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries generated tokens beyond its text: logprobs entries or
+    tool-call deltas. A token whose text a server holds back (part of a character, as every
+    detokenizer does) still arrives this way, and it is a token's arrival that TTFT and the
+    delta times count, as vLLM's benchmark counts the first chunk with a choice."""
+    lp = choice.get("logprobs")
+    if lp and (lp.get("content") or lp.get("tokens")):
+        return True
+    delta = choice.get("delta")
+    return bool(delta and delta.get("tool_calls"))
+
+
 def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
     """(content, reasoning) text of one streamed choice, chat or completions."""
     delta = choice.get("delta")
@@ -102,7 +114,8 @@ async def measure(
 ) -> tuple[Row, Output]:
     """Send one streamed request; return its raw row fields (no identity fields) and output.
     ``on_delta``, if given, is called with the arrival time (seconds since ``t0``) of every
-    non-empty delta as it arrives, so a caller can keep each token's time or act on progress.
+    delta that carries a token as it arrives, so a caller can keep each token's time or act
+    on progress.
 
     Never raises for HTTP or stream problems: they land in the row's ``status``/``error`` so a
     failed request is recorded (and then fails ``bench check``) instead of vanishing.
@@ -175,7 +188,7 @@ async def _read_stream(
             _take_tokens(choice, out)
             if choice.get("finish_reason"):
                 row["finish_reason"] = str(choice["finish_reason"])
-            if content or reasoning:
+            if content or reasoning or _tokens_in(choice):
                 out.content.append(content)
                 out.reasoning.append(reasoning)
                 row["n_deltas"] += 1

@@ -31,8 +31,8 @@ SCHEMA: dict[str, type] = {
     "stream": int,  # index of this request within its burst
     "request_sha": str,  # sha256 of the request body without "model": same body, same output
     "t_send": float,  # just before the request was sent
-    "t_first": float,  # first non-empty content/reasoning/text delta
-    "t_last": float,  # last non-empty delta
+    "t_first": float,  # first delta carrying a token (text, or logprobs/tool calls)
+    "t_last": float,  # last such delta
     "t_done": float,  # data: [DONE]
     "ttft_s": float,  # derived: t_first - t_send
     "decode_tok_s": float,  # derived: (tokens - 1) / (t_last - t_first)
@@ -40,7 +40,7 @@ SCHEMA: dict[str, type] = {
     "prompt_tokens": int,  # from the server's usage chunk
     "completion_tokens": int,
     "cached_tokens": int,  # usage.prompt_tokens_details.cached_tokens
-    "n_deltas": int,  # non-empty deltas received
+    "n_deltas": int,  # deltas received that carry a token
     "finish_reason": str,
     "fingerprint": str,  # sha256 (16 hex) of the output text (and token ids with --token-ids)
     "status": int,  # HTTP status

@@ -11,8 +11,8 @@ connection (a *lane*). Before every step, each lane the step uses is warmed with
 closed an idle one), then all wait at a barrier and send together; in ``beside`` the long
 prompt waits, after the barrier, until every decoder has streamed
 ``scenarios.DECODING_DELTAS`` deltas (or ended), and warms its lane just before it goes.
-TTFT is taken at the first non-empty
-streamed delta, as in the rest of bench (``client.measure``).
+TTFT is taken at the first
+streamed delta that carries a token, as in the rest of bench (``client.measure``).
 
 ``agent`` sends one turn at a time: each turn's prompt appends the ids the server generated
 for the previous turn (``scenarios.agent_turn``), so the next turn is built only once the

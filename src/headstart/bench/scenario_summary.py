@@ -8,9 +8,9 @@ maximum and each repeat's value; for ``agent`` the same per turn; ratios to the 
 balanced over orders; and the text table. Deterministic: ``bench check`` recomputes
 :func:`summarize_scenario` from the stored records.
 
-An inter-token gap is the time between two consecutive non-empty deltas of one stream as
-the client received them (a delta that carries several tokens counts once); a stream's TTFT
-is not a gap.
+An inter-token gap is the time between two consecutive deltas (each carrying a token) of one
+stream as the client received them (a delta that carries several tokens counts once); a
+stream's TTFT is not a gap.
 
 An ``agent`` turn after the first can find cached at most the previous turn's prompt and all
 but the last of its answer's tokens (the last one was sampled, never fed through the model).
@@ -68,7 +68,8 @@ RECORD_SCHEMA: dict[str, type] = {
     "fingerprint": str,
     "status": int,
     "error": str,
-    "times": list,  # arrival time of every non-empty delta: times[0] = t_first, [-1] = t_last
+    # arrival time of every delta that carries a token: times[0] = t_first, [-1] = t_last
+    "times": list,
 }
 #: The fields an ``agent`` record has after :data:`RECORD_SCHEMA`: the token ids the server
 #: generated (which the next turn's prompt appends); None: it returned none (failed).
