@@ -88,6 +88,25 @@ def test_prefix_hashes_equal_exactly_for_equal_prefixes():
     assert len({h.at(n) for n in range(301)}) == 301
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_hashes_extended_from_a_base_equal_those_made_afresh(seed):
+    """Hashes extended from a base (the state a slot holds) equal fresh ones at every length,
+    whether the base is a prefix (at a link's end or inside one, or all of it) or is not."""
+    rng = random.Random(seed)
+    tokens = tuple(rng.randrange(50) for _ in range(rng.randrange(1, 400)))
+    cut = rng.choice([0, len(tokens), rng.randrange(len(tokens) + 1), 64 * (len(tokens) // 128)])
+    bases = [tokens[:cut], (*tokens[:cut], 51), tokens[: max(cut - 1, 0)] + (52,) * 9]
+    if len(tokens) > 1:
+        bases.append((*tokens[: len(tokens) - 1], tokens[-1] + 1) + tokens)
+    fresh = PrefixHashes(tokens)
+    for base in bases:
+        extended = PrefixHashes(tokens, base=PrefixHashes(base))
+        assert extended.tokens == tokens
+        assert [extended.at(n) for n in range(len(tokens) + 1)] == [
+            fresh.at(n) for n in range(len(tokens) + 1)
+        ]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_index_against_a_brute_force_model(seed):
     """Random conversations that share and extend prefixes, under a budget: every lookup

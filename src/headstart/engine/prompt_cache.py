@@ -64,12 +64,24 @@ class PrefixHashes:
 
     __slots__ = ("_bytes", "_chain", "tokens")
 
-    def __init__(self, tokens: tuple[int, ...]) -> None:
+    def __init__(self, tokens: tuple[int, ...], base: PrefixHashes | None = None) -> None:
+        """``base``: the hashes of an earlier sequence, likely a prefix of ``tokens`` (the state
+        a slot holds, which the conversation's next prompt extends). When it is one, its bytes
+        and links are reused and only the tokens after it are converted and hashed: an agent
+        turn at 12k tokens of history hashes its ~500 new ones, not all 12k (BENCHMARKS.md:
+        the lookup's share of a turn's first token). Equal to ``PrefixHashes(tokens)`` either
+        way."""
         self.tokens = tokens
-        self._bytes = array.array("q", tokens).tobytes()
-        chain = [b""]
         step = 8 * HASH_BLOCK
-        for end in range(step, len(self._bytes) + 1, step):
+        n = 0 if base is None else len(base.tokens)
+        if n and n <= len(tokens) and tokens[:n] == base.tokens:
+            kept = n // HASH_BLOCK  # whole links of base; its partial tail is hashed again
+            chain = base._chain[: kept + 1]
+            self._bytes = base._bytes[: 8 * n] + array.array("q", tokens[n:]).tobytes()
+        else:
+            chain = [b""]
+            self._bytes = array.array("q", tokens).tobytes()
+        for end in range(step * len(chain), len(self._bytes) + 1, step):
             chain.append(_digest(chain[-1] + self._bytes[end - step : end]))
         self._chain = chain
 

@@ -164,13 +164,14 @@ class PromptCache:
         self.generations: OrderedDict[tuple[int, bytes], tuple[int, bytes]] = OrderedDict()
         self.generation_cap = 4 * config.max_snapshots
         self.seams = 0
-        # Slot -> (length, prefix hash) of the generation snapshot that the slot still holds
+        # Slot -> the prefix hashes of the generation snapshot that the slot still holds
         # exactly: set when a stream's generation is snapshotted (its slot is freed next), and
         # dropped when the slot is next looked up for (match_prefix), before anything writes it.
         # The next turn of a conversation usually gets that very slot (freed slots are reused
         # first), and then its restore copies nothing: at 12k tokens of 27B history that copy
-        # is 0.8 GB on the device.
-        self._resident: dict[int, tuple[int, bytes]] = {}
+        # is 0.8 GB on the device. Its lookup also extends these hashes instead of hashing the
+        # whole prompt again.
+        self._resident: dict[int, PrefixHashes] = {}
         self.in_place = 0  # restores that found their state already in the slot
         self.host_restores = Transfers()  # host tier -> a slot on the device
         self.demotions = Transfers()  # device tier -> host tier
@@ -238,7 +239,7 @@ class PromptCache:
         if not self.enabled:
             return None
         self._settle_copies()
-        hashes = PrefixHashes(tuple(prompt))  # once for both tiers
+        hashes = PrefixHashes(tuple(prompt), base=held)  # once for both tiers
         found = [
             Match(entry, index)
             for index in (self.device, self.host)
@@ -248,7 +249,8 @@ class PromptCache:
         ]
         best = max(found, key=lambda m: m.entry.length, default=None)
         self._count_seam(hashes, best.entry.length if best is not None else 0)
-        if best is not None and held == (best.entry.length, hashes.at(best.entry.length)):
+        n = best.entry.length if best is not None else -1
+        if held is not None and n == len(held.tokens) and held.at(n) == hashes.at(n):
             best = replace(best, in_place=True)
         return best
 
@@ -361,7 +363,7 @@ class PromptCache:
             hashes = PrefixHashes(tokens)
             answered = (len(tokens), hashes.at(len(tokens)))
             assert seq.slot is not None
-            self._resident[seq.slot] = answered
+            self._resident[seq.slot] = hashes
             if self.insert(tokens, seq.slot, None, lambda: features(seq.computed), hashes):
                 prompt = (len(seq.prompt), hashes.at(len(seq.prompt)))
                 self.generations[prompt] = answered
