@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 from engine_helpers import Collector
@@ -439,6 +440,33 @@ def test_host_tier_keeps_what_the_device_tier_evicts(loaded, engines, copier):
     again = ask(e, prompts[0], GREEDY, "again")
     assert again.finish.cached_tokens == len(prompts[0]) and again.tokens == first[0]
     assert e.stats()["cache_host_hits"] == 1
+
+
+def test_an_idle_engine_takes_in_finished_demotions_before_the_next_lookup(loaded, engines):
+    """Demotions copied by the copier thread while the engine is idle join the host tier
+    then, without a request: the next lookup finds nothing left to take in."""
+    probe = make_engine(engines, loaded, interval=0)
+    fixed = probe.cache.pool.fixed_bytes()
+    # Two store rows, bytes for one snapshot: the device tier evicts by bytes, so a
+    # demotion is left in flight after the last request (not waited for to free a row).
+    e = make_engine(
+        engines,
+        loaded,
+        cache_bytes=2 * fixed + 50_000,
+        interval=0,
+        host_bytes=64 << 20,
+        async_demotion=True,
+    )
+    assert e.cache.store.capacity == 2
+    prompts = [prompt(loaded, f"idle_{i} = settle({i!r})\n") for i in range(3)]
+    for i, ids in enumerate(prompts):
+        ask(e, ids, GREEDY, f"p{i}")
+    assert wait_idle(e)
+    deadline = time.monotonic() + 10
+    while (e.cache.copies.pending or len(e.cache.host.entries) < 5) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert e.cache.copies.pending == 0 and len(e.cache.host.entries) == 5
+    assert all(e.cache.host.contains(p) for p in prompts)
 
 
 @pytest.mark.parametrize("copier", [False, True], ids=["inline", "copier"])

@@ -42,6 +42,9 @@ from headstart.tokenizer import Tokenizer
 
 log = logging.getLogger("headstart.engine")
 
+#: How often an idle engine looks for finished demotions while some are in flight (seconds).
+IDLE_POLL_S = 0.002
+
 __all__ = ["Engine", "EngineConfig", "EngineRequest", "Failed", "Finish", "Piece", "QueueFull"]
 
 
@@ -141,7 +144,10 @@ class Engine:
                 self._fail_all(list(self._live.values()), e)
                 continue
             if not work:
-                self._inbox.wait(timeout=0.5)
+                # Idle: demotions that finish now are taken in now, polled every 2 ms while
+                # any is in flight, rather than by the next request's lookup.
+                copying = self.cache.settle()
+                self._inbox.wait(timeout=IDLE_POLL_S if copying else 0.5)
                 self._inbox.wait_quiet(self._gather[0], self._gather[1])
                 continue
             try:

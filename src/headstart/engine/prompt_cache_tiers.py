@@ -482,6 +482,14 @@ class PromptCache:
                 self._drop_block(done.block)
             self._release(done.entry)
 
+    def settle(self) -> bool:
+        """Take in the demotions finished so far (never blocks); whether others are still in
+        flight. The engine calls it while idle, so that a demotion that finished between two
+        requests joins the host tier then, not inside the next request's lookup (the host
+        index's work on a 12k-token entry is a fraction of a millisecond of a first token)."""
+        self._settle_copies()
+        return self.copies is not None and self.copies.pending > 0
+
     def flush(self) -> None:
         """Wait for every demotion in flight and take it in. Engine thread only (or any thread
         while the engine is idle, as tests do)."""
