@@ -67,7 +67,8 @@ run_scenarios() {
   for sc in "$@"; do
     name=${sc%%,*}
     extra=${sc#"$name"}
-    tag=$(echo "$sc" | tr -c 'a-z0-9\n' '-')
+    runs=$((${runs:-0} + 1))  # a scenario may run twice in one session: each its own receipt
+    tag=$(echo "$sc" | tr -c 'a-z0-9\n' '-')-$runs
     timeout 240 python3 -m headstart bench --arm "headstart=http://127.0.0.1:$port" --orders 1 \
       --scenario "$name" ${extra//,/ } --out "$receipts/$shape-$tag" --no-progress \
       >"$receipts/$shape-$tag.log" 2>&1
