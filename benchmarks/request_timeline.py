@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import sys
 import threading
@@ -49,27 +50,22 @@ def _mark(name: str) -> None:
 
 
 def _around(owner: object, name: str, tag: str) -> None:
+    """Mark ``tag0`` and ``tag1`` around each call of ``owner.name`` (awaited, if async)."""
     fn = getattr(owner, name)
+
+    async def awaited(coro):
+        try:
+            return await coro
+        finally:
+            _mark(tag + "1")
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         _mark(tag + "0")
+        if inspect.iscoroutinefunction(fn):
+            return awaited(fn(*args, **kwargs))
         try:
             return fn(*args, **kwargs)
-        finally:
-            _mark(tag + "1")
-
-    setattr(owner, name, timed)
-
-
-def _around_async(owner: object, name: str, tag: str) -> None:
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    async def timed(*args, **kwargs):
-        _mark(tag + "0")
-        try:
-            return await fn(*args, **kwargs)
         finally:
             _mark(tag + "1")
 
@@ -225,7 +221,7 @@ def main() -> int:
         (engine.Engine, "_end", "end"),
     ):
         _around(owner, name, tag)
-    _around_async(api, "read_body", "body")
+    _around(api, "read_body", "body")
     _on_call(guard.Guard, "__call__", "http0")
     watching = []
 
