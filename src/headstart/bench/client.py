@@ -53,15 +53,18 @@ class Output:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _take_tokens(choice: dict[str, Any], out: Output) -> None:
+def _take_tokens(choice: dict[str, Any], out: Output) -> int:
+    """Append the tokens named in a streamed choice's ``logprobs`` to ``out``; how many."""
     lp = choice.get("logprobs")
     if not lp:
-        return
+        return 0
     out.tokens = out.tokens if out.tokens is not None else []
+    before = len(out.tokens)
     if isinstance(lp.get("content"), list):  # chat: [{"token": ...}, ...]
         out.tokens.extend(str(e.get("token")) for e in lp["content"])
     elif isinstance(lp.get("tokens"), list):  # completions: ["...", ...]
         out.tokens.extend(str(t) for t in lp["tokens"])
+    return len(out.tokens) - before
 
 
 #: How a token is named in ``logprobs`` with ``return_tokens_as_token_ids`` (vLLM, headstart).
@@ -81,18 +84,6 @@ def token_ids(tokens: list[str] | None) -> list[int] | None:
             return None
         ids.append(int(digits))
     return ids
-
-
-def _tokens_in(choice: dict[str, Any]) -> bool:
-    """Whether a streamed choice carries generated tokens beyond its text: logprobs entries or
-    tool-call deltas. A token whose text a server holds back (part of a character, as every
-    detokenizer does) still arrives this way, and it is a token's arrival that TTFT and the
-    delta times count, as vLLM's benchmark counts the first chunk with a choice."""
-    lp = choice.get("logprobs")
-    if lp and (lp.get("content") or lp.get("tokens")):
-        return True
-    delta = choice.get("delta")
-    return bool(delta and delta.get("tool_calls"))
 
 
 def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
@@ -185,10 +176,14 @@ async def _read_stream(
             row["cached_tokens"] = details.get("cached_tokens")
         for choice in chunk.get("choices") or ():
             content, reasoning = _pieces(choice)
-            _take_tokens(choice, out)
+            # A token counts when it arrives, text or not: one whose text a server holds back
+            # (part of a character) comes with its logprobs entry alone, or as a tool-call
+            # delta; vLLM's benchmark too counts the first chunk with a choice.
+            tokens = _take_tokens(choice, out)
+            calls = (choice.get("delta") or {}).get("tool_calls")
             if choice.get("finish_reason"):
                 row["finish_reason"] = str(choice["finish_reason"])
-            if content or reasoning or _tokens_in(choice):
+            if content or reasoning or tokens or calls:
                 out.content.append(content)
                 out.reasoning.append(reasoning)
                 row["n_deltas"] += 1

@@ -485,8 +485,8 @@ class PromptCache:
     def settle(self) -> bool:
         """Take in the demotions finished so far (never blocks); whether others are still in
         flight. The engine calls it while idle, so that a demotion that finished between two
-        requests joins the host tier then, not inside the next request's lookup (the host
-        index's work on a 12k-token entry is a fraction of a millisecond of a first token)."""
+        requests joins the host tier then, not inside the next request's lookup, where its
+        host-index work would delay that request's first token."""
         self._settle_copies()
         return self.copies is not None and self.copies.pending > 0
 
