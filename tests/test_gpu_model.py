@@ -176,6 +176,56 @@ def test_stream_batched_with_15_others_equals_alone(ckpt):
     assert (batched - alone[1:]).abs().max() <= 0.02 * alone.abs().max()
 
 
+def test_verify_windows_of_16_streams_equal_one_row_steps(ckpt):
+    """16 streams' verify windows of 8 rows in one forward (the batch the engine's window graphs
+    run: 128 rows, the matmuls' cuBLAS regime) against the same tokens as one-row decode steps
+    of the 16 streams (16 rows, the fused kernels), and against each window alone: bf16
+    accumulation order only, every stream, every row."""
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(0, 512, (int(n),), generator=gen).tolist()
+        for n in torch.randint(5, 60, (16,), generator=gen)
+    ]
+    dev, block = model.device, 8
+
+    def prefilled():
+        pool = model.new_state_pool(16, 256)
+        chunks = [SeqChunk(s, 0, p) for s, p in enumerate(prompts)]
+        return pool, model.forward(ForwardBatch.build(chunks, dev), pool)
+
+    pool, first = prefilled()
+    tokens = [[int(first[s].argmax())] for s in range(16)]
+    steps = []
+    for i in range(block):
+        chunks = [SeqChunk(s, len(p) + i, (tokens[s][-1],)) for s, p in enumerate(prompts)]
+        logits = model.forward(ForwardBatch.build(chunks, dev), pool).float()
+        steps.append(logits)
+        for s in range(16):
+            tokens[s].append(int(logits[s].argmax()))
+    steps = torch.stack(steps, dim=1)  # [16, block, vocab]
+
+    def windows(groups):
+        pool, _ = prefilled()
+        out = torch.empty_like(steps)
+        for group in groups:
+            batch = ForwardBatch.windows_of(
+                torch.tensor([t for s in group for t in tokens[s][:block]], device=dev),
+                torch.tensor(group, device=dev),
+                torch.tensor([len(prompts[s]) for s in group], device=dev),
+                block,
+            )
+            out[group] = model.forward(batch, pool).float().view(len(group), block, -1)
+        return out
+
+    together = windows([list(range(16))])
+    alone = windows([[s] for s in range(16)])
+    scale = steps.abs().max()
+    assert (together - steps).abs().max() <= 0.02 * scale
+    assert (alone - steps).abs().max() <= 0.02 * scale
+    assert (together - alone).abs().max() <= 0.02 * scale
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)).item()
 
