@@ -170,22 +170,30 @@ if HAVE_TRITON:
         BN: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
-        """One block of ``BN`` keys from ``n0`` (those at ``hi`` and after masked; with
-        ``CAUSAL``, those after each row's position too) into the online softmax."""
+        """One block of ``BN`` keys from ``n0`` into the online softmax. With ``CAUSAL``, keys
+        at ``hi`` and after are masked, and those after each row's position; without, every
+        key of the block is below ``hi`` and seen by every row: no mask, so the block's loads
+        and scores carry no predicates (most of a long history's blocks)."""
         cols = n0 + tl.arange(0, BN)
         d = tl.arange(0, HD)
-        live = cols < hi
-        k = tl.load(k_base + cols[:, None] * stride_kt + d[None, :], mask=live[:, None], other=0.0)
+        k_ptrs = k_base + cols[:, None] * stride_kt + d[None, :]
+        v_ptrs = v_base + cols[:, None] * stride_vt + d[None, :]
+        if CAUSAL:
+            live = cols < hi
+            k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # log2-domain scores [BM, BN]
         if CAUSAL:
             s = tl.where(live[None, :] & (cols[None, :] <= pos[:, None]), s, float("-inf"))
-        else:
-            s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vt + d[None, :], mask=live[:, None], other=0.0)
+        if CAUSAL:
+            v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 
