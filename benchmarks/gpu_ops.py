@@ -17,6 +17,10 @@ convention of the device notes), then:
   the same rows as decode rows and SDPA over the slot's rows.
 * gdn_decode for 48 layers of 27B state at n = 1 and 16 (floor = state read + write / bandwidth):
   one layer alone, and all 48 layers replayed from a CUDA graph.
+* the GDN convolution of prefill rows (27B: 10240 channels, 4 taps, rows read from the wider
+  projection output): ``ops/conv/triton.py`` against the PyTorch reference of each shape (new
+  prompts padded to 32 rows, one span of 500..8192 rows, a padded continued chunk, 16 spans in
+  one forward), floor = rows read + written / bandwidth.
 
 Kernel times are per call, replayed back to back from a CUDA graph over several copies of the
 weights/caches (so the 60 MB L2 cannot hold them), as a graph-captured decode step runs them: a
@@ -26,7 +30,7 @@ otherwise swamp a 5-20 us kernel ("eager" columns show that cost). Medians of
 short aligned table.
 
     PYTHONPATH=src python benchmarks/gpu_ops.py [--sweep] [--quick] [--lm-head] [--before FILE]
-        [--skip attention,gdn] [--json PATH]
+        [--skip attention,gdn,conv] [--json PATH]
 """
 
 from __future__ import annotations
@@ -430,6 +434,69 @@ def bench_gdn(bw: float) -> list[dict]:
     return rows
 
 
+def bench_conv(bw: float) -> list[dict]:
+    from headstart.ops.conv import reference as ref
+    from headstart.ops.conv import triton as gpu_conv
+
+    rows = []
+    C, K, width = 10240, 4, 10240 + 6144 + 96
+    w = torch.randn(C, K, device=DEV).to(torch.bfloat16)
+
+    def case(name, T, make):
+        copies = copies_for(T * width * 2)
+        xs = [torch.randn(T, width, device=DEV).to(torch.bfloat16)[:, :C] for _ in range(copies)]
+        ours, theirs = make(gpu_conv), make(ref)
+        got, want = ours(xs[0]), theirs(xs[0])
+        err = max(
+            (a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True)
+        )
+        t_ours = bench_graph([lambda x=x: ours(x) for x in xs])
+        t_ref = bench_graph([lambda x=x: theirs(x) for x in xs])
+        floor = 2 * T * C * 2 / (bw * 1e9) * 1e6
+        rows.append(
+            {
+                "case": name,
+                "rows": T,
+                "ours_us": t_ours,
+                "ref_us": t_ref,
+                "floor_us": floor,
+                "max_abs_err": err,
+            }
+        )
+        print(
+            f"  conv {name}: ours {t_ours:.1f} us, reference {t_ref:.1f} us, floor "
+            f"{floor:.1f} (max |diff| {err:.3g})",
+            flush=True,
+        )
+
+    def padded(n, L):
+        lengths = torch.full((n,), L - 1, device=DEV)
+        return lambda mod: lambda x: mod.causal_conv_padded(x.view(n, L, C), lengths, w)
+
+    def span(T):
+        tail = torch.randn(C, K - 1, device=DEV).to(torch.bfloat16)
+        return lambda mod: lambda x: mod.causal_conv(x, tail, w)
+
+    def upto(L):
+        tail = torch.randn(C, K - 1, device=DEV).to(torch.bfloat16)
+        length = torch.tensor([L - 3], device=DEV)
+        return lambda mod: lambda x: mod.causal_conv_upto(x, tail, w, length)
+
+    def spans(n, L):
+        tails = torch.randn(n, C, K - 1, device=DEV).to(torch.bfloat16)
+        cu = torch.arange(0, (n + 1) * L, L, dtype=torch.int32, device=DEV)
+        plan = [t.to(DEV) for t in ref.conv_spans_plan([L] * n, K - 1)]
+        return lambda mod: lambda x: mod.causal_conv_spans(x, tails, w, lambda: plan, cu)
+
+    case("padded 1x32", 32, padded(1, 32))
+    case("padded 16x32", 512, padded(16, 32))
+    case("span 500", 500, span(500))
+    case("span 8192", 8192, span(8192))
+    case("upto 512", 512, upto(512))
+    case("spans 16x31", 496, spans(16, 31))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time the config sweep")
@@ -437,7 +504,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the torch matmul baselines")
     ap.add_argument("--lm-head", action="store_true", help="also time the 248320x5120 lm_head")
     ap.add_argument("--before", default="", help="a quant_matmul.py to time alongside")
-    ap.add_argument("--skip", default="", help="parts to skip: matmul,attention,gdn,chunk")
+    ap.add_argument("--skip", default="", help="parts to skip: matmul,attention,gdn,chunk,conv")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_ops.json"))
     args = ap.parse_args()
     if args.configs:
@@ -456,10 +523,18 @@ def main() -> None:
     att = [] if "attention" in skip else bench_attention(bw)
     gdn = [] if "gdn" in skip else bench_gdn(bw)
     chunk = [] if "chunk" in skip else bench_chunk(bw, args.sweep)
+    conv = [] if "conv" in skip else bench_conv(bw)
     with contextlib.suppress(OSError):
         Path(args.json).write_text(
             json.dumps(
-                {"copy_GBps": bw, "matmul": mm, "attention": att, "gdn": gdn, "chunk": chunk},
+                {
+                    "copy_GBps": bw,
+                    "matmul": mm,
+                    "attention": att,
+                    "gdn": gdn,
+                    "chunk": chunk,
+                    "conv": conv,
+                },
                 indent=1,
             )
         )
@@ -496,6 +571,12 @@ def main() -> None:
             f"chunk attention W={r['width']:<4d} at {r['start']}: ours {r['ours_us']:.1f} us, "
             f"decode rows {r['decode_rows_us']:.1f}, sdpa {r['sdpa_us']:.1f}, floor "
             f"{r['floor_us']:.1f}"
+        )
+    for r in conv:
+        print(
+            f"conv {r['case']:<14s} ours {r['ours_us']:7.1f} us, reference {r['ref_us']:7.1f}, "
+            f"floor {r['floor_us']:6.1f}, "
+            f"48 layers save {(r['ref_us'] - r['ours_us']) * 48e-3:.2f} ms"
         )
 
 

@@ -12,6 +12,7 @@ in-place state updates are compared whole, slots that must not change exactly.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -198,3 +199,110 @@ def test_model_decode_with_fused_kernels_matches_reference(tmp_path):
             for m, pool in zip(models, pools, strict=True)
         )
         assert (got - want).abs().max() <= 1.5 * (bf16 - want).abs().max() + 1e-3, step
+
+
+# -- the GDN convolution of prefill rows (ops/conv/triton.py) against ops/conv/reference.py ---
+
+
+def _conv_inputs(T, C=40, K=4, seed=0):
+    return rand(T, C, seed=seed), rand(C, K, seed=seed + 1), rand(C, K - 1, seed=seed + 2)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 37])
+def test_conv_span_kernel(T):
+    """One span from a nonzero tail and from a zero one; spans shorter than the tail too."""
+    from headstart.ops.conv import reference as ref
+    from headstart.ops.conv import triton as gpu_conv
+
+    x, w, tail = _conv_inputs(T, seed=T)
+    for t in (tail, torch.zeros_like(tail)):
+        y, new = gpu_conv.causal_conv(x, t, w)
+        want_y, want_new = ref.causal_conv(x, t, w)
+        close(y, want_y)
+        assert torch.equal(new, want_new)
+
+
+def test_conv_upto_kernel_on_a_strided_x():
+    """A padded span (real rows first ``length``) read from a column slice of a wider row, as
+    the GDN's projection gives it: real rows and the tail ending at the last real row."""
+    from headstart.ops.conv import reference as ref
+    from headstart.ops.conv import triton as gpu_conv
+
+    wide = rand(9, 50, seed=3)
+    x, w, tail = wide[:, 4:44], rand(40, 4, seed=4), rand(40, 3, seed=5)
+    for n in (1, 2, 4, 9):
+        length = torch.tensor([n], device=DEV)
+        y, new = gpu_conv.causal_conv_upto(x, tail, w, length)
+        want_y, want_new = ref.causal_conv_upto(x, tail, w, length)
+        close(y[:n], want_y[:n])
+        assert torch.equal(new, want_new)
+
+
+def test_conv_padded_kernel():
+    from headstart.ops.conv import reference as ref
+    from headstart.ops.conv import triton as gpu_conv
+
+    lengths = torch.tensor([5, 1, 2, 8], device=DEV)
+    x, w = rand(4, 8, 40, seed=6), rand(40, 4, seed=7)
+    y, tails = gpu_conv.causal_conv_padded(x, lengths, w)
+    want_y, want_tails = ref.causal_conv_padded(x, lengths, w)
+    for j, n in enumerate(lengths.tolist()):
+        close(y[j, :n], want_y[j, :n])
+    assert torch.equal(tails, want_tails)
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 2, 9], [1, 1], [3, 17]])
+def test_conv_spans_kernel(lengths):
+    """Several spans in one pass, fresh (zero tail) and continued, shorter and longer than
+    the tail."""
+    from headstart.ops.conv import reference as ref
+    from headstart.ops.conv import triton as gpu_conv
+
+    x, w = rand(sum(lengths), 40, seed=8), rand(40, 4, seed=9)
+    tails = rand(len(lengths), 40, 3, seed=10)
+    tails[0] = 0.0
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEV)
+    plan = [t.to(DEV) for t in ref.conv_spans_plan(lengths, 3)]
+    y, new = gpu_conv.causal_conv_spans(x, tails, w, lambda: plan, cu)
+    want_y, want_new = ref.causal_conv_spans(x, tails, w, lambda: plan, cu)
+    close(y, want_y)
+    assert torch.equal(new, want_new)
+
+
+def test_model_prefill_with_the_conv_kernels_matches_reference(tmp_path):
+    """Prefill through the conv kernels: a new prompt alone, then one new and one continued
+    stream in one forward (several spans), then a continued chunk alone. Logit error against
+    the fp32 reference held to 1.5x that of the reference path in bf16, as above."""
+    import tiny
+
+    from headstart.batch import ForwardBatch, SeqChunk
+    from headstart.models.qwen35.model import Qwen35Model
+    from headstart.ops.conv import triton as gpu_conv
+
+    ckpt = tiny.save_text_only(tiny.causal_lm(seed=6, linear_value_head_dim=16), tmp_path / "ckpt")
+    exact = Qwen35Model.load(ckpt, dtype=torch.float32, device=DEV, kernels=REFERENCE)
+    ref = Qwen35Model.load(ckpt, dtype=BF, device=DEV, kernels=REFERENCE)
+    conv_set = replace(
+        REFERENCE,
+        conv_span=gpu_conv.causal_conv,
+        conv_upto=gpu_conv.causal_conv_upto,
+        conv_padded=gpu_conv.causal_conv_padded,
+        conv_spans=gpu_conv.causal_conv_spans,
+    )
+    fused = Qwen35Model(ref.cfg, dict(ref.w), BF, DEV, kernels=conv_set)
+    fused.head = ref.head
+    models = (exact, ref, fused)
+    pools = [m.new_state_pool(3, 64) for m in models]
+    steps = (
+        [SeqChunk(0, 0, tuple(range(3, 12)))],
+        [SeqChunk(1, 0, tuple(range(20, 25))), SeqChunk(0, 9, (40, 41))],
+        [SeqChunk(1, 5, tuple(range(50, 57)))],
+    )
+    for n, chunks in enumerate(steps):
+        want, bf16, got = (
+            m.forward(ForwardBatch.build(chunks, DEV), pool).float()
+            for m, pool in zip(models, pools, strict=True)
+        )
+        assert (got - want).abs().max() <= 1.5 * (bf16 - want).abs().max() + 1e-3, n
+    # The first GDN layer's tails are copies of rows computed by reference kernels alike.
+    assert torch.equal(pools[2].conv[0][:2], pools[1].conv[0][:2])

@@ -79,7 +79,7 @@ def test_causal_conv_spans_equals_each_span_alone(lengths):
     w = torch.randn(C, K, generator=g)
     tails = torch.randn(len(lengths), C, K - 1, generator=g)
     tails[0] = 0.0  # a fresh stream
-    got, got_tails = causal_conv_spans(x, tails, w, conv_spans_plan(lengths, K - 1))
+    got, got_tails = causal_conv_spans(x, tails, w, lambda: conv_spans_plan(lengths, K - 1))
     begin = 0
     for j, n in enumerate(lengths):
         want, want_tail = causal_conv(x[begin : begin + n], tails[j], w)

@@ -10,7 +10,8 @@ platform itself. Three sets exist with the same signatures:
   (``tests/test_kernels_cpu.py``).
 * ``gpu``: CUDA + Triton: in-place GDN decode step and flash-decoding attention straight from the
   slot pools (no gathers of whole states or histories), flash-linear-attention's chunked kernel
-  for multi-row spans, a fused 4-bit matmul on the MLX layout, and one kernel per per-row piece
+  for multi-row spans, a fused 4-bit matmul on the MLX layout, the GDN convolution of prefill
+  rows in two kernels (:mod:`headstart.ops.conv.triton`), and one kernel per per-row piece
   of :mod:`headstart.ops.pointwise.reference` (:mod:`headstart.ops.pointwise.triton`); the
   ``triton`` module beside each reference, and ``ops/gated_delta/fla.py``. Every GPU kernel is
   tested against its reference (``tests/test_gpu_ops.py``, ``tests/test_fused_ops.py``).
@@ -31,7 +32,12 @@ import torch
 
 from headstart.ops.attention import sdpa
 from headstart.ops.attention.reference import attend, attend_chunk, attend_decode
-from headstart.ops.conv.reference import causal_conv
+from headstart.ops.conv.reference import (
+    causal_conv,
+    causal_conv_padded,
+    causal_conv_spans,
+    causal_conv_upto,
+)
 from headstart.ops.gated_delta.reference import chunked_gated_delta, gated_delta_step
 from headstart.ops.pointwise import reference as pointwise
 
@@ -149,6 +155,12 @@ class Kernels:
     # (x [T,C], tail [C,K-1], weight [C,K]) -> (silu(conv) [T,C], new tail [C,K-1]): the GDN
     # convolution of one stream's multi-row span
     conv_span: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv
+    # The GDN convolution of the other multi-row shapes, signatures as in ops/conv/reference.py:
+    # one span whose real rows are the first ``length`` (graph-capturable), new prompts padded
+    # to one length (graph-capturable), several spans of one forward.
+    conv_upto: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv_upto
+    conv_padded: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv_padded
+    conv_spans: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv_spans
 
 
 REFERENCE = Kernels("reference", _ref_gdn_decode_gates, _ref_gdn_spans, _ref_attn_decode)
@@ -175,6 +187,7 @@ def cpu_kernels() -> Kernels:
 
 def gpu_kernels() -> Kernels:
     from headstart.ops.attention.triton import chunk_attention, decode_attention
+    from headstart.ops.conv import triton as gpu_conv
     from headstart.ops.gated_delta.fla import gdn_prefill_varlen
     from headstart.ops.gated_delta.triton import gdn_decode_gates
     from headstart.ops.pointwise import triton as gpu_fused
@@ -210,6 +223,10 @@ def gpu_kernels() -> Kernels:
         conv_step_rows=gpu_fused.conv_step_rows,
         attn_decode_inputs=gpu_fused.attn_decode_inputs,
         attn_chunk=chunk_attention,
+        conv_span=gpu_conv.causal_conv,
+        conv_upto=gpu_conv.causal_conv_upto,
+        conv_padded=gpu_conv.causal_conv_padded,
+        conv_spans=gpu_conv.causal_conv_spans,
     )
 
 

@@ -20,13 +20,7 @@ import torch
 from headstart.batch import ForwardBatch
 from headstart.models.qwen35.parts import ModelParts
 from headstart.models.qwen35.speculative import GDNRecord, tree_gated_delta
-from headstart.ops.conv.reference import (
-    causal_conv,
-    causal_conv_padded,
-    causal_conv_spans,
-    causal_conv_upto,
-    conv_spans_plan,
-)
+from headstart.ops.conv.reference import conv_spans_plan
 from headstart.ops.linear import linear
 from headstart.ops.pointwise.reference import gdn_gates
 from headstart.state import StatePool
@@ -154,10 +148,12 @@ class GatedDeltaNet:
         rows, L = wd.rows[0], wd.rows.shape[1]
         tail0 = r.tails.index_select(0, wd.slots)[0]
         g, beta = r.g[rows], r.beta[rows]
+        # A span batch holds this stream's rows alone, in order (ForwardBatch.windows_of).
+        x = r.mixed if r.mixed.shape[0] == L else r.mixed[rows]
         if wd.length is None:
-            y, tail = causal_conv(r.mixed[rows], tail0, r.conv_w)
+            y, tail = self.m.kernels.conv_span(x, tail0, r.conv_w)
         else:
-            y, tail = causal_conv_upto(r.mixed[rows], tail0, r.conv_w, wd.length)
+            y, tail = self.m.kernels.conv_upto(x, tail0, r.conv_w, wd.length)
             keep = (torch.arange(L, device=dev) < wd.length)[:, None]
             g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
         r.tails.index_copy_(0, wd.slots, tail[None].to(r.tails.dtype))
@@ -179,7 +175,7 @@ class GatedDeltaNet:
         so each stream's state is the one after its last prompt row."""
         pr, (Hk, Hv, Dk, Dv) = batch.padded, self.heads
         n, L = pr.rows.shape
-        y, tails = causal_conv_padded(r.mixed.view(n, L, -1), pr.lengths, r.conv_w)
+        y, tails = self.m.kernels.conv_padded(r.mixed.view(n, L, -1), pr.lengths, r.conv_w)
         r.tails.index_copy_(0, pr.slots, tails.to(r.tails.dtype))
         q, k, v = self._qkv(y.reshape(n * L, -1))
         keep = pr.valid[:, None]
@@ -263,8 +259,12 @@ class GatedDeltaNet:
                         r.g[s.begin : s.end],
                         r.beta[s.begin : s.end],
                     )
-            y, new_tails = causal_conv_spans(
-                r.mixed[m.rows], init, r.conv_w, _conv_plan(batch, init.shape[-1])
+            y, new_tails = self.m.kernels.conv_spans(
+                r.mixed[m.rows],
+                init,
+                r.conv_w,
+                lambda: _conv_plan(batch, init.shape[-1]),
+                m.cu_seqlens,
             )
             r.tails.index_copy_(0, m.slots, new_tails.to(r.tails.dtype))
         else:

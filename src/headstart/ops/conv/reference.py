@@ -6,6 +6,8 @@ stream), so a prompt can be fed in any number of pieces with identical results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -69,16 +71,19 @@ def causal_conv_spans(
     x: torch.Tensor,
     tails: torch.Tensor,
     weight: torch.Tensor,
-    plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    plan: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv` for several sequences at once, in a fixed number of kernels (a loop
     over spans costs a few launches each: a burst of 16 prompts paid ~100 a GDN layer).
 
     x: [T, C], the spans' rows one span after the other; tails: [n, C, K-1] (zeros for a fresh
-    stream); weight: [C, K]; plan: :func:`conv_spans_plan` of the span lengths, on x's device.
+    stream); weight: [C, K]; plan: returns :func:`conv_spans_plan` of the span lengths, on x's
+    device (called only by implementations that index with it, as this one); cu_seqlens: the
+    same spans as offsets [n+1] (int32, on x's device; for kernels that read those instead).
     Returns (silu(conv) [T, C], new tails [n, C, K-1]), row for row what :func:`causal_conv`
     gives each span (the same depthwise convolution, over a longer sequence)."""
-    ext_index, out_index, tail_index = plan
+    ext_index, out_index, tail_index = plan()
     n, C, k1 = tails.shape
     src = torch.cat([x, tails.to(x.dtype).transpose(1, 2).reshape(n * k1, C)])
     ext = src.index_select(0, ext_index)  # [T + n (K-1), C]
