@@ -8,6 +8,7 @@ import argparse
 import pytest
 import torch
 
+from headstart.engine.config import ThreadConfig
 from headstart.errors import HeadstartError
 from headstart.server import serve
 
@@ -56,3 +57,45 @@ def test_threads_below_one_is_refused():
     )
     with pytest.raises(HeadstartError, match="--threads must be >= 1"):
         serve._check_args(args)
+
+
+def test_size_threads_returns_the_steps_thread_counts(threads_kept, monkeypatch):
+    monkeypatch.setattr(serve, "usable_cores", lambda: 4)
+    assert serve._size_threads(_args()) == ThreadConfig(decode=3, prefill=4)
+    assert serve._size_threads(_args(threads=2, threads_batch=3)) == ThreadConfig(2, 3)
+    assert serve._size_threads(_args(device="cuda:0")) is None
+
+
+def test_prompt_steps_run_with_the_batch_threads_and_decode_steps_without(threads_kept, engines):
+    """The engine thread's forwards see ``prefill`` threads in the steps that run prompt rows
+    and ``decode`` threads in decode-only steps (the count is per calling thread in OpenMP,
+    so it is read inside the forward, on the engine thread)."""
+    from engine_helpers import Collector
+
+    from headstart.engine.config import EngineConfig
+    from headstart.engine.engine import EngineRequest, Finish
+    from headstart.loading import load
+    from headstart.sampling import SamplingParams
+
+    loaded = load()
+    model = loaded.model
+    seen: list[tuple[int, int]] = []
+    forward_ex = model.forward_ex
+
+    def counting(batch, pool, *a, **kw):
+        seen.append((int(batch.input_ids.shape[0]), torch.get_num_threads()))
+        return forward_ex(batch, pool, *a, **kw)
+
+    model.forward_ex = counting
+    engine = engines(
+        model,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        EngineConfig(2, 128, threads=ThreadConfig(decode=1, prefill=2)),
+    )
+    c = Collector()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.submit(EngineRequest("t", list(range(5, 25)), params, 4, c))
+    assert c.done.wait(60) and isinstance(c.events[-1], Finish)
+    assert seen[0] == (20, 2)  # the prompt
+    assert seen[1:] and all(s == (1, 1) for s in seen[1:])  # its decode steps

@@ -103,6 +103,17 @@ class GraphConfig:
 
 
 @dataclass(frozen=True)
+class ThreadConfig:
+    """Intra-op threads of the engine's forwards on a CPU. ``decode``: steps of decode rows
+    only (short operations, where one thread descheduled by the HTTP loop stalls the step);
+    ``prefill``: steps that run prompt tokens (a chunk of more than one row: long,
+    compute-bound operations that every core shortens)."""
+
+    decode: int
+    prefill: int
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """``num_slots`` streams run at once, each up to ``context`` tokens (prompt and output);
     beyond the slots, at most ``max_queue`` requests wait."""
@@ -118,3 +129,5 @@ class EngineConfig:
     # when the model offers a traceable decode step there (``serve``'s default); off by
     # default here, so that engines made in process (tests) compile nothing unasked.
     cpu_programs: bool | None = False
+    # None: the forwards run with torch's thread setting as it is.
+    threads: ThreadConfig | None = None

@@ -138,6 +138,8 @@ class ModelRunner:
             else model.kernels.graphs and model.device.type == "cuda"
         )
         self.peers = getattr(model, "peers", None)  # rank 0 of a tensor-parallel group
+        self.threads = config.threads if model.device.type == "cpu" else None
+        self._threads_now = 0  # what torch.set_num_threads was last given here (0: not yet)
         if self.graphed and getattr(model, "tp", None) is not None:
             log.info("CUDA graphs off: tensor-parallel forwards run eagerly")
             self.graphed = False
@@ -295,6 +297,8 @@ class ModelRunner:
         are valid until the next run."""
         self._chunks, self._records, self._ran_rows = {}, {}, {}
         chunks = step.chunks
+        if self.threads is not None:
+            self._size_threads(chunks)
         plan = self._graph_plan(chunks)
         compiled = self._compiled_decode(chunks) if not step.taps or not self.taps else None
         if compiled is not None:
@@ -307,6 +311,18 @@ class ModelRunner:
             out = self._forward(chunks, step.taps)
         self._chunks, self._records = {c.slot: c for c in chunks}, out.records
         return out
+
+    def _size_threads(self, chunks: Sequence[SeqChunk]) -> None:
+        """On a CPU: the prefill thread count for a step with a prompt chunk of several rows,
+        the decode count otherwise (verify windows too: the speculative planner's costs were
+        measured at it). Set on the engine thread, which runs the forward: OpenMP's thread
+        count is per calling thread."""
+        t = self.threads
+        prompt = any(len(c.tokens) > 1 and not _is_window(c) for c in chunks)
+        want = t.prefill if prompt else t.decode
+        if want != self._threads_now:
+            torch.set_num_threads(want)
+            self._threads_now = want
 
     @lockstep("runner")
     def commit(self, slot: int, path: Sequence[int]) -> None:

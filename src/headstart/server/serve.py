@@ -38,6 +38,7 @@ from headstart.errors import HeadstartError
 from headstart.server.connection import uvicorn_connection_options
 
 if TYPE_CHECKING:
+    from headstart.engine.config import ThreadConfig
     from headstart.loading import LoadedModel
     from headstart.server.api import ServerState
     from headstart.server.auth import ApiKeys
@@ -204,6 +205,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads of the engine's operations (torch intra-op) on a CPU device; "
         "default: the usable cores less one, left to the HTTP loop, at least 1 "
         "(see BENCHMARKS.md); with --tensor-parallel the cores are shared out instead",
+    )
+    p.add_argument(
+        "--threads-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads of the steps that run prompt tokens (llama.cpp's --threads-batch): "
+        "long, compute-bound operations that every core shortens; default: all usable cores",
     )
     p.add_argument(
         "--tensor-parallel",
@@ -565,16 +574,21 @@ def cpu_threads(cores: int) -> int:
     return max(1, cores - 1)
 
 
-def _size_threads(args: argparse.Namespace) -> None:
-    """Set torch's intra-op threads for a CPU device (tensor parallelism shares the cores out
-    itself; GPU devices keep torch's default)."""
+def _size_threads(args: argparse.Namespace) -> ThreadConfig | None:
+    """Set torch's intra-op threads for a CPU device and return what the engine's steps use
+    (tensor parallelism shares the cores out itself; GPU devices keep torch's default: None)."""
     import torch
 
+    from headstart.engine.config import ThreadConfig
+
     if str(args.device).split(":")[0] != "cpu" or args.tensor_parallel > 1:
-        return
-    threads = getattr(args, "threads", None) or cpu_threads(usable_cores())
+        return None
+    cores = usable_cores()
+    threads = getattr(args, "threads", None) or cpu_threads(cores)
+    batch = getattr(args, "threads_batch", None) or cores
     torch.set_num_threads(threads)
-    log.info("cpu threads: %d", threads)
+    log.info("cpu threads: %d (steps with prompt tokens: %d)", threads, batch)
+    return ThreadConfig(decode=threads, prefill=batch)
 
 
 def _cpu_programs(
@@ -612,7 +626,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     from headstart.server.request_log import RequestLog
 
     started = time.monotonic()
-    _size_threads(args)
+    threads = _size_threads(args)
     log.info("loading %s ...", args.model or "the embedded default model")
     loaded = load(
         args.model,
@@ -675,6 +689,7 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         ),
         spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
         cpu_programs=compile_now,
+        threads=threads,
         graphs=GraphConfig(
             enabled=False if args.no_graphs else None,
             prefill_tokens=args.prefill_graph_tokens,
