@@ -239,6 +239,10 @@ def select_kernels(device: torch.device | str, want: str = "auto") -> Kernels:
         chosen = cpu_kernels()
     else:
         try:
+            if device.type == "cuda":
+                from headstart.ops.gated_delta.fla import use_shipped_configs
+
+                use_shipped_configs(device)
             import fla  # noqa: F401
             import triton  # noqa: F401
 

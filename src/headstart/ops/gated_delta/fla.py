@@ -16,7 +16,38 @@ Non-goals: autograd.
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
 import torch
+
+log = logging.getLogger("headstart.kernels")
+
+# FLA's autotuning results for the GPUs and model shapes measured here (one folder per GPU, named
+# as FLA names it; written by benchmarks/fla_configs.py from a start-up's log). FLA tunes each
+# kernel once per model shape, over up to a few dozen configs, each compiled: most of what a
+# first start on a fresh machine spends warming up. vLLM ships its tuned MoE configs the same way.
+SHIPPED_CONFIGS = Path(__file__).with_name("fla_configs")
+
+
+def use_shipped_configs(device: torch.device) -> Path | None:
+    """Before flash-linear-attention is imported: point it at the configs shipped for this GPU
+    (``FLA_CONFIG_DIR``, ``FLA_CACHE_MODE=strict``: exact keys only, anything else still tuned)
+    and return the folder; None when there are none for it, when FLA is already imported, or
+    when the user set either variable."""
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or "fla" in sys.modules:
+        return None
+    gpu = re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name(device)).strip("_")
+    folder = SHIPPED_CONFIGS / gpu
+    if not folder.is_dir():
+        return None
+    os.environ["FLA_CONFIG_DIR"] = str(folder)
+    os.environ["FLA_CACHE_MODE"] = "strict"
+    log.info("flash-linear-attention: tuned configs from %s", folder)
+    return folder
 
 
 def _fla_chunk():
