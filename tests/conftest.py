@@ -18,6 +18,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds a kernel's scalars (program ids, integer arguments) as
+    1-element numpy arrays and gives ``tl.range`` their ``int(array)``, which numpy 2.4 refuses
+    (ndim > 0): a loop over runtime bounds then fails. Take the element with ``.item()``."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_scalar_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor._scalar_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+    _interpreter_scalar_index()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
