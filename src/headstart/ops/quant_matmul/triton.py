@@ -9,7 +9,7 @@ config sweep, variants tried and removed) are in ``BENCHMARKS.md``, "4-bit matmu
 
 Job: the projections of a decode step multiply a handful of rows (M = 1..16) by a large quantized
 weight. That is memory-bound: the time floor is the bytes of packed words + scales + biases over
-the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 16 rows of x)
+the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 32 rows of x)
 for M <= 64 and keeps the per-weight work to about one integer instruction, so that the
 arithmetic hides under the loads. Larger M (prefill) is compute-bound and goes to dequantize +
 cuBLAS.
@@ -42,14 +42,17 @@ A = ones give ``E = sum_k x`` (shared by the warp's blocks); then ``acc += s D +
 the affine term factored per group (fp32; the codes are exact in bf16, so unlike a dequantize +
 matmul the weight is never rounded). About 7/8 integer instructions per weight plus 1/8 of an MMA
 instruction. Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up to 16 two, more
-run one program column per 16 rows. Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one
+run one program column per 32 rows as four n8 tiles (rows 0, 8, 16, 24 of the program's 32) that
+share every loaded word and scale, with one warp per 16-row block (``QmmConfig.mma_rows = 16``:
+columns of 16 rows, two tiles each). Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one
 Triton blocked layout, so each lane's registers are exactly its fragments: the MMAs (inline PTX,
 ``pack=4``) are the only place data crosses lanes, and the loop has no shared memory, no barrier
 and no layout conversion. The next chunk pair's words and scales, and its x, are loaded (16-byte
 vectors) while this one is multiplied (register double-buffering). With programmatic dependent
 launch (``triton_support``) a program loads its first words and scales before it waits for the
 kernel before it. The grid is sized to be resident in one wave (``_MMA_REGS``: 75 registers, 6
-programs per SM for M <= 8; 133 and 3 for M <= 16) and K is split until it fills that wave.
+programs per SM for M <= 8; 133 and 3 for M <= 16; 32-row programs: see the table) and K is
+split until it fills that wave.
 
 Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
 writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
@@ -87,11 +90,22 @@ MAX_FUSED_M = 64  # above this, dequantize + cuBLAS (compute-bound regime)
 _DOT_PF_RESIDENT = 5  # tiled layout: programs per SM of the dot kernel with prefetch (96 registers)
 MMA_CHUNK = 64  # MMA layout: K elements per chunk (one scale/bias per row and chunk)
 MMA_BLOCK_N = 128  # MMA layout: default rows per tile
-_MMA_M_TILES = -(-MAX_FUSED_M // 16)  # MMA layout: split-K counters per n tile
+_MMA_M_TILES = -(-MAX_FUSED_M // 16)  # MMA layout: split-K counters per n tile (BM >= 16)
 # MMA kernel registers per thread by (16-row blocks per warp, n8 tiles), Triton 3.6 for sm_90
 # (ptxas; (2, *) measured with prefetch_x, the others without it): how many programs fit on an
-# SM at once.
-_MMA_REGS = {(1, 1): 52, (2, 1): 75, (4, 1): 136, (1, 2): 70, (2, 2): 133, (4, 2): 255}
+# SM at once. (1, 4) (8 warps of one block, BN = 128) is ptxas's count for sm_90a from a compile
+# without a GPU (Triton 3.6, prefetch_x, K a whole number of chunk pairs; the same compile gives
+# (2, 1) and (2, 2) above exactly), not yet read from a run on the GPU: benchmarks/gpu_ops.py
+# prints the kernels' n_regs.
+_MMA_REGS = {
+    (1, 1): 52,
+    (2, 1): 75,
+    (4, 1): 136,
+    (1, 2): 70,
+    (2, 2): 133,
+    (4, 2): 255,
+    (1, 4): 181,
+}
 
 
 @dataclass
@@ -100,6 +114,8 @@ class QmmConfig:
 
     The tile height (BN rows) is not here: it is fixed by the layout made by :func:`prepare`."""
 
+    # MMA layout: 32-row programs (``mma_rows``) run BN / 16 warps, one per 16-row block,
+    # whatever this says.
     num_warps: int = 4
     # MMA layout: > 1 swaps the register prefetch for Triton's pipeliner (measured 3x slower)
     num_stages: int = 1
@@ -112,6 +128,10 @@ class QmmConfig:
     # of ~2.9, same 75 registers at M <= 8)
     prefetch_x: bool = True
     use_dot: bool = False  # tiled layout only: M == 1 on the tensor cores too
+    # MMA layout: the most rows of x per program (16 or 32): x of 17..32 rows is then one
+    # program column (four n8 tiles sharing every weight word) instead of two; 16 runs them in
+    # columns of 16 rows as before.
+    mma_rows: int = 32
 
 
 @dataclass
@@ -692,48 +712,101 @@ if HAVE_TRITON:
         return wa, wb, sbw
 
     @triton.jit
-    def _load_x(xi_ptr, xo0, xm0, xo1, xm1, NT: tl.constexpr):
-        """A lane's B registers of one chunk, (lo, hi) per n8 tile (the second tile's are the
-        first's when NT == 1). L1/L2 hits: every program of this K range reads the same x."""
+    def _load_x(xi_ptr, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, NT: tl.constexpr):
+        """A lane's B registers of one chunk, (lo, hi) per n8 tile u < NT (a tile u >= NT gets
+        tile 0's, never used). L1/L2 hits: every program of this K range reads the same x."""
         lo0 = tl.load(xi_ptr + xo0, mask=xm0, other=0)
         hi0 = tl.load(xi_ptr + xo0 + 4, mask=xm0, other=0)
-        if NT == 2:
+        if NT >= 2:
             lo1 = tl.load(xi_ptr + xo1, mask=xm1, other=0)
             hi1 = tl.load(xi_ptr + xo1 + 4, mask=xm1, other=0)
         else:
             lo1 = lo0
             hi1 = hi0
-        return lo0, hi0, lo1, hi1
+        if NT >= 4:
+            lo2 = tl.load(xi_ptr + xo2, mask=xm2, other=0)
+            hi2 = tl.load(xi_ptr + xo2 + 4, mask=xm2, other=0)
+            lo3 = tl.load(xi_ptr + xo3, mask=xm3, other=0)
+            hi3 = tl.load(xi_ptr + xo3 + 4, mask=xm3, other=0)
+        else:
+            lo2 = lo0
+            hi2 = hi0
+            lo3 = lo0
+            hi3 = hi0
+        return lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3
 
     @triton.jit
     def _load_x_pair(
-        xi_ptr, tp, xo0, xm0, xo1, xm1, kp, K2, NT: tl.constexpr, EVEN_K: tl.constexpr
+        xi_ptr,
+        tp,
+        xo0,
+        xm0,
+        xo1,
+        xm1,
+        xo2,
+        xm2,
+        xo3,
+        xm3,
+        kp,
+        K2,
+        NT: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
-        """:func:`_load_x` for both chunks of pair ``tp`` (x beyond K reads as zero)."""
+        """:func:`_load_x` for both chunks of pair ``tp`` (x beyond K reads as zero): chunk a's
+        (lo, hi) of tiles 0..3, then chunk b's."""
         xk = tp * 64
         if EVEN_K:
-            a0, a1, a2, a3 = _load_x(xi_ptr, xo0 + xk, xm0, xo1 + xk, xm1, NT)
-            b0, b1, b2, b3 = _load_x(xi_ptr, xo0 + xk + 32, xm0, xo1 + xk + 32, xm1, NT)
+            ma0 = xm0
+            ma1 = xm1
+            ma2 = xm2
+            ma3 = xm3
+            mb0 = xm0
+            mb1 = xm1
+            mb2 = xm2
+            mb3 = xm3
         else:  # K padded to whole chunk pairs (x_hi is +8 words on, inside the same 16)
             ka = xk + kp
-            a0, a1, a2, a3 = _load_x(
-                xi_ptr, xo0 + xk, xm0 & (ka < K2), xo1 + xk, xm1 & (ka < K2), NT
-            )
-            b0, b1, b2, b3 = _load_x(
-                xi_ptr, xo0 + xk + 32, xm0 & (ka + 32 < K2), xo1 + xk + 32, xm1 & (ka + 32 < K2), NT
-            )
-        return a0, a1, a2, a3, b0, b1, b2, b3
+            ma0 = xm0 & (ka < K2)
+            ma1 = xm1 & (ka < K2)
+            ma2 = xm2 & (ka < K2)
+            ma3 = xm3 & (ka < K2)
+            mb0 = xm0 & (ka + 32 < K2)
+            mb1 = xm1 & (ka + 32 < K2)
+            mb2 = xm2 & (ka + 32 < K2)
+            mb3 = xm3 & (ka + 32 < K2)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_x(
+            xi_ptr, xo0 + xk, ma0, xo1 + xk, ma1, xo2 + xk, ma2, xo3 + xk, ma3, NT
+        )
+        b0, b1, b2, b3, b4, b5, b6, b7 = _load_x(
+            xi_ptr,
+            xo0 + xk + 32,
+            mb0,
+            xo1 + xk + 32,
+            mb1,
+            xo2 + xk + 32,
+            mb2,
+            xo3 + xk + 32,
+            mb3,
+            NT,
+        )
+        return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
 
     @triton.jit
     def _mma_chunk(
         acc0,
         acc1,
+        acc2,
+        acc3,
         wq,
         sbw,
         x_lo0,
         x_hi0,
         x_lo1,
         x_hi1,
+        x_lo2,
+        x_hi2,
+        x_lo3,
+        x_hi3,
         SEL: tl.constexpr,
         NT: tl.constexpr,
         RB: tl.constexpr,
@@ -745,7 +818,9 @@ if HAVE_TRITON:
         SCALE: tl.constexpr,
         USE_ASM: tl.constexpr,
     ):
-        """One 64-wide chunk of K: acc_u += W_chunk x_u^T (C fragments) for the n8 tiles u < NT."""
+        """One 64-wide chunk of K: acc_u += W_chunk x_u^T (C fragments) for the n8 tiles u < NT,
+        all of them from the same unpacked codes and scales (the accumulators of tiles u >= NT
+        pass through untouched)."""
         a0 = _code_pair(wq, 0, X_F16, USE_ASM)
         a1 = _code_pair(wq, 1, X_F16, USE_ASM)
         a2 = _code_pair(wq, 2, X_F16, USE_ASM)
@@ -753,8 +828,12 @@ if HAVE_TRITON:
         for u in tl.static_range(NT):
             if u == 0:
                 x_lo, x_hi, acc = x_lo0, x_hi0, acc0
-            else:
+            elif u == 1:
                 x_lo, x_hi, acc = x_lo1, x_hi1, acc1
+            elif u == 2:
+                x_lo, x_hi, acc = x_lo2, x_hi2, acc2
+            else:
+                x_lo, x_hi, acc = x_lo3, x_hi3, acc3
             if USE_ASM:
                 e = tl.inline_asm_elementwise(
                     MMA_ONES,
@@ -814,9 +893,13 @@ if HAVE_TRITON:
                 )
             if u == 0:
                 acc0 = acc
-            else:
+            elif u == 1:
                 acc1 = acc
-        return acc0, acc1
+            elif u == 2:
+                acc2 = acc
+            else:
+                acc3 = acc
+        return acc0, acc1, acc2, acc3
 
     # Shape-only integers are not specialized (one compile serves every weight shape and M);
     # stride_xm is, for its 16-byte divisibility (x loads), and SPLIT_K == 1 drops the reduction.
@@ -886,23 +969,34 @@ if HAVE_TRITON:
         sb_off = (blk * 8 + ln // 4) * 4 + p  # the 4 lanes of a row group share their words
         g = ln // 4
         t = ln % 4
-        # x as int32 pairs: lane (g, t) of n8 tile u reads row m = 16 pid_m + 8 u + g, elements
-        # 64 c + 16 t + [0, 8) (x_lo) and + [8, 16) (x_hi) of chunk c.
+        # x as int32 pairs: lane (g, t) of n8 tile u reads row m = BM pid_m + 8 u + g (BM = 8 NT
+        # rows of x per program), elements 64 c + 16 t + [0, 8) (x_lo) and + [8, 16) (x_hi) of
+        # chunk c. Tiles u >= NT are never loaded (their offsets and masks go unused).
+        BM: tl.constexpr = 8 * NT
         kp = t * 8 + p + wi * 0  # [32, W, 1, 4]
-        m0 = pid_m * 16 + g + wi * 0
+        m0 = pid_m * BM + g + wi * 0
         xo0 = m0 * stride_xm + kp
         xm0 = m0 < M
         m1 = m0 + 8
         xo1 = m1 * stride_xm + kp
         xm1 = m1 < M
+        m2 = m0 + 16
+        xo2 = m2 * stride_xm + kp
+        xm2 = m2 < M
+        m3 = m0 + 24
+        xo3 = m3 * stride_xm + kp
+        xm3 = m3 < M
 
         t0 = pid_k * PAIRS_PER_SPLIT
         t1 = tl.minimum(t0 + PAIRS_PER_SPLIT, NUM_PAIRS)
         # Pointers are recomputed from the step index (not carried through the loop) so that the
         # compiler still sees 4 contiguous, 16-byte aligned words per lane: 16-byte loads.
         tile0 = pid_n.to(tl.int64) * NUM_PAIRS
+        # One accumulator per n8 tile; those of tiles u >= NT stay zero and are never stored.
         acc0 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
         acc1 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+        acc2 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+        acc3 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
         if PREFETCH:
             # Register prefetch: the next chunk pair's words and scales are in flight while this
             # one is multiplied.
@@ -911,8 +1005,8 @@ if HAVE_TRITON:
         # kernel before this one.
         pdl_wait(PDL)
         if PREFETCH_X:
-            xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = _load_x_pair(
-                xi_ptr, t0, xo0, xm0, xo1, xm1, kp, K2, NT, EVEN_K
+            xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = (
+                _load_x_pair(xi_ptr, t0, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K)
             )
         for tp in tl.range(t0, t1, num_stages=NUM_STAGES):
             if PREFETCH:
@@ -926,32 +1020,48 @@ if HAVE_TRITON:
                 wb = tl.load(w_ptrs + CW, eviction_policy="evict_first")
                 sbw = tl.load(sb_ptr + (tile0 + tp) * SBW + sb_off, eviction_policy="evict_first")
             if PREFETCH_X:  # this pair's x came with the previous step; ask for the next's
-                ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3 = xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3
-                xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = _load_x_pair(
-                    xi_ptr,
-                    tp + 1,
-                    xo0,
-                    xm0 & (tp + 1 < t1),
-                    xo1,
-                    xm1 & (tp + 1 < t1),
-                    kp,
-                    K2,
-                    NT,
-                    EVEN_K,
+                ca0, ca1, ca2, ca3, ca4, ca5, ca6, ca7 = xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7
+                cb0, cb1, cb2, cb3, cb4, cb5, cb6, cb7 = xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7
+                more = tp + 1 < t1
+                xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = (
+                    _load_x_pair(
+                        xi_ptr,
+                        tp + 1,
+                        xo0,
+                        xm0 & more,
+                        xo1,
+                        xm1 & more,
+                        xo2,
+                        xm2 & more,
+                        xo3,
+                        xm3 & more,
+                        kp,
+                        K2,
+                        NT,
+                        EVEN_K,
+                    )
                 )
             else:
-                ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3 = _load_x_pair(
-                    xi_ptr, tp, xo0, xm0, xo1, xm1, kp, K2, NT, EVEN_K
+                ca0, ca1, ca2, ca3, ca4, ca5, ca6, ca7, cb0, cb1, cb2, cb3, cb4, cb5, cb6, cb7 = (
+                    _load_x_pair(
+                        xi_ptr, tp, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K
+                    )
                 )
-            acc0, acc1 = _mma_chunk(
+            acc0, acc1, acc2, acc3 = _mma_chunk(
                 acc0,
                 acc1,
+                acc2,
+                acc3,
                 wa,
                 sbw,
                 ca0,
                 ca1,
                 ca2,
                 ca3,
+                ca4,
+                ca5,
+                ca6,
+                ca7,
                 0,
                 NT,
                 RB,
@@ -963,15 +1073,21 @@ if HAVE_TRITON:
                 SCALE_0,
                 USE_ASM,
             )
-            acc0, acc1 = _mma_chunk(
+            acc0, acc1, acc2, acc3 = _mma_chunk(
                 acc0,
                 acc1,
+                acc2,
+                acc3,
                 wb,
                 sbw,
                 cb0,
                 cb1,
                 cb2,
                 cb3,
+                cb4,
+                cb5,
+                cb6,
+                cb7,
                 1,
                 NT,
                 RB,
@@ -984,18 +1100,26 @@ if HAVE_TRITON:
                 USE_ASM,
             )
 
-        # C fragment element p of lane (g, t): row 16 blk + g + 8 (p // 2), column 2 t + p % 2.
+        # C fragment element p of lane (g, t): row 16 blk + g + 8 (p // 2), column 2 t + p % 2
+        # of n8 tile u, i.e. row BM pid_m + 8 u + 2 t + p % 2 of x and y.
         n_idx = pid_n * BN + blk * 16 + g + 8 * (p // 2)
-        col = pid_m * 16 + 2 * t + p % 2
+        col = pid_m * BM + 2 * t + p % 2
         nm = n_idx < N
         om0 = nm & (col < M)
         om1 = nm & (col + 8 < M)
+        om2 = nm & (col + 16 < M)
+        om3 = nm & (col + 24 < M)
         y0 = y_ptr + col * stride_ym + n_idx
         y1 = y0 + 8 * stride_ym
+        y2 = y0 + 16 * stride_ym
+        y3 = y0 + 24 * stride_ym
         if SPLIT_K == 1:
             tl.store(y0, acc0.to(y_ptr.dtype.element_ty), mask=om0)
-            if NT == 2:
+            if NT >= 2:
                 tl.store(y1, acc1.to(y_ptr.dtype.element_ty), mask=om1)
+            if NT >= 4:
+                tl.store(y2, acc2.to(y_ptr.dtype.element_ty), mask=om2)
+                tl.store(y3, acc3.to(y_ptr.dtype.element_ty), mask=om3)
         else:
             # Workspace [SPLIT_K, M_TILES, N_TILES, NT, fragments] fp32 (only the valid entries
             # are written): every split writes its partial, the last to arrive sums them in
@@ -1003,9 +1127,13 @@ if HAVE_TRITON:
             PART: tl.constexpr = NT * CW
             stride_k = M_TILES * N_TILES * PART
             ws_tile = ws_ptr + (pid_m * N_TILES + pid_n).to(tl.int64) * PART + frag
-            tl.store(ws_tile + pid_k * stride_k, acc0, mask=om0)
-            if NT == 2:
-                tl.store(ws_tile + pid_k * stride_k + CW, acc1, mask=om1)
+            ws_part = ws_tile + pid_k * stride_k
+            tl.store(ws_part, acc0, mask=om0)
+            if NT >= 2:
+                tl.store(ws_part + CW, acc1, mask=om1)
+            if NT >= 4:
+                tl.store(ws_part + 2 * CW, acc2, mask=om2)
+                tl.store(ws_part + 3 * CW, acc3, mask=om3)
             # Every thread's partial store must precede the (single-thread) release below.
             tl.debug_barrier()
             tile = pid_m * N_TILES + pid_n
@@ -1013,18 +1141,23 @@ if HAVE_TRITON:
             if ticket == SPLIT_K - 1:
                 tot0 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
                 tot1 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+                tot2 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
+                tot3 = tl.zeros([32, W, RB, 4], dtype=tl.float32)
                 for sk in range(SPLIT_K):
                     # .cg: read L2, never a stale L1 line
-                    tot0 += tl.load(
-                        ws_tile + sk * stride_k, mask=om0, other=0.0, cache_modifier=".cg"
-                    )
-                    if NT == 2:
-                        tot1 += tl.load(
-                            ws_tile + sk * stride_k + CW, mask=om1, other=0.0, cache_modifier=".cg"
-                        )
+                    ws_sk = ws_tile + sk * stride_k
+                    tot0 += tl.load(ws_sk, mask=om0, other=0.0, cache_modifier=".cg")
+                    if NT >= 2:
+                        tot1 += tl.load(ws_sk + CW, mask=om1, other=0.0, cache_modifier=".cg")
+                    if NT >= 4:
+                        tot2 += tl.load(ws_sk + 2 * CW, mask=om2, other=0.0, cache_modifier=".cg")
+                        tot3 += tl.load(ws_sk + 3 * CW, mask=om3, other=0.0, cache_modifier=".cg")
                 tl.store(y0, tot0.to(y_ptr.dtype.element_ty), mask=om0)
-                if NT == 2:
+                if NT >= 2:
                     tl.store(y1, tot1.to(y_ptr.dtype.element_ty), mask=om1)
+                if NT >= 4:
+                    tl.store(y2, tot2.to(y_ptr.dtype.element_ty), mask=om2)
+                    tl.store(y3, tot3.to(y_ptr.dtype.element_ty), mask=om3)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
@@ -1107,7 +1240,9 @@ def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tupl
     cfg = config or p.config
     n_tiles = p.words.shape[0]
     if p.layout == "mma":
-        BM = 8 if m <= 8 else 16
+        if cfg.mma_rows not in (16, 32):
+            raise ValueError(f"mma_rows must be 16 or 32, not {cfg.mma_rows}")
+        BM = 8 if m <= 8 else (16 if m <= 16 else cfg.mma_rows)
         steps = p.sb.shape[1]
         # As many K splits as keep the whole grid resident at once (one wave): no tail wave,
         # and the split-K partials stay few.
@@ -1123,14 +1258,19 @@ def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tupl
 
 
 def _mma_resident(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
-    """Programs of the MMA kernel that fit on one SM at once (64K registers, 2048 threads)."""
-    w = _mma_warps(p, cfg)
+    """Programs of the MMA kernel with ``nt`` n8 tiles that fit on one SM at once (64K
+    registers, 2048 threads)."""
+    w = _mma_warps(p, cfg, nt)
     regs = -(-_MMA_REGS.get((p.block_n // (16 * w), nt), 128) // 8) * 8
     return max(1, min(65536 // (regs * 32 * w), 2048 // (32 * w), 32))
 
 
-def _mma_warps(p: PreparedQuant, cfg: QmmConfig) -> int:
-    """Warps per program of the MMA kernel: cfg.num_warps, capped so that each owns >= 1 block."""
+def _mma_warps(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
+    """Warps per program of the MMA kernel with ``nt`` n8 tiles: one per 16-row block for four
+    tiles (their accumulators and x take twice the registers of two), else cfg.num_warps capped
+    so that each owns >= 1 block."""
+    if nt >= 4:
+        return p.block_n // 16
     w = cfg.num_warps
     while w > 1 and (p.block_n // 16) % w:
         w //= 2
@@ -1142,7 +1282,7 @@ def quant_matmul(
 ) -> torch.Tensor:
     """``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or fp16), fp32 accumulation.
 
-    Rows <= 64: one fused Triton launch reading the packed weight once (per 16 rows of x). More
+    Rows <= 64: one fused Triton launch reading the packed weight once (per 32 rows of x). More
     rows: cuBLAS on the dense copy when the weight has one in x's dtype, else dequantize to x's
     dtype (a Triton pass) and cuBLAS."""
     cfg = config or p.config
@@ -1232,7 +1372,7 @@ def _quant_matmul_mma(
     n_tiles = p.words.shape[0]
     m_tiles = -(-M // BM)
     NT = BM // 8
-    W = _mma_warps(p, cfg)
+    W = _mma_warps(p, cfg, NT)
     ws = (
         torch.empty(
             split * m_tiles * n_tiles * NT * p.block_n * 8, dtype=torch.float32, device=x2.device
