@@ -93,6 +93,11 @@ def test_prompt_steps_run_with_the_batch_threads_and_decode_steps_without(thread
         loaded.eos_token_ids,
         EngineConfig(2, 128, threads=ThreadConfig(decode=1, prefill=2)),
     )
+    c0 = Collector()  # the engine thread warmed its prompt steps before this first request
+    engine.submit(EngineRequest("w", [5, 6], SamplingParams(max_tokens=1), 1, c0))
+    assert c0.done.wait(60)
+    assert seen[:2] == [(16, 2), (127, 2)], seen
+    seen.clear()
     c = Collector()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.submit(EngineRequest("t", list(range(5, 25)), params, 4, c))

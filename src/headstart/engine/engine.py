@@ -134,6 +134,7 @@ class Engine:
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
+        self.runner.warm_engine_thread()
         while not self._inbox.closed:
             self._apply_commands()
             self._admit()
