@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from headstart.loading import LoadedModel
     from headstart.server.api import ServerState
     from headstart.server.auth import ApiKeys
+    from headstart.server.compile_ahead import CompileAhead
 
 log = logging.getLogger("headstart.serve")
 
@@ -206,6 +207,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "default: the usable cores less one, left to the HTTP loop, at least 1 "
         "(see BENCHMARKS.md); with --tensor-parallel the cores are shared out instead",
     )
+    p.add_argument(
+        "--compile-ahead",
+        choices=["auto", "off"],
+        default=os.environ.get("HEADSTART_COMPILE_AHEAD", "auto"),
+        help="on a GPU, compile the kernels in a second process (the model cut to its first "
+        "layers, random weights) while the weights load, so a first start on a fresh machine "
+        "waits less (auto: for Qwen3.5 models of more layers than that); default from "
+        "HEADSTART_COMPILE_AHEAD, else auto",
+    )
+    # The compile-ahead process: start up (load, warm-up, graph captures), then exit.
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--threads-batch",
         type=int,
@@ -552,7 +564,7 @@ def serve(args: argparse.Namespace) -> int:
     # Everything that can be refused without the model is, before the (long) load.
     _check_args(args)
     keys = ApiKeys(args.api_key_file) if args.api_key_file else None
-    sockets = _bind(args.host, args.port)
+    sockets = [] if getattr(args, "warm_only", False) else _bind(args.host, args.port)
     try:
         return _serve(args, sockets, keys)
     finally:
@@ -619,14 +631,55 @@ def _cpu_programs(
 
 def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys | None) -> int:
     """serve() once the arguments are checked and the listening sockets bound."""
+    started = time.monotonic()
+    threads = _size_threads(args)
+    ahead = _start_compile_ahead(args)
+    try:
+        return _serve_loaded(args, sockets, keys, started, threads, ahead)
+    finally:
+        if ahead is not None:
+            ahead.stop()
+
+
+def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
+    """The compile-ahead process (server/compile_ahead.py), where it applies: a CUDA device,
+    one process, graphs on, a step budget known before the load."""
+    from headstart.server.compile_ahead import CompileAhead, planned_step_tokens
+
+    if (
+        getattr(args, "compile_ahead", "off") != "auto"
+        or getattr(args, "warm_only", False)
+        or not str(args.device).startswith("cuda")
+        or args.tensor_parallel > 1
+        or args.no_graphs
+        or args.load_format not in ("auto", "dummy")
+    ):
+        return None
+    from headstart.loading import resolve_model_dir
+
+    try:
+        path = resolve_model_dir(args.model)
+        budget = args.max_batched_tokens or planned_step_tokens(path, str(args.device))
+    except Exception as e:  # an optimisation: the load itself reports real problems
+        log.warning("compile-ahead process not started: %s", e)
+        return None
+    return None if budget is None else CompileAhead.start(args, path, budget)
+
+
+def _serve_loaded(
+    args: argparse.Namespace,
+    sockets: list[socket.socket],
+    keys: ApiKeys | None,
+    started: float,
+    threads: ThreadConfig | None,
+    ahead: CompileAhead | None,
+) -> int:
     from headstart.engine.engine import Engine
     from headstart.loading import load
     from headstart.server.api import ServerState, create_app
     from headstart.server.metrics import Metrics
     from headstart.server.request_log import RequestLog
 
-    started = time.monotonic()
-    threads = _size_threads(args)
     log.info("loading %s ...", args.model or "the embedded default model")
     loaded = load(
         args.model,
@@ -699,6 +752,8 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
             continuation_tokens=args.continuation_graph_tokens,
         ),
     )
+    if ahead is not None:  # its kernels, from Triton's cache, before this warm-up compiles them
+        ahead.wait()
     phase = time.monotonic()
     log.info("engine: state pool, warm-up and graph capture ...")
     try:
@@ -721,6 +776,10 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
         time.monotonic() - phase,
         time.monotonic() - started,
     )
+    if getattr(args, "warm_only", False):  # the compile-ahead process: its work is done
+        engine.cache.close()
+        loaded.close()
+        return 0
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or _served_name(args.model)

@@ -1,0 +1,158 @@
+"""Compile the GPU kernels in a second process while ``serve`` loads the weights.
+
+A first start on a fresh machine spends most of its warm-up compiling Triton kernels: every
+kernel, at every shape the warm-up and the graph captures run, once. The kernels depend on the
+model's per-layer shapes, not on its depth, so a model cut to its first few layers (one of
+each layer type) with random weights compiles the same kernels, and Triton's on-disk cache,
+shared by every process of the machine, hands them to the server when it gets there. This
+process starts before the server's own load and runs the server's own start-up (``headstart
+serve --warm-only`` with the same engine settings) on the cut model; the server waits for it
+before its warm-up, so nothing is compiled twice. Whatever goes wrong here only costs the time
+it saves: the server compiles what is missing itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("headstart.serve")
+
+# Files of a checkpoint folder the cut model does not take (random weights instead).
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def cut_layers(layer_types: list[str]) -> int:
+    """The fewest leading layers that hold every layer type of the model."""
+    return max(layer_types.index(t) for t in set(layer_types)) + 1
+
+
+def cut_folder(path: Path, into: Path) -> Path | None:
+    """A copy of the checkpoint folder ``path`` in ``into`` with config.json cut to the first
+    layers that hold every layer type, weights left out (links for the other files); None when
+    the config names no layer types or the model is already that short."""
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    layers = text.get("num_hidden_layers")
+    types = text.get("layer_types")
+    if not isinstance(types, list):
+        interval = text.get("full_attention_interval")
+        if not isinstance(layers, int) or not isinstance(interval, int) or interval < 1:
+            return None
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear" for i in range(layers)]
+    keep = cut_layers(types)
+    if not isinstance(layers, int) or keep >= layers:
+        return None
+    text["num_hidden_layers"] = keep
+    if "layer_types" in text:
+        text["layer_types"] = types[:keep]
+    into.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "config.json" and not f.name.endswith(_WEIGHTS) and "index" not in f.name:
+            (into / f.name).symlink_to(f.resolve())
+    (into / "config.json").write_text(json.dumps(cfg))
+    return into
+
+
+def command(args: argparse.Namespace, folder: Path, step_tokens: int) -> list[str]:
+    """``headstart serve --warm-only`` on ``folder`` with the engine settings of ``args`` (the
+    step budget given: the cut model's own would differ), no prompt cache, no drafter."""
+    cmd = [sys.executable, "-m", "headstart", "serve", str(folder), "--warm-only"]
+    cmd += ["--load-format", "dummy", "--device", str(args.device), "--kernels", args.kernels]
+    cmd += ["--prefill-weights", args.prefill_weights, "--max-batched-tokens", str(step_tokens)]
+    cmd += ["--prompt-cache-mib", "0", "--prompt-cache-host-mib", "0", "--no-drafter"]
+    cmd += ["--log-level", "warning"]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    for flag in ("parallel", "context", "prefill_graph_rows"):
+        if getattr(args, flag, None):
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    cmd += ["--prefill-graph-tokens", str(args.prefill_graph_tokens)]
+    cmd += ["--continuation-graph-tokens", str(args.continuation_graph_tokens)]
+    cmd += ["--continuation-graphs" if args.continuation_graphs else "--no-continuation-graphs"]
+    return cmd
+
+
+def planned_step_tokens(path: Path, device: str) -> int | None:
+    """The step budget ``serve`` gives the full model at ``path`` (its default, from the
+    weights a token multiplies by), known from config.json before any weight loads; None for
+    a family other than Qwen3.5."""
+    import math
+
+    import torch
+
+    from headstart.engine.config import default_step_tokens
+    from headstart.loading import family_for
+    from headstart.models.qwen35.config import load_config
+    from headstart.models.qwen35.weights import expected_shapes
+
+    if family_for(path).name != "qwen35":
+        return None
+    cfg = load_config(path)
+    shapes = expected_shapes(cfg)
+    params = sum(math.prod(s) for n, s in shapes.items() if n != "embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        params += math.prod(shapes["embed_tokens.weight"])  # the head (Qwen35Model.num_parameters)
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return default_step_tokens(
+        params, "cuda", (props.major, props.minor, props.multi_processor_count)
+    )
+
+
+class CompileAhead:
+    """The compiling process, started by :meth:`start` and waited for by :meth:`wait`."""
+
+    def __init__(self, proc: subprocess.Popen, tmp: tempfile.TemporaryDirectory) -> None:
+        self.proc, self.tmp, self.started = proc, tmp, time.monotonic()
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, path: Path, step_tokens: int) -> CompileAhead | None:
+        """Start it for the checkpoint at ``path`` (None where it does not apply: a folder
+        that cannot be cut, or a failure to start, which is logged)."""
+        tmp = tempfile.TemporaryDirectory(prefix="headstart-ahead-")
+        try:
+            folder = cut_folder(path, Path(tmp.name) / path.name)
+            if folder is None:
+                tmp.cleanup()
+                return None
+            cmd = command(args, folder, step_tokens)
+            env = {**os.environ, "HEADSTART_COMPILE_AHEAD": "0"}
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+        except (OSError, ValueError) as e:
+            log.warning("compile-ahead process not started: %s", e)
+            tmp.cleanup()
+            return None
+        log.info("compile-ahead process started (%s, cut to its first layers)", path.name)
+        return cls(proc, tmp)
+
+    def wait(self, timeout: float = 600.0) -> None:
+        """Wait for it (at most ``timeout`` s, then end it); log how it went."""
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        took = time.monotonic() - self.started
+        if self.proc.returncode == 0:
+            log.info("compile-ahead process done in %.1fs", took)
+        else:
+            tail = " | ".join((err or "").strip().splitlines()[-3:])
+            log.warning(
+                "compile-ahead process ended %s after %.1fs: %s", self.proc.returncode, took, tail
+            )
+        self.tmp.cleanup()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.tmp.cleanup()

@@ -1,0 +1,69 @@
+"""The compile-ahead process of `headstart serve` (server/compile_ahead.py): the model cut to
+the first layers that hold every layer type, and `serve --warm-only` on it, which starts up and
+exits without listening."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+
+from headstart.cli import _add_model_args
+from headstart.loading import default_model_dir
+from headstart.server import compile_ahead
+from headstart.server.serve import _start_compile_ahead, add_serve_args
+
+DEFAULT_MODEL_DIR = default_model_dir()
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`headstart serve`'s arguments (the model ones and the server's)."""
+    p = argparse.ArgumentParser()
+    _add_model_args(p)
+    add_serve_args(p)
+    return p
+
+
+def test_the_cut_keeps_one_layer_of_each_type():
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    assert compile_ahead.cut_layers(types * 16) == 4
+    assert compile_ahead.cut_layers(["full_attention", "linear_attention"] * 3) == 2
+
+
+def test_cut_folder_writes_a_shorter_config_and_links_the_rest(tmp_path):
+    cut = compile_ahead.cut_folder(DEFAULT_MODEL_DIR, tmp_path / "cut")
+    cfg = json.loads((cut / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    assert text["num_hidden_layers"] == 4
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (cut / "tokenizer.json").resolve() == (DEFAULT_MODEL_DIR / "tokenizer.json").resolve()
+    assert not any(f.name.endswith(".safetensors") for f in cut.iterdir())
+    # Already as short as the cut: nothing to gain.
+    assert compile_ahead.cut_folder(cut, tmp_path / "again") is None
+
+
+def test_warm_only_starts_up_on_the_cut_model_and_exits(tmp_path):
+    """The command the server runs, here on the CPU (the server only runs it on a GPU): it
+    loads random weights at the cut model's shapes, builds the engine and exits 0, binding no
+    port (the one asked for is taken by this test)."""
+    import socket
+
+    p = _parser()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = p.parse_args(["--device", "cpu", "--port", str(taken.getsockname()[1])])
+        cut = compile_ahead.cut_folder(DEFAULT_MODEL_DIR, tmp_path / "cut")
+        cmd = compile_ahead.command(args, cut, 512)
+        cmd += ["--port", str(taken.getsockname()[1])]
+        env = {**os.environ, "HEADSTART_CPU_COMPILE": "off"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--warm-only" in cmd and "--load-format" in cmd
+
+
+def test_no_process_for_the_cpu_or_without_graphs():
+    p = _parser()
+    for argv in (["--device", "cpu"], ["--device", "cuda", "--no-graphs"]):
+        assert _start_compile_ahead(p.parse_args(argv)) is None
