@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("headstart.serve")
 
 
+def _auto_or_off(p: argparse.ArgumentParser, flag: str, env: str, help: str) -> None:
+    """A flag of "auto" or "off", its default from the environment variable ``env``."""
+    p.add_argument(flag, choices=["auto", "off"], default=os.environ.get(env, "auto"), help=help)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
@@ -189,11 +194,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "attention and a C convolution kernel) elsewhere; or one set by name",
     )
     p.add_argument("--no-graphs", action="store_true", help="never capture CUDA graphs")
-    p.add_argument(
+    _auto_or_off(
+        p,
         "--cpu-compile",
-        choices=["auto", "off"],
-        default=os.environ.get("HEADSTART_CPU_COMPILE", "auto"),
-        help="on a CPU, run fp32 decode steps compiled per stream bucket (auto: for models that "
+        "HEADSTART_CPU_COMPILE",
+        "on a CPU, run fp32 decode steps compiled per stream bucket (auto: for models that "
         "offer it; the first start serves eagerly while a low-priority process compiles them, "
         "a few minutes on 2 cores for the default model; later starts load them from the "
         "compiler's cache, about 15 s); default from HEADSTART_CPU_COMPILE, else auto",
@@ -207,11 +212,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "default: the usable cores less one, left to the HTTP loop, at least 1 "
         "(see BENCHMARKS.md); with --tensor-parallel the cores are shared out instead",
     )
-    p.add_argument(
+    _auto_or_off(
+        p,
         "--compile-ahead",
-        choices=["auto", "off"],
-        default=os.environ.get("HEADSTART_COMPILE_AHEAD", "auto"),
-        help="on a GPU, compile the kernels in a second process (the model cut to its first "
+        "HEADSTART_COMPILE_AHEAD",
+        "on a GPU, compile the kernels in a second process (the model cut to its first "
         "layers, random weights) while the weights load, so a first start on a fresh machine "
         "waits less (auto: for Qwen3.5 models of more layers than that); default from "
         "HEADSTART_COMPILE_AHEAD, else auto",
