@@ -4,8 +4,8 @@ Prints the measured device-to-device copy bandwidth (bytes read + bytes written 
 convention of the device notes), then:
 
 * 4-bit quant_matmul for the 27B projections (and, with ``--lm-head``, the 248320x5120 lm_head)
-  at M = 1, 4, 16, 31: our kernel (at M = 31 also with ``QmmConfig(mma_rows=16)``, two program
-  columns of 16 rows instead of one of 32: "rows16"), torch's dequantize + matmul, torch's int4
+  at M = 1, 4, 16, 31: our kernel (at M = 31 also with ``QmmConfig(mma_rows=32)``, one program
+  column of 32 rows instead of two of 16: "rows32"), torch's dequantize + matmul, torch's int4
   tinygemm (``_weight_int4pack_mm``, if this torch has it), bf16 cuBLAS on the unquantized
   weight, and the floor = (packed words + scales + biases) / copy bandwidth. ``--quick`` skips the
   three torch baselines; ``--before FILE`` also times the ``quant_matmul`` of another copy of the
@@ -70,7 +70,7 @@ SHAPES_27B = {  # name: (N out, K in)
 }
 LM_HEAD = {"lm_head": (248320, 5120)}
 MS = (1, 4, 16, 31)
-ROWS16_M = 31  # M at which QmmConfig(mma_rows=16) (16-row program columns) is timed beside ours
+ROWS32_M = 31  # M at which QmmConfig(mma_rows=32) (32-row program columns) is timed beside ours
 SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, QmmConfig())
     "w8": ({}, QmmConfig(num_warps=8)),
     "bn256": ({"block_n": 256}, QmmConfig()),
@@ -219,17 +219,17 @@ def bench_matmul(
             )
             res["ours_us"] = bench_graph([lambda p=p: quant_matmul(x, p) for p in ours])
             res["ours_eager_us"] = bench(lambda: quant_matmul(x, ours[0]))
-            if m == ROWS16_M:
-                cfg16 = QmmConfig(mma_rows=16)
+            if m == ROWS32_M:
+                cfg32 = QmmConfig(mma_rows=32)
                 seen = compiled_mma()
-                err = rel_err(quant_matmul(x, ours[0], cfg16), y_ref)
-                REGISTERS.setdefault("rows16", set()).update(
+                err = rel_err(quant_matmul(x, ours[0], cfg32), y_ref)
+                REGISTERS.setdefault("rows32", set()).update(
                     (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen
                 )
                 if err > 1e-2:
-                    bad.append(f"rows16 {err:.1e}")
-                res["rows16_us"] = bench_graph(
-                    [lambda p=p: quant_matmul(x, p, cfg16) for p in ours]
+                    bad.append(f"rows32 {err:.1e}")
+                res["rows32_us"] = bench_graph(
+                    [lambda p=p: quant_matmul(x, p, cfg32) for p in ours]
                 )
             if olds is not None:
                 err = rel_err(before.quant_matmul(x, olds[0]), y_ref)
@@ -257,7 +257,7 @@ def bench_matmul(
                 f"  {name:12s} M={m:2d} ours {res['ours_us']:6.1f} us (eager "
                 f"{res['ours_eager_us']:5.1f})  floor {floor:5.1f}  ratio {res['ratio']:.2f}"
                 + (f"  before {res['before_us']:6.1f}" if "before_us" in res else "")
-                + (f"  rows16 {res['rows16_us']:6.1f}" if "rows16_us" in res else "")
+                + (f"  rows32 {res['rows32_us']:6.1f}" if "rows32_us" in res else "")
                 + f"  int4 {res['torch_int4_us']:6.1f}  deq+mm {res['torch_deq_mm_us']:6.1f}"
                 f"  bf16 {res['bf16_cublas_us']:6.1f}"
                 + "".join(f"  {c}={res[f'cfg_{c}']:.1f}" for c in sweep if f"cfg_{c}" in res)
@@ -570,7 +570,7 @@ def main() -> None:
             f"{r['ours_us']:6.1f} {r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} "
             f"{r['ratio']:5.2f} {b:6.1f} {b / r['floor_us']:5.2f} {r['torch_int4_us']:6.1f} "
             f"{r['torch_deq_mm_us']:7.1f} {r['bf16_cublas_us']:6.1f}"
-            + (f"  rows16 {r['rows16_us']:6.1f}" if "rows16_us" in r else "")
+            + (f"  rows32 {r['rows32_us']:6.1f}" if "rows32_us" in r else "")
         )
     for r in att:
         print(

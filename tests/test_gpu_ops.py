@@ -92,8 +92,8 @@ def test_quant_matmul_real_shapes(n, k, m):
     check_qmm(make_weight(n, k, 4, 64, seed=n + k), m, seed=7 * m)
 
 
-# 9: two n8 tiles; 31: one m tile of 32 (four n8 tiles); 40: two, the second partly beyond M
-# (mma_rows=16: three m tiles of 16); 64: two (four); 100: dequant + cuBLAS
+# 9: two n8 tiles; 31: two m tiles of 16 (mma_rows=32: one of four n8 tiles); 40: three (two,
+# the second partly beyond M); 64: four (two); 100: dequant + cuBLAS
 @pytest.mark.parametrize("m", [1, 5, 9, 31, 40, 64, 100])
 def test_quant_matmul_more_rows_and_configs(m):
     qt = make_weight(384, 2048, 4, 64, seed=m)
@@ -103,7 +103,7 @@ def test_quant_matmul_more_rows_and_configs(m):
         ("mma", 64, QmmConfig(prefetch=False)),
         ("mma", 256, QmmConfig(num_stages=3)),  # Triton's pipeliner instead of prefetch
         ("mma", 128, QmmConfig(ctas_per_sm=1)),  # no split-K
-        ("mma", 128, QmmConfig(mma_rows=16)),  # 16-row m tiles above 16 rows
+        ("mma", 128, QmmConfig(mma_rows=32)),  # 32-row m tiles above 16 rows
         ("tiled", 32, QmmConfig()),
         ("tiled", 16, QmmConfig(prefetch=False, num_warps=2)),
         ("tiled", 64, QmmConfig(num_warps=8, ctas_per_sm=8)),

@@ -1,8 +1,8 @@
 """The 4-bit matmul's MMA-layout kernel (``ops/quant_matmul/triton.py``) against the reference
 (``ops/quant_matmul/reference.py``) on fresh random inputs, at every tiling of x's rows: one n8
-tile (M <= 8), two (M <= 16), and four (32-row programs, M = 17..64: one program column up to 32
-rows, two above; ``QmmConfig(mma_rows=16)``: columns of 16 rows as before), with split-K on and
-off.
+tile (M <= 8), two (M <= 16), and four (with ``QmmConfig(mma_rows=32)``, 32-row programs for
+M = 17..64: one program column up to 32 rows, two above; the default 16: columns of 16 rows),
+with split-K on and off.
 
 On a GPU the kernel runs as compiled; without one, under Triton's CPU interpreter (conftest sets
 ``TRITON_INTERPRET=1``; the inline PTX is replaced by the kernel's plain-Triton stand-ins) when
@@ -67,7 +67,7 @@ def sms(monkeypatch):
 @pytest.mark.parametrize("split", [False, True])
 def test_mma_rows_and_split_k(m, split, sms):
     qt = make_weight(256, 256, 64, seed=m)
-    cfg = QmmConfig(ctas_per_sm=1)
+    cfg = QmmConfig(ctas_per_sm=1, mma_rows=32)
     p = prepare(qt, cfg, layout="mma")
     sms(1000 if split else 1)
     rows, n_split, _ = split_for(p, m)
@@ -79,11 +79,11 @@ def test_mma_rows_and_split_k(m, split, sms):
 @pytest.mark.parametrize("m", [31, 50])
 @pytest.mark.parametrize("split", [False, True])
 def test_mma_rows_16_runs_columns_of_16(m, split, sms):
-    """mma_rows=16 (the 16-row columns of two n8 tiles) against the 32-row default on the same
-    weight and x."""
+    """mma_rows=16 (the default: 16-row columns of two n8 tiles) against 32-row programs on the
+    same weight and x."""
     qt = make_weight(256, 256, 64, seed=7)
     p16 = prepare(qt, QmmConfig(ctas_per_sm=1, mma_rows=16), layout="mma")
-    p32 = prepare(qt, QmmConfig(ctas_per_sm=1), layout="mma")
+    p32 = prepare(qt, QmmConfig(ctas_per_sm=1, mma_rows=32), layout="mma")
     sms(1000 if split else 1)
     assert split_for(p16, m)[0] == 16 and split_for(p32, m)[0] == 32
     y16 = check(qt, p16, m, seed=m)
@@ -95,13 +95,19 @@ def test_mma_rows_16_runs_columns_of_16(m, split, sms):
 @pytest.mark.parametrize(
     "k,group,block_n,cfg,x_dtype",
     [
-        (320, 64, 128, QmmConfig(), torch.bfloat16),  # K not a whole chunk pair (x masks)
-        (384, 128, 128, QmmConfig(), torch.float16),  # fp16 x, groups of two chunks
-        (256, 64, 64, QmmConfig(), torch.bfloat16),  # 4 warps, a 16-row block each
-        (256, 64, 256, QmmConfig(), torch.bfloat16),  # 16 warps, a 16-row block each
-        (256, 64, 128, QmmConfig(prefetch=False), torch.bfloat16),
-        (256, 64, 128, QmmConfig(prefetch_x=False), torch.bfloat16),
-        (256, 64, 128, QmmConfig(num_stages=3), torch.bfloat16),  # Triton's pipeliner
+        (
+            320,
+            64,
+            128,
+            QmmConfig(mma_rows=32),
+            torch.bfloat16,
+        ),  # K not a whole chunk pair (x masks)
+        (384, 128, 128, QmmConfig(mma_rows=32), torch.float16),  # fp16 x, groups of two chunks
+        (256, 64, 64, QmmConfig(mma_rows=32), torch.bfloat16),  # 4 warps, a 16-row block each
+        (256, 64, 256, QmmConfig(mma_rows=32), torch.bfloat16),  # 16 warps, a 16-row block each
+        (256, 64, 128, QmmConfig(prefetch=False, mma_rows=32), torch.bfloat16),
+        (256, 64, 128, QmmConfig(prefetch_x=False, mma_rows=32), torch.bfloat16),
+        (256, 64, 128, QmmConfig(num_stages=3, mma_rows=32), torch.bfloat16),  # Triton's pipeliner
     ],
 )
 def test_mma_32_row_programs_other_shapes_and_configs(k, group, block_n, cfg, x_dtype, sms):

@@ -9,10 +9,10 @@ config sweep, variants tried and removed) are in ``BENCHMARKS.md``, "4-bit matmu
 
 Job: the projections of a decode step multiply a handful of rows (M = 1..16) by a large quantized
 weight. That is memory-bound: the time floor is the bytes of packed words + scales + biases over
-the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 32 rows of x)
-for M <= 64 and keeps the per-weight work to about one integer instruction, so that the
-arithmetic hides under the loads. Larger M (prefill) is compute-bound and goes to dequantize +
-cuBLAS.
+the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 16 rows of
+x, or 32 with ``QmmConfig.mma_rows``) for M <= 64 and keeps the per-weight work to about one
+integer instruction, so that the arithmetic hides under the loads. Larger M (prefill) is
+compute-bound and goes to dequantize + cuBLAS.
 
 Two layouts, both made once by :func:`prepare`: "mma" for 4-bit weights with groups of 64 or 128
 (the checkpoints this server runs; the fast path) and "tiled" for every other format (2/8-bit,
@@ -37,22 +37,22 @@ rounded up to whole chunk pairs with zero codes and zero scale/bias; rows padded
   entries a lane's C fragment needs for a chunk pair, one 16-byte load.
 
 Kernel (per program: BN rows, a range of chunk pairs; one warp per 16-row block, ``BN / 16 / W``
-blocks each): per chunk, four chained MMAs give ``D = sum_k (128 + q) x`` and four more with
-A = ones give ``E = sum_k x`` (shared by the warp's blocks); then ``acc += s D + (b - 128 s) E``,
-the affine term factored per group (fp32; the codes are exact in bf16, so unlike a dequantize +
-matmul the weight is never rounded). About 7/8 integer instructions per weight plus 1/8 of an MMA
-instruction. Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up to 16 two, more
-run one program column per 32 rows as four n8 tiles (rows 0, 8, 16, 24 of the program's 32) that
-share every loaded word and scale, with one warp per 16-row block (``QmmConfig.mma_rows = 16``:
-columns of 16 rows, two tiles each). Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one
-Triton blocked layout, so each lane's registers are exactly its fragments: the MMAs (inline PTX,
-``pack=4``) are the only place data crosses lanes, and the loop has no shared memory, no barrier
-and no layout conversion. The next chunk pair's words and scales, and its x, are loaded (16-byte
+blocks each): per chunk, four chained MMAs give ``D = sum_k (128 + q) x`` and four more with A =
+ones give ``E = sum_k x`` (shared by the warp's blocks); then ``acc += s D + (b - 128 s) E``, the
+affine term factored per group (fp32; the codes are exact in bf16, so unlike a dequantize + matmul
+the weight is never rounded). About 7/8 integer instructions per weight plus 1/8 of an MMA
+instruction. Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up to 16 two, more run
+one program column per 16 rows (two tiles each), or with ``QmmConfig.mma_rows = 32`` one per 32 rows
+as four n8 tiles (rows 0, 8, 16, 24 of the program's 32) that share every loaded word and scale,
+with one warp per 16-row block. Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one Triton
+blocked layout, so each lane's registers are exactly its fragments: the MMAs (inline PTX,
+``pack=4``) are the only place data crosses lanes, and the loop has no shared memory, no barrier and
+no layout conversion. The next chunk pair's words and scales, and its x, are loaded (16-byte
 vectors) while this one is multiplied (register double-buffering). With programmatic dependent
 launch (``triton_support``) a program loads its first words and scales before it waits for the
 kernel before it. The grid is sized to be resident in one wave (``_MMA_REGS``: 75 registers, 6
-programs per SM for M <= 8; 133 and 3 for M <= 16; 32-row programs: see the table) and K is
-split until it fills that wave.
+programs per SM for M <= 8; 133 and 3 for M <= 16; 32-row programs: see the table) and K is split
+until it fills that wave.
 
 Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
 writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
@@ -128,10 +128,11 @@ class QmmConfig:
     # of ~2.9, same 75 registers at M <= 8)
     prefetch_x: bool = True
     use_dot: bool = False  # tiled layout only: M == 1 on the tensor cores too
-    # MMA layout: the most rows of x per program (16 or 32): x of 17..32 rows is then one
-    # program column (four n8 tiles sharing every weight word) instead of two; 16 runs them in
-    # columns of 16 rows as before.
-    mma_rows: int = 32
+    # MMA layout: the most rows of x per program (16 or 32). 32: x of 17..32 rows is one
+    # program column (four n8 tiles sharing every weight word) instead of two; it needs 181
+    # registers, one program per SM, and measured slower on the H200 (BENCHMARKS.md, session
+    # 15), so 16 (columns of 16 rows) is the default.
+    mma_rows: int = 16
 
 
 @dataclass
@@ -1282,7 +1283,7 @@ def quant_matmul(
 ) -> torch.Tensor:
     """``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or fp16), fp32 accumulation.
 
-    Rows <= 64: one fused Triton launch reading the packed weight once (per 32 rows of x). More
+    Rows <= 64: one fused Triton launch reading the packed weight once (per 16 rows of x). More
     rows: cuBLAS on the dense copy when the weight has one in x's dtype, else dequantize to x's
     dtype (a Triton pass) and cuBLAS."""
     cfg = config or p.config
