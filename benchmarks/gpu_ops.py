@@ -71,6 +71,11 @@ SHAPES_27B = {  # name: (N out, K in)
 LM_HEAD = {"lm_head": (248320, 5120)}
 MS = (1, 4, 16, 31)
 ROWS32_M = 31  # M at which QmmConfig(mma_rows=32) (32-row program columns) is timed beside ours
+# ... with the next K step's x prefetched (181 registers) and without (108: two programs per SM)
+ROWS32 = {
+    "rows32": QmmConfig(mma_rows=32),
+    "rows32npx": QmmConfig(mma_rows=32, prefetch_x=False),
+}
 SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, QmmConfig())
     "w8": ({}, QmmConfig(num_warps=8)),
     "bn256": ({"block_n": 256}, QmmConfig()),
@@ -219,17 +224,16 @@ def bench_matmul(
             )
             res["ours_us"] = bench_graph([lambda p=p: quant_matmul(x, p) for p in ours])
             res["ours_eager_us"] = bench(lambda: quant_matmul(x, ours[0]))
-            if m == ROWS32_M:
-                cfg32 = QmmConfig(mma_rows=32)
+            for label, cfg32 in ROWS32.items() if m == ROWS32_M else ():
                 seen = compiled_mma()
                 err = rel_err(quant_matmul(x, ours[0], cfg32), y_ref)
-                REGISTERS.setdefault("rows32", set()).update(
+                REGISTERS.setdefault(label, set()).update(
                     (k.n_regs, k.n_spills) for key, k in compiled_mma().items() if key not in seen
                 )
                 if err > 1e-2:
-                    bad.append(f"rows32 {err:.1e}")
-                res["rows32_us"] = bench_graph(
-                    [lambda p=p: quant_matmul(x, p, cfg32) for p in ours]
+                    bad.append(f"{label} {err:.1e}")
+                res[f"{label}_us"] = bench_graph(
+                    [lambda p=p, c=cfg32: quant_matmul(x, p, c) for p in ours]
                 )
             if olds is not None:
                 err = rel_err(before.quant_matmul(x, olds[0]), y_ref)
@@ -257,7 +261,7 @@ def bench_matmul(
                 f"  {name:12s} M={m:2d} ours {res['ours_us']:6.1f} us (eager "
                 f"{res['ours_eager_us']:5.1f})  floor {floor:5.1f}  ratio {res['ratio']:.2f}"
                 + (f"  before {res['before_us']:6.1f}" if "before_us" in res else "")
-                + (f"  rows32 {res['rows32_us']:6.1f}" if "rows32_us" in res else "")
+                + "".join(f"  {c} {res[f'{c}_us']:6.1f}" for c in ROWS32 if f"{c}_us" in res)
                 + f"  int4 {res['torch_int4_us']:6.1f}  deq+mm {res['torch_deq_mm_us']:6.1f}"
                 f"  bf16 {res['bf16_cublas_us']:6.1f}"
                 + "".join(f"  {c}={res[f'cfg_{c}']:.1f}" for c in sweep if f"cfg_{c}" in res)
@@ -518,11 +522,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the config sweep")
     ap.add_argument("--configs", default="", help="comma list: sweep only these SWEEP entries")
     ap.add_argument("--quick", action="store_true", help="skip the torch matmul baselines")
+    ap.add_argument("--ms", default="", help="comma list: time the matmuls at these M only")
     ap.add_argument("--lm-head", action="store_true", help="also time the 248320x5120 lm_head")
     ap.add_argument("--before", default="", help="a quant_matmul.py to time alongside")
     ap.add_argument("--skip", default="", help="parts to skip: matmul,attention,gdn,chunk,conv")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_ops.json"))
     args = ap.parse_args()
+    if args.ms:
+        global MS
+        MS = tuple(int(m) for m in args.ms.split(","))
     if args.configs:
         for name in set(SWEEP) - set(args.configs.split(",")):
             del SWEEP[name]
@@ -570,7 +578,7 @@ def main() -> None:
             f"{r['ours_us']:6.1f} {r['ours_eager_us']:6.1f} {r['floor_us']:6.1f} "
             f"{r['ratio']:5.2f} {b:6.1f} {b / r['floor_us']:5.2f} {r['torch_int4_us']:6.1f} "
             f"{r['torch_deq_mm_us']:7.1f} {r['bf16_cublas_us']:6.1f}"
-            + (f"  rows32 {r['rows32_us']:6.1f}" if "rows32_us" in r else "")
+            + "".join(f"  {c} {r[f'{c}_us']:6.1f}" for c in ROWS32 if f"{c}_us" in r)
         )
     for r in att:
         print(
