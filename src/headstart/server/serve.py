@@ -703,6 +703,10 @@ def _serve_loaded(
     context = args.context or min(32768, cfg.max_position_embeddings)
     if parallel < 1 or context < 2:
         raise HeadstartError("--parallel must be >= 1 and --context >= 2")
+    if ahead is not None:
+        # Its kernels go to Triton's cache before this warm-up would compile them, and the
+        # memory it holds is free again before the state pool is sized against what is free.
+        ahead.wait()
     _check_memory(loaded.model, parallel, context, max(0, args.prompt_cache_mib) << 20)
     drafter = None
     if args.drafter is None and args.model is None and not args.no_drafter:
@@ -757,8 +761,6 @@ def _serve_loaded(
             continuation_tokens=args.continuation_graph_tokens,
         ),
     )
-    if ahead is not None:  # its kernels, from Triton's cache, before this warm-up compiles them
-        ahead.wait()
     phase = time.monotonic()
     log.info("engine: state pool, warm-up and graph capture ...")
     try:
