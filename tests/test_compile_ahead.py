@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import subprocess
+from pathlib import Path
 
 from headstart.cli import _add_model_args
 from headstart.loading import default_model_dir
@@ -67,3 +68,43 @@ def test_no_process_for_the_cpu_or_without_graphs():
     p = _parser()
     for argv in (["--device", "cpu"], ["--device", "cuda", "--no-graphs"]):
         assert _start_compile_ahead(p.parse_args(argv)) is None
+
+
+def test_no_process_for_a_small_model():
+    """The embedded default model loads in seconds: nothing to overlap."""
+    assert compile_ahead.planned_step_tokens(DEFAULT_MODEL_DIR, "cuda") is None
+
+
+def test_the_planned_budget_is_the_one_serve_gives_the_loaded_model(tmp_path, monkeypatch):
+    """From config.json alone, the step budget serve logged for the random 27B checkpoint on
+    the H200 (2048 tokens: BENCHMARKS.md), and the cut of its 64 layers to 4."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "benchmarks" / "make_random_checkpoint.py"
+    out = tmp_path / "m-27b"
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--shape",
+            "27b",
+            "--format",
+            "4bit",
+            "--config-only",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    h200 = SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: h200)
+    assert compile_ahead.planned_step_tokens(out, "cuda") == 2048
+    cut = compile_ahead.cut_folder(out, tmp_path / "cut")
+    text = json.loads((cut / "config.json").read_text())
+    assert text["num_hidden_layers"] == 4 and len(text["layer_types"]) == 4

@@ -80,10 +80,16 @@ def command(args: argparse.Namespace, folder: Path, step_tokens: int) -> list[st
     return cmd
 
 
+# Below this many weights the load takes seconds: the process's own start-up (CUDA, imports)
+# would cost more than it overlaps.
+MIN_PARAMETERS = 1_000_000_000
+
+
 def planned_step_tokens(path: Path, device: str) -> int | None:
     """The step budget ``serve`` gives the full model at ``path`` (its default, from the
     weights a token multiplies by), known from config.json before any weight loads; None for
-    a family other than Qwen3.5."""
+    a family other than Qwen3.5 or a model of fewer than ``MIN_PARAMETERS`` weights (no
+    process then)."""
     import math
 
     import torch
@@ -100,6 +106,8 @@ def planned_step_tokens(path: Path, device: str) -> int | None:
     params = sum(math.prod(s) for n, s in shapes.items() if n != "embed_tokens.weight")
     if cfg.tie_word_embeddings:
         params += math.prod(shapes["embed_tokens.weight"])  # the head (Qwen35Model.num_parameters)
+    if params < MIN_PARAMETERS:
+        return None
     props = torch.cuda.get_device_properties(torch.device(device))
     return default_step_tokens(
         params, "cuda", (props.major, props.minor, props.multi_processor_count)
