@@ -108,3 +108,10 @@ def test_the_planned_budget_is_the_one_serve_gives_the_loaded_model(tmp_path, mo
     cut = compile_ahead.cut_folder(out, tmp_path / "cut")
     text = json.loads((cut / "config.json").read_text())
     assert text["num_hidden_layers"] == 4 and len(text["layer_types"]) == 4
+
+
+def test_the_planned_parameters_are_the_loaded_models():
+    from headstart.loading import family_for, load
+
+    plan = family_for(DEFAULT_MODEL_DIR).planned_parameters
+    assert plan(DEFAULT_MODEL_DIR) == load().model.num_parameters()

@@ -129,7 +129,11 @@ class ModelFamily:
     ``split(model_dir, N)``, which raises HeadstartError when the checkpoint cannot be split N
     ways, and its ``load`` then takes ``tp`` (the rank's
     :class:`~headstart.parallel.group.TPGroup`) and returns that rank's part; None: one
-    process only."""
+    process only.
+
+    ``planned_parameters(model_dir)``: the weights a token's forward multiplies by (what the
+    loaded model's ``num_parameters`` gives), from config.json alone, for what is sized before
+    the load (``serve``'s compile-ahead process); None: not known before loading."""
 
     name: str
     architectures: tuple[str, ...]
@@ -137,6 +141,7 @@ class ModelFamily:
     load: Callable[[Path, torch.dtype, torch.device | str, str], CausalLM]
     chat: ChatFormat = field(default_factory=ChatFormat)
     split: Callable[[Path, int], None] | None = None
+    planned_parameters: Callable[[Path], int] | None = None
 
     def claims(self, config: Mapping[str, Any]) -> bool:
         archs = config.get("architectures") or ()

@@ -88,24 +88,15 @@ MIN_PARAMETERS = 1_000_000_000
 def planned_step_tokens(path: Path, device: str) -> int | None:
     """The step budget ``serve`` gives the full model at ``path`` (its default, from the
     weights a token multiplies by), known from config.json before any weight loads; None for
-    a family other than Qwen3.5 or a model of fewer than ``MIN_PARAMETERS`` weights (no
-    process then)."""
-    import math
-
+    a family that cannot say before loading or a model of fewer than ``MIN_PARAMETERS``
+    weights (no process then)."""
     import torch
 
     from headstart.engine.config import default_step_tokens
     from headstart.loading import family_for
-    from headstart.models.qwen35.config import load_config
-    from headstart.models.qwen35.weights import expected_shapes
 
-    if family_for(path).name != "qwen35":
-        return None
-    cfg = load_config(path)
-    shapes = expected_shapes(cfg)
-    params = sum(math.prod(s) for n, s in shapes.items() if n != "embed_tokens.weight")
-    if cfg.tie_word_embeddings:
-        params += math.prod(shapes["embed_tokens.weight"])  # the head (Qwen35Model.num_parameters)
+    plan = family_for(path).planned_parameters
+    params = plan(path) if plan is not None else 0
     if params < MIN_PARAMETERS:
         return None
     props = torch.cuda.get_device_properties(torch.device(device))

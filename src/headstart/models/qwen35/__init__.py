@@ -46,6 +46,22 @@ def _split(model_dir: Path, world: int) -> None:
     check_split(load_config(model_dir), world)
 
 
+def _planned_parameters(model_dir: Path) -> int:
+    """What :meth:`Qwen35Model.num_parameters` gives, from config.json: every weight but the
+    embedding table, which counts once as the head."""
+    import math
+
+    from headstart.models.qwen35.config import load_config
+    from headstart.models.qwen35.weights import expected_shapes
+
+    cfg = load_config(model_dir)
+    shapes = expected_shapes(cfg)
+    total = sum(math.prod(s) for n, s in shapes.items() if n != "embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        total += math.prod(shapes["embed_tokens.weight"])
+    return total
+
+
 FAMILY = ModelFamily(
     name="qwen35",
     architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
@@ -53,4 +69,5 @@ FAMILY = ModelFamily(
     load=_load,
     chat=CHAT,
     split=_split,
+    planned_parameters=_planned_parameters,
 )
