@@ -11,7 +11,9 @@ from headstart.models.qwen35.model import Qwen35Model
 
 PROMPT_LEN = 45
 STEPS = 20
-TOL = 1e-4
+# fp32 against fp32, logits up to ~6: the GDN prefill's chunking differs (HF: 64 rows; the CPU
+# kernel set: 32), which moves the last bits by up to ~1.1e-4.
+TOL = 2e-4
 
 
 def hf_prefill_and_greedy(model, ids: torch.Tensor, steps: int):

@@ -22,6 +22,7 @@ platform itself. Three sets exist with the same signatures:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -54,7 +55,7 @@ def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, sta
     return pointwise.gated_rms_norm(o.to(v.dtype), z, weight, eps, gate_rows=rows).view(o.shape)
 
 
-def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu):
+def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlens_cpu, chunk=64):
     """Per span, the chunked reference (``cu_seqlens_cpu`` gives the spans on the host)."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens_cpu.tolist()
@@ -62,7 +63,7 @@ def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlen
         a, b = bounds[n], bounds[n + 1]
         state = torch.zeros_like(states[slot]) if bool(fresh[n]) else states[slot]
         out[a:b], states[slot] = chunked_gated_delta(
-            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, chunk
         )
     return out
 
@@ -182,6 +183,9 @@ def cpu_kernels() -> Kernels:
         attn_fresh_spans=_each_fresh_span(sdpa.attn_span),
         attn_padded=sdpa.attn_padded,
         conv_span=cpu_conv.causal_conv,
+        # Chunks of 32 rows, not 64: measured faster on a CPU at the default model's heads and
+        # no slower at 2B's (BENCHMARKS.md, "CPU: prompt steps on both cores").
+        gdn_spans=functools.partial(_ref_gdn_spans, chunk=32),
     )
 
 
