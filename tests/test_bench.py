@@ -214,6 +214,9 @@ def test_check_fails_when_an_output_differs(copy):
 
     edit_rows(copy, edit)
     assert "outputs disagree" in problems(copy)
+    # Judged as `bench check --agree none` would: no disagreement is a problem then.
+    judged = "\n".join(check_receipt(copy, agree="none").problems)
+    assert "outputs disagree" not in judged and judged
 
 
 @pytest.mark.slow

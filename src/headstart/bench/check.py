@@ -136,8 +136,10 @@ def _row_values(rows: list[R.Row], report: CheckReport) -> None:
     report.problems += capped("request failed", failed)
 
 
-def check_receipt(folder: str | Path) -> CheckReport:
-    """Run every check (see the module docstring); never raises for a bad receipt."""
+def check_receipt(folder: str | Path, agree: str | None = None) -> CheckReport:
+    """Run every check (see the module docstring); never raises for a bad receipt. ``agree``:
+    judge the outputs' agreement as ``bench --agree`` would have (all, single or none) instead
+    of as the run recorded; the recorded summary is still checked as recorded."""
     folder = Path(folder)
     report = CheckReport(folder)
     if not folder.is_dir():
@@ -176,12 +178,14 @@ def check_receipt(folder: str | Path) -> CheckReport:
     report.problems += capped("summary.json does not match the rows", diffs)
     if table != format_table(fresh, run_title(config)):
         report.problems.append("table.txt does not match the summary recomputed from the rows")
-    mismatches = fresh["agreement"]["mismatches"]
-    report.problems += capped(f"outputs disagree (--agree {config['agree']})", mismatches)
-    if mismatches and config["agree"] == "all" and not any("@1:" in m for m in mismatches):
+    mode = agree or config["agree"]
+    judged = fresh if mode == config["agree"] else summarize(rows, {**config, "agree": mode})
+    mismatches = judged["agreement"]["mismatches"]
+    report.problems += capped(f"outputs disagree (--agree {mode})", mismatches)
+    if mismatches and mode == "all" and not any("@1:" in m for m in mismatches):
         report.notes.append(
-            "only concurrent requests disagree: if the server's batched "
-            "kernels are not batch-invariant, run with --agree single"
+            "only concurrent requests disagree: if the server's batched kernels are not "
+            "batch-invariant, check with --agree single (or run with it)"
         )
     client_note(folder, report)
     return report

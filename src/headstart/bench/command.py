@@ -290,6 +290,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "rows and compare outputs across arms",
     )
     chk.add_argument("receipt", help="the receipt folder")
+    chk.add_argument(
+        "--agree",
+        dest="check_agree",
+        choices=["all", "single", "none"],
+        default=None,
+        help="judge output agreement this way instead of as the run recorded",
+    )
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -417,7 +424,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.bench_command == "check":
         from headstart.bench.check import check_receipt
 
-        report = check_receipt(args.receipt)
+        report = check_receipt(args.receipt, getattr(args, "check_agree", None))
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
         return 0 if report.ok else 1
     plan, argv = _plan(args), argv if argv is not None else sys.argv
