@@ -115,3 +115,23 @@ def test_the_planned_parameters_are_the_loaded_models():
 
     plan = family_for(DEFAULT_MODEL_DIR).planned_parameters
     assert plan(DEFAULT_MODEL_DIR) == load().model.num_parameters()
+
+
+def test_start_and_wait_run_the_process_to_its_end(monkeypatch, caplog):
+    """CompileAhead as serve drives it (here on the CPU): started, waited for, its folder gone;
+    a failure is logged with the tail of its stderr, which goes to a file (a pipe nobody reads
+    until the load is done could fill and stop it)."""
+    import logging
+
+    monkeypatch.setenv("HEADSTART_CPU_COMPILE", "off")
+    args = _parser().parse_args(["--device", "cpu"])
+    ahead = compile_ahead.CompileAhead.start(args, DEFAULT_MODEL_DIR, 512)
+    with caplog.at_level(logging.INFO, logger="headstart.serve"):
+        ahead.wait(timeout=300)
+    assert ahead.proc.returncode == 0 and "done in" in caplog.text
+    assert not Path(ahead.tmp.name).exists()
+    args.kernels = "no-such-set"  # refused by the process's argument parser
+    failing = compile_ahead.CompileAhead.start(args, DEFAULT_MODEL_DIR, 512)
+    with caplog.at_level(logging.INFO, logger="headstart.serve"):
+        failing.wait(timeout=120)
+    assert failing.proc.returncode != 0 and "no-such-set" in caplog.text

@@ -123,9 +123,10 @@ class CompileAhead:
                 return None
             cmd = command(args, folder, step_tokens)
             env = {**os.environ, "HEADSTART_COMPILE_AHEAD": "0"}
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-            )
+            # Its stderr to a file, not a pipe: nobody reads a pipe until the load is done, and
+            # a full one would stop the process in the middle of the work it overlaps.
+            with open(Path(tmp.name) / "stderr.log", "w") as err:
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
         except (OSError, ValueError) as e:
             log.warning("compile-ahead process not started: %s", e)
             tmp.cleanup()
@@ -136,15 +137,16 @@ class CompileAhead:
     def wait(self, timeout: float = 600.0) -> None:
         """Wait for it (at most ``timeout`` s, then end it); log how it went."""
         try:
-            _, err = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
+            self.proc.wait()
         took = time.monotonic() - self.started
         if self.proc.returncode == 0:
             log.info("compile-ahead process done in %.1fs", took)
         else:
-            tail = " | ".join((err or "").strip().splitlines()[-3:])
+            err = (Path(self.tmp.name) / "stderr.log").read_text(errors="replace")
+            tail = " | ".join(err.strip().splitlines()[-3:])
             log.warning(
                 "compile-ahead process ended %s after %.1fs: %s", self.proc.returncode, took, tail
             )

@@ -657,7 +657,6 @@ def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
         or not str(args.device).startswith("cuda")
         or args.tensor_parallel > 1
         or args.no_graphs
-        or args.load_format not in ("auto", "dummy")
     ):
         return None
     from headstart.loading import resolve_model_dir

@@ -147,9 +147,12 @@ class GatedDeltaNet:
         wd, dev = batch.windows, r.mixed.device
         rows, L = wd.rows[0], wd.rows.shape[1]
         tail0 = r.tails.index_select(0, wd.slots)[0]
-        g, beta = r.g[rows], r.beta[rows]
-        # A span batch holds this stream's rows alone, in order (ForwardBatch.windows_of).
-        x = r.mixed if r.mixed.shape[0] == L else r.mixed[rows]
+        # A span batch holds this stream's rows alone, in order (ForwardBatch.windows_of): no
+        # gathers then.
+        if r.mixed.shape[0] == L:
+            x, g, beta = r.mixed, r.g, r.beta
+        else:
+            x, g, beta = r.mixed[rows], r.g[rows], r.beta[rows]
         if wd.length is None:
             y, tail = self.m.kernels.conv_span(x, tail0, r.conv_w)
         else:
