@@ -381,7 +381,6 @@ def train_drafter_for(
     returned)."""
     from headstart.loading import load, resolve_device
     from headstart.models.qwen35.model import Qwen35Model
-    from training.drafter import save_drafter_checkpoint, train_drafter
 
     if steps is None and minutes is None:
         raise ValueError("give steps or minutes")
@@ -408,19 +407,86 @@ def train_drafter_for(
         timeout_s=generation_timeout_s,
     )
     gen_s = time.perf_counter() - t1
+    fit = fit_drafter(
+        model,
+        ids,
+        conts,
+        out,
+        tokenizer_size=tok.vocab_size,
+        eos_token_ids=loaded.eos_token_ids,
+        block=block,
+        layers=layers,
+        taps=taps,
+        intermediate=intermediate,
+        mask_token_id=mask_token_id,
+        steps=steps,
+        minutes=minutes,
+        batch=batch,
+        anchors=anchors,
+        lr=lr,
+        seed=seed,
+        log=log,
+        generation_s=gen_s,
+    )
+    report = {
+        "target": str(target),
+        "device": str(model.device),
+        "dtype": str(model.dtype),
+        "prompts": len(ids),
+        **{k: v for k, v in fit.items() if k != "seconds"},
+        "max_new_tokens": max_new_tokens,
+        "template_kwargs": kwargs,
+        "seconds": {"load": load_s, "continuations": gen_s, **fit["seconds"]},
+    }
+    if report_file:
+        (Path(out) / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"drafter -> {out} ({report['steps']} steps in {fit['seconds']['training']:.0f}s)")
+    return report
+
+
+def fit_drafter(
+    model,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int] | None],
+    out: str | Path,
+    *,
+    tokenizer_size: int,
+    eos_token_ids: Sequence[int],
+    block: int = 16,
+    layers: int = 2,
+    taps: Sequence[int] | None = None,
+    intermediate: int | None = None,
+    mask_token_id: int | None = None,
+    steps: int | None = None,
+    minutes: float | None = None,
+    batch: int = 16,
+    anchors: int = 32,
+    lr: float = 6e-4,
+    seed: int = 0,
+    log=print,
+    generation_s: float | None = None,
+) -> dict:
+    """Train a drafter for the loaded headstart ``model`` on ``prompts`` and their
+    ``continuations`` (what :func:`batched_continuations` returns; None and one-token ones are
+    left out) and write it to ``out``: the second half of :func:`train_drafter_for`, apart so
+    that one set of continuations can train several geometries. Returns counts, the geometry,
+    the loss at the start and end and ``seconds`` {"training"}."""
+    from training.drafter import save_drafter_checkpoint, train_drafter
+
     # A block needs an anchor and a target; None: not finished in the generation time.
-    keep = [i for i, c in enumerate(conts) if c is not None and len(c) >= 2]
+    keep = [i for i, c in enumerate(continuations) if c is not None and len(c) >= 2]
     if not keep:
         raise ValueError("no continuation is long enough to train on")
-    seqs = [ids[i] + conts[i] for i in keep]
-    lengths = [len(ids[i]) for i in keep]
-    n_tokens = sum(len(conts[i]) for i in keep)
-    log(f"continuations: {len(keep)} of {len(ids)} prompts, {n_tokens} tokens in {gen_s:.1f}s")
+    seqs = [list(prompts[i]) + list(continuations[i]) for i in keep]
+    lengths = [len(prompts[i]) for i in keep]
+    n_tokens = sum(len(continuations[i]) for i in keep)
+    took = f" in {generation_s:.1f}s" if generation_s is not None else ""
+    log(f"continuations: {len(keep)} of {len(prompts)} prompts, {n_tokens} tokens{took}")
 
     mask = (
         mask_token_id
         if mask_token_id is not None
-        else default_mask_token(model.cfg.vocab_size, tok.vocab_size)
+        else default_mask_token(model.cfg.vocab_size, tokenizer_size)
     )
     cfg = drafter_config_for(
         model.cfg,
@@ -430,7 +496,7 @@ def train_drafter_for(
         taps=taps,
         intermediate=intermediate,
     )
-    pad = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+    pad = eos_token_ids[0] if eos_token_ids else 0
     history: list[float] = []
     t2 = time.perf_counter()
     # Forwards under autocast on a GPU (the drafter's weights stay fp32 while it trains).
@@ -450,27 +516,21 @@ def train_drafter_for(
         log=log,
     )
     train_s = time.perf_counter() - t2
-    out = Path(out)
     save_drafter_checkpoint(
         drafter,
         cfg,
-        out,
+        Path(out),
         num_target_layers=model.cfg.num_hidden_layers,
         vocab_size=model.cfg.vocab_size,
     )
     first = history[: max(1, len(history) // 20)]
     last = history[-max(1, len(history) // 20) :]
-    report = {
-        "target": str(target),
-        "device": str(model.device),
-        "dtype": str(model.dtype),
-        "prompts": len(ids),
+    stops = set(eos_token_ids)
+    return {
         "continuations": len(keep),
-        "unfinished": sum(c is None for c in conts),
+        "unfinished": sum(c is None for c in continuations),
         "continuation_tokens": n_tokens,
-        "ended_by_eos": sum(1 for i in keep if conts[i][-1] in loaded.eos_token_ids),
-        "max_new_tokens": max_new_tokens,
-        "template_kwargs": kwargs,
+        "ended_by_eos": sum(1 for i in keep if continuations[i][-1] in stops),
         "drafter": {
             "layers": layers,
             "block_size": block,
@@ -483,12 +543,8 @@ def train_drafter_for(
         "anchors_per_seq": anchors,
         "loss_first": sum(first) / len(first) if history else None,
         "loss_last": sum(last) / len(last) if history else None,
-        "seconds": {"load": load_s, "continuations": gen_s, "training": train_s},
+        "seconds": {"training": train_s},
     }
-    if report_file:
-        (out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
-    log(f"drafter -> {out} ({len(history)} steps in {train_s:.0f}s)")
-    return report
 
 
 def run(args: argparse.Namespace) -> int:
