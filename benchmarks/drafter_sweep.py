@@ -56,13 +56,13 @@ def prep(a: argparse.Namespace) -> None:
 def run(a: argparse.Namespace) -> None:
     import tempfile
 
-    from headstart.loading import load
+    from headstart.loading import load, resolve_device
     from training.drafter import evaluate_acceptance
     from training.selfdistill import batched_continuations, fit_drafter
 
     data = json.loads(Path(a.data).read_text())
     prompts = data["prompts"][: a.prompts] if a.prompts else data["prompts"]
-    loaded = load(a.model, a.device)
+    loaded = load(a.model, resolve_device(a.device))
     model = loaded.model
     t0 = time.perf_counter()
     conts = batched_continuations(
