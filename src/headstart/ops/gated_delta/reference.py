@@ -70,6 +70,10 @@ def chunked_gated_delta(
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     H, T, _Dk = k.shape
+    # A span shorter than a chunk (a verify window, a rollback, a short prompt) is padded only
+    # to the next multiple of 8: the chunk size changes nothing but rounding, and padding 8 rows
+    # to 32 made an 8-row span cost 1.6x as much on the CPU (BENCHMARKS.md).
+    chunk = min(chunk, max(8, -(-T // 8) * 8))
     pad = (-T) % chunk
     if pad:
         # Zero beta and zero log-decay make padded steps leave the state untouched.
