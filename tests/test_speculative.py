@@ -100,6 +100,9 @@ def test_greedy_with_drafter_equals_without(target, tokenizer, engines, plain_gr
         assert spec["spec_tree_rounds"] == spec["spec_rounds"]
     if mode == "chain":
         assert spec["spec_tree_rounds"] == 0
+    if mode == "auto":  # the engine timed its decode steps for the planner
+        planner = e.spec.planner
+        assert planner is not None and planner.overhead > 0 and planner.step_cost > 0
     if kind == "oracle" and mode == "chain":
         assert spec["spec_accepted"] == spec["spec_drafted"]
     elif kind == "oracle" and mode == "tree":  # the greedy spine is accepted whole
@@ -316,3 +319,23 @@ def test_planner_drafts_only_while_rounds_beat_plain_steps():
     for _ in range(30):
         p.observe_chain(3, 3)
     assert all(p.worth_drafting() for _ in range(5))
+
+
+def test_planner_counts_what_a_round_costs_beyond_its_windows():
+    """Windows and the drafter measured cheap (a two-draft round modelled at 1.3 against a plain
+    step of 1.0, three tokens a round): drafting pays on paper. When drafting steps take 4.0 on
+    the engine's clock, it does not; when plain steps then turn out to take 5.0, it does again."""
+    from headstart.engine.spec.planner import SpecPlanner
+
+    p = SpecPlanner(4, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, None, draft_cost=0.1, recheck=1000)
+    for _ in range(30):
+        p.observe_chain(3, 2)
+    assert p.choose(4) == ("chain", 2) and p.worth_drafting()
+    for _ in range(40):
+        p.choose(4)
+        p.observe_step(4.0, drafted=True)
+    assert 2.5 < p.overhead < 2.7
+    assert not p.worth_drafting()
+    for _ in range(40):
+        p.observe_step(5.0, drafted=False)
+    assert p.worth_drafting()

@@ -242,6 +242,7 @@ class Engine:
 
     def _run_step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
+        began = time.perf_counter()
         drafts = {}
         if self.spec is not None:  # a draft job for each decoding row of a drafting stream
             jobs = {j: self._live[w.seq.id].draft_job(w, self.context) for j, w in enumerate(work)}
@@ -280,6 +281,9 @@ class Engine:
                 taps = out.taps[step.rows(j)] if out.taps is not None else None
                 logits = out.logits[step.logit_rows(j)]
                 self._per_request(self._settle_round, live, work[j].start, draft, logits, taps)
+        if self.spec is not None and all(len(w.tokens) == 1 and w.samples for w in work):
+            # A decode step, whole: what a round costs beyond its windows is measured here.
+            self.spec.observe_step(time.perf_counter() - began, bool(drafts))
 
     def _settle_round(
         self, live: Live, start: int, draft: Draft, logits: torch.Tensor, taps: torch.Tensor | None

@@ -15,6 +15,12 @@ class SpecPlanner:
     (the probability that draft d is accepted given d-1 were) and tokens per round for trees,
     both as moving averages. Each round takes the option with the most expected tokens per
     second; every ``explore``-th round tries the other mode so neither estimate goes stale.
+
+    The measured window and drafter costs leave out what a round pays around them (the
+    drafter's context rows, the rollback of rejected rows, reading the proposals and the
+    verdict back), which can outweigh them on a small model. So the engine reports the wall
+    time of its decode steps (:meth:`observe_step`): plain ones replace the plain step's cost,
+    drafting ones give the round's overhead beyond its modelled cost, both as moving averages.
     """
 
     def __init__(
@@ -43,6 +49,9 @@ class SpecPlanner:
         self.alpha = [0.5] * block  # alpha[d]: P(draft d+1 accepted | d accepted)
         self.tree_tokens = 1.5
         self.rounds = 0
+        self.step_cost = costs.get(1)  # a plain decode step, wall time (observe_step)
+        self.overhead = 0.0  # a drafting step's wall time beyond its modelled cost
+        self._modelled = 0.0  # the modelled cost of the step being drafted (0: none)
 
     def expected_chain(self, depth: int) -> float:
         e, p = 1.0, 1.0
@@ -56,7 +65,7 @@ class SpecPlanner:
         for depth in range(1, min(self.block, room)):
             cost = self.costs.get(depth + 1)
             if cost:
-                rate = self.expected_chain(depth) / (cost + self.draft_cost)
+                rate = self.expected_chain(depth) / (cost + self.draft_cost + self.overhead)
                 if rate > best_rate:
                     best_depth, best_rate = depth, rate
         return best_depth, best_rate
@@ -67,8 +76,8 @@ class SpecPlanner:
         ``recheck`` calls, so a drafter that starts to fit the text gets noticed."""
         rate = self._best_chain(self.block)[1]
         if self.tree_cost is not None:
-            rate = max(rate, self.tree_tokens / (self.tree_cost + self.draft_cost))
-        step = self.costs.get(1)
+            rate = max(rate, self.tree_tokens / self._tree_round())
+        step = self.step_cost
         if not step or rate > 1.0 / step:
             self.declined, self.wait = 0, self.recheck
             return True
@@ -82,13 +91,31 @@ class SpecPlanner:
         """("chain", drafts) or ("tree", depth); room caps tokens this round."""
         self.rounds += 1
         best_depth, best_rate = self._best_chain(room)
-        if self.tree_cost is None or room < self.block:
-            return "chain", best_depth
-        tree_rate = self.tree_tokens / (self.tree_cost + self.draft_cost)
-        tree = tree_rate > best_rate
-        if self.explore and self.rounds % self.explore == 0:
-            tree = not tree
+        tree = False
+        if self.tree_cost is not None and room >= self.block:
+            tree = self.tree_tokens / self._tree_round() > best_rate
+            if self.explore and self.rounds % self.explore == 0:
+                tree = not tree
+        if tree:
+            cost = self.tree_cost + self.draft_cost
+        else:
+            cost = self.costs.get(best_depth + 1, 0.0) + self.draft_cost
+        self._modelled = max(self._modelled, cost)  # the step's slowest stream
         return ("tree", self.block - 1) if tree else ("chain", best_depth)
+
+    def _tree_round(self) -> float:
+        assert self.tree_cost is not None
+        return self.tree_cost + self.draft_cost + self.overhead
+
+    def observe_step(self, seconds: float, drafted: bool) -> None:
+        """The wall time of a decode step (no prompt rows), drafted or plain."""
+        keep = self.decay
+        if drafted and self._modelled:
+            extra = max(0.0, seconds - self._modelled)
+            self.overhead = keep * self.overhead + (1 - keep) * extra
+        elif not drafted and self.step_cost:
+            self.step_cost = keep * self.step_cost + (1 - keep) * seconds
+        self._modelled = 0.0
 
     def observe_chain(self, drafted: int, accepted: int) -> None:
         for d in range(drafted):

@@ -167,6 +167,11 @@ class Speculator:
         """In "auto" mode, whether this step should draft at all (see SpecPlanner)."""
         return self.mode != "auto" or self.planner is None or self.planner.worth_drafting()
 
+    def observe_step(self, seconds: float, drafted: bool) -> None:
+        """A decode step's wall time (no prompt rows in it), for the planner's costs."""
+        if self.planner is not None:
+            self.planner.observe_step(seconds, drafted)
+
     def plan(self, b: int) -> tuple[str, int]:
         """Chain depth or tree for a stream that may emit up to ``b`` tokens this round."""
         if self.mode == "chain" or self.planner is None:
