@@ -12,14 +12,16 @@
 #include <immintrin.h>
 #endif
 
-/* Every code of word w shifted by 4 * b pairs with x[w * 8 + b]: x is first laid out as
- * xp[m][b][w] = x[m][w * 8 + b], so that 16 consecutive words and one shift b multiply 16
- * consecutive floats. */
+/* Every code of word w at bits 4b..4b+3 pairs with x[w * 8 + b]: x is first laid out as
+ * xp[m][b][w] = x[m][w * 8 + b] * 2^-4b, so that 16 consecutive words masked to nibble b
+ * (not shifted: the masked word is q * 2^4b, exact as a float) multiply 16 consecutive
+ * floats, and the powers of two cancel exactly. */
 static void permute(const float* x, int M, int K, float* xp) {
   const int W = K / 8;
   for (int m = 0; m < M; m++)
     for (int w = 0; w < W; w++)
-      for (int b = 0; b < 8; b++) xp[((size_t)m * 8 + b) * W + w] = x[(size_t)m * K + w * 8 + b];
+      for (int b = 0; b < 8; b++)
+        xp[((size_t)m * 8 + b) * W + w] = x[(size_t)m * K + w * 8 + b] / (float)(1u << (4 * b));
 }
 
 static void group_sums(const float* x, int M, int K, int G, float* xs) {
@@ -57,42 +59,63 @@ static void rows_portable(int M, const float* x, const float* xs, int K, const u
 }
 
 #if defined(__AVX512F__)
-/* R rows of x at once (R a constant after inlining: the accumulators stay in registers). */
+/* R rows of x and NR output rows at once (constants after inlining: the accumulators stay in
+ * registers). R * NR independent accumulator chains hide the FMA latency: with one row of x
+ * and one output row, each row's 16 dependent FMAs made the kernel latency-bound. */
 static inline __attribute__((always_inline)) void rows_avx512(
-    const int R, const float* xp, const float* xs, int K, const uint32_t* packed,
+    const int R, const int NR, const float* xp, const float* xs, int K, const uint32_t* packed,
     const float* scales, const float* biases, int N, int G, float* y, int n0, int n1) {
   const int W = K / 8, ng = K / G, wpg = G / 8;
-  const __m512i low4 = _mm512_set1_epi32(15);
   int lane_group[16];
   for (int i = 0; i < 16; i++) lane_group[i] = i / wpg;
   const __m512i lanes = _mm512_loadu_si512((const void*)lane_group);
   const int per_block = wpg >= 16 ? 1 : 16 / wpg; /* groups in a block of 16 words */
   const __mmask16 load = (__mmask16)((1u << per_block) - 1u);
-  for (int n = n0; n < n1; n++) {
-    const uint32_t* row = packed + (size_t)n * W;
-    const float* srow = scales + (size_t)n * ng;
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int n = n0; n < n1; n += NR) {
+    __m512 acc[R][NR];
+    for (int r = 0; r < R; r++)
+      for (int j = 0; j < NR; j++) acc[r][j] = _mm512_setzero_ps();
     for (int w0 = 0; w0 < W; w0 += 16) {
-      const __m512i words = _mm512_loadu_si512((const void*)(row + w0));
-      const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(load, srow + w0 / wpg));
-      __m512 part[R];
-      for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
+      __m512i words[NR];
+      __m512 s[NR], part[R][NR];
+      for (int j = 0; j < NR; j++) {
+        words[j] = _mm512_loadu_si512((const void*)(packed + (size_t)(n + j) * W + w0));
+        s[j] = _mm512_permutexvar_ps(
+            lanes, _mm512_maskz_loadu_ps(load, scales + (size_t)(n + j) * ng + w0 / wpg));
+        for (int r = 0; r < R; r++) part[r][j] = _mm512_setzero_ps();
+      }
 #pragma GCC unroll 8
       for (int b = 0; b < 8; b++) {
-        const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words, 4 * b), low4));
-        for (int r = 0; r < R; r++)
-          part[r] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xp + ((size_t)r * 8 + b) * W + w0), part[r]);
+        const __m512i nibble = _mm512_set1_epi32((int)(15u << (4 * b)));
+        for (int j = 0; j < NR; j++) {
+          const __m512 q = _mm512_cvtepu32_ps(_mm512_and_si512(words[j], nibble));
+          for (int r = 0; r < R; r++)
+            part[r][j] = _mm512_fmadd_ps(
+                q, _mm512_loadu_ps(xp + ((size_t)r * 8 + b) * W + w0), part[r][j]);
+        }
       }
-      for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
+      for (int r = 0; r < R; r++)
+        for (int j = 0; j < NR; j++) acc[r][j] = _mm512_fmadd_ps(part[r][j], s[j], acc[r][j]);
     }
-    const float* brow = biases + (size_t)n * ng;
-    for (int r = 0; r < R; r++) {
-      float t = _mm512_reduce_add_ps(acc[r]);
-      for (int g = 0; g < ng; g++) t += brow[g] * xs[r * ng + g];
-      y[(size_t)r * N + n] = t;
+    for (int j = 0; j < NR; j++) {
+      const float* brow = biases + (size_t)(n + j) * ng;
+      for (int r = 0; r < R; r++) {
+        float t = _mm512_reduce_add_ps(acc[r][j]);
+        for (int g = 0; g < ng; g++) t += brow[g] * xs[r * ng + g];
+        y[(size_t)r * N + n + j] = t;
+      }
     }
   }
+}
+
+/* Output rows n0..n1 for R rows of x: NR = 4 / R output rows at a time, then one at a time. */
+static inline __attribute__((always_inline)) void block_avx512(
+    const int R, const float* xp, const float* xs, int K, const uint32_t* packed,
+    const float* scales, const float* biases, int N, int G, float* y, int n0, int n1) {
+  const int NR = 4 / R;
+  const int split = n0 + (n1 - n0) / NR * NR;
+  if (NR > 1) rows_avx512(R, NR, xp, xs, K, packed, scales, biases, N, G, y, n0, split);
+  rows_avx512(R, 1, xp, xs, K, packed, scales, biases, N, G, y, NR > 1 ? split : n0, n1);
 }
 #endif
 
@@ -113,9 +136,9 @@ int int4_matmul_f32(const float* x, int M, int K, const uint32_t* packed, const 
       const float* xpm = xp + (size_t)m0 * K;
       const float* xsm = xs + (size_t)m0 * (K / G);
       float* ym = y + (size_t)m0 * N;
-      if (left >= 4) { rows_avx512(4, xpm, xsm, K, packed, scales, biases, N, G, ym, n0, n1); m0 += 4; }
-      else if (left >= 2) { rows_avx512(2, xpm, xsm, K, packed, scales, biases, N, G, ym, n0, n1); m0 += 2; }
-      else { rows_avx512(1, xpm, xsm, K, packed, scales, biases, N, G, ym, n0, n1); m0 += 1; }
+      if (left >= 4) { block_avx512(4, xpm, xsm, K, packed, scales, biases, N, G, ym, n0, n1); m0 += 4; }
+      else if (left >= 2) { block_avx512(2, xpm, xsm, K, packed, scales, biases, N, G, ym, n0, n1); m0 += 2; }
+      else { block_avx512(1, xpm, xsm, K, packed, scales, biases, N, G, ym, n0, n1); m0 += 1; }
     }
     free(xp);
     free(xs);
