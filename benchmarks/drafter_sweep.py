@@ -58,7 +58,7 @@ def run(a: argparse.Namespace) -> None:
 
     from headstart.loading import load, resolve_device
     from training.drafter import evaluate_acceptance
-    from training.selfdistill import batched_continuations, fit_drafter
+    from training.selfdistill import DrafterRecipe, batched_continuations, fit_drafter
 
     data = json.loads(Path(a.data).read_text())
     prompts = data["prompts"][: a.prompts] if a.prompts else data["prompts"]
@@ -81,20 +81,23 @@ def run(a: argparse.Namespace) -> None:
     for geometry in a.geometry:
         layers, block, taps = geometry.split(":")
         out = keep / geometry.replace(":", "_").replace(",", "-")
+        recipe = DrafterRecipe(
+            block=int(block),
+            layers=int(layers),
+            taps=tuple(int(t) for t in taps.split(",")),
+            intermediate=3 * model.cfg.hidden_size,
+            minutes=a.minutes,
+            batch=a.batch,
+            lr=a.lr,
+        )
         fit = fit_drafter(
             model,
             prompts,
             conts,
             out,
+            recipe,
             tokenizer_size=loaded.tokenizer.vocab_size,
             eos_token_ids=loaded.eos_token_ids,
-            block=int(block),
-            layers=int(layers),
-            taps=[int(t) for t in taps.split(",")],
-            intermediate=3 * model.cfg.hidden_size,
-            minutes=a.minutes,
-            batch=a.batch,
-            lr=a.lr,
             generation_s=gen_s,
         )
         (out / "train_report.json").write_text(json.dumps(fit, indent=1) + "\n")

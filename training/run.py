@@ -352,7 +352,7 @@ def drafter_prompts(run: Run, count: int) -> list[list[int]]:
 
 
 def stage_drafter(run: Run) -> None:
-    from training.selfdistill import train_drafter_for
+    from training.selfdistill import DrafterRecipe, train_drafter_for
 
     a = run.args
     report = run.report()
@@ -360,20 +360,23 @@ def stage_drafter(run: Run) -> None:
     taps = [int(t) for t in a.taps.split(",")] if a.taps else None
     if taps is None:  # three evenly spaced, never the last layer
         taps = sorted({round(i * (a.layers - 2) / 2) for i in range(3)})
+    recipe = DrafterRecipe(
+        block=a.block,
+        layers=a.drafter_layers,
+        taps=tuple(taps),
+        intermediate=3 * a.hidden,
+        steps=a.drafter_steps,
+        minutes=a.drafter_minutes,
+        batch=a.batch,
+    )
     report["drafter"] = train_drafter_for(
         run.out,
         prompts,
         run.out / "drafter",
+        recipe,
         device=run.device,
-        block=a.block,
-        layers=a.drafter_layers,
-        taps=taps,
-        intermediate=3 * a.hidden,
         max_new_tokens=a.seq_len - min(64, a.seq_len // 4),
         streams=512,
-        steps=a.drafter_steps,
-        minutes=a.drafter_minutes,
-        batch=a.batch,
         generation_timeout_s=a.generation_timeout,
         report_file=False,
     )

@@ -30,6 +30,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -346,26 +347,36 @@ def default_mask_token(vocab_rows: int, tokenizer_size: int) -> int:
     )
 
 
+@dataclass(frozen=True)
+class DrafterRecipe:
+    """What a drafter is trained as, given the continuations: its geometry (``block`` with the
+    anchor, ``layers``, the target ``taps``, by default DFlash's rule, the MLP width, the
+    block filler id) and its training (``steps`` or ``minutes``, the nearer; ``batch``
+    sequences of ``anchors`` blocks a step; AdamW at ``lr``)."""
+
+    block: int = 16
+    layers: int = 2
+    taps: tuple[int, ...] | None = None
+    intermediate: int | None = None
+    mask_token_id: int | None = None
+    steps: int | None = None
+    minutes: float | None = None
+    batch: int = 16
+    anchors: int = 32
+    lr: float = 6e-4
+    seed: int = 0
+
+
 def train_drafter_for(
     target: str | Path,
     prompts: str | Path | Sequence[Sequence[int]],
     out: str | Path,
+    recipe: DrafterRecipe,
     *,
     device: str = "auto",
     dtype: str | None = None,
-    block: int = 16,
-    layers: int = 2,
-    taps: Sequence[int] | None = None,
-    intermediate: int | None = None,
-    mask_token_id: int | None = None,
     max_new_tokens: int = 256,
     streams: int = 64,
-    steps: int | None = None,
-    minutes: float | None = None,
-    batch: int = 16,
-    anchors: int = 32,
-    lr: float = 6e-4,
-    seed: int = 0,
     think: bool | None = None,
     generation_timeout_s: float = 3600,
     report_file: bool = True,
@@ -374,15 +385,15 @@ def train_drafter_for(
     """Self-distil a drafter for the checkpoint folder ``target`` and write it to ``out``.
 
     ``prompts``: a prompt file (:func:`read_prompts`) or token-id lists. Generation stops at
-    ``generation_timeout_s`` (unfinished continuations are left out); training runs for
-    ``steps`` or ``minutes`` (the nearer; at least one must be given). Returns the report that
+    ``generation_timeout_s`` (unfinished continuations are left out); training runs for the
+    recipe's ``steps`` or ``minutes`` (at least one must be given). Returns the report that
     is also written to ``out/train_report.json``: counts, continuation tokens, seconds per
     phase, the drafter's geometry, the loss at the start and end (``report_file=False``: only
     returned)."""
     from headstart.loading import load, resolve_device
     from headstart.models.qwen35.model import Qwen35Model
 
-    if steps is None and minutes is None:
+    if recipe.steps is None and recipe.minutes is None:
         raise ValueError("give steps or minutes")
     device = resolve_device(device)
     t0 = time.perf_counter()
@@ -412,19 +423,9 @@ def train_drafter_for(
         ids,
         conts,
         out,
+        recipe,
         tokenizer_size=tok.vocab_size,
         eos_token_ids=loaded.eos_token_ids,
-        block=block,
-        layers=layers,
-        taps=taps,
-        intermediate=intermediate,
-        mask_token_id=mask_token_id,
-        steps=steps,
-        minutes=minutes,
-        batch=batch,
-        anchors=anchors,
-        lr=lr,
-        seed=seed,
         log=log,
         generation_s=gen_s,
     )
@@ -449,28 +450,19 @@ def fit_drafter(
     prompts: Sequence[Sequence[int]],
     continuations: Sequence[Sequence[int] | None],
     out: str | Path,
+    recipe: DrafterRecipe,
     *,
     tokenizer_size: int,
     eos_token_ids: Sequence[int],
-    block: int = 16,
-    layers: int = 2,
-    taps: Sequence[int] | None = None,
-    intermediate: int | None = None,
-    mask_token_id: int | None = None,
-    steps: int | None = None,
-    minutes: float | None = None,
-    batch: int = 16,
-    anchors: int = 32,
-    lr: float = 6e-4,
-    seed: int = 0,
     log=print,
     generation_s: float | None = None,
 ) -> dict:
     """Train a drafter for the loaded headstart ``model`` on ``prompts`` and their
     ``continuations`` (what :func:`batched_continuations` returns; None and one-token ones are
-    left out) and write it to ``out``: the second half of :func:`train_drafter_for`, apart so
-    that one set of continuations can train several geometries. Returns counts, the geometry,
-    the loss at the start and end and ``seconds`` {"training"}."""
+    left out) as ``recipe`` says and write it to ``out``: the second half of
+    :func:`train_drafter_for`, apart so that one set of continuations can train several
+    geometries. Returns counts, the geometry, the loss at the start and end and ``seconds``
+    {"training"}."""
     from training.drafter import save_drafter_checkpoint, train_drafter
 
     # A block needs an anchor and a target; None: not finished in the generation time.
@@ -483,18 +475,19 @@ def fit_drafter(
     took = f" in {generation_s:.1f}s" if generation_s is not None else ""
     log(f"continuations: {len(keep)} of {len(prompts)} prompts, {n_tokens} tokens{took}")
 
+    r = recipe
     mask = (
-        mask_token_id
-        if mask_token_id is not None
+        r.mask_token_id
+        if r.mask_token_id is not None
         else default_mask_token(model.cfg.vocab_size, tokenizer_size)
     )
     cfg = drafter_config_for(
         model.cfg,
-        layers=layers,
-        block=block,
+        layers=r.layers,
+        block=r.block,
         mask_token_id=mask,
-        taps=taps,
-        intermediate=intermediate,
+        taps=r.taps,
+        intermediate=r.intermediate,
     )
     pad = eos_token_ids[0] if eos_token_ids else 0
     history: list[float] = []
@@ -503,15 +496,15 @@ def fit_drafter(
     amp = torch.bfloat16 if model.device.type == "cuda" else torch.float32
     drafter = train_drafter(
         HeadstartTarget(model),
-        sequence_batches(seqs, lengths, batch, pad, seed + 1),
+        sequence_batches(seqs, lengths, r.batch, pad, r.seed + 1),
         cfg,
-        steps=steps,
-        time_budget_s=minutes * 60 if minutes is not None else float("inf"),
-        lr=lr,
-        anchors_per_seq=anchors,
+        steps=r.steps,
+        time_budget_s=r.minutes * 60 if r.minutes is not None else float("inf"),
+        lr=r.lr,
+        anchors_per_seq=r.anchors,
         device=model.device,
         dtype=amp,
-        seed=seed,
+        seed=r.seed,
         history=history,
         log=log,
     )
@@ -532,15 +525,15 @@ def fit_drafter(
         "continuation_tokens": n_tokens,
         "ended_by_eos": sum(1 for i in keep if continuations[i][-1] in stops),
         "drafter": {
-            "layers": layers,
-            "block_size": block,
+            "layers": r.layers,
+            "block_size": r.block,
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": mask,
             "intermediate_size": cfg.intermediate_size,
         },
         "steps": len(history),
-        "batch": batch,
-        "anchors_per_seq": anchors,
+        "batch": r.batch,
+        "anchors_per_seq": r.anchors,
         "loss_first": sum(first) / len(first) if history else None,
         "loss_last": sum(last) / len(last) if history else None,
         "seconds": {"training": train_s},
@@ -551,25 +544,28 @@ def run(args: argparse.Namespace) -> int:
     """``headstart train-drafter`` (options: ``headstart.cli.add_train_drafter_args``)."""
     taps = [int(t) for t in args.taps.split(",")] if args.taps else None
     minutes = args.minutes if args.minutes is not None or args.steps is not None else 10.0
-    train_drafter_for(
-        args.target,
-        args.prompts,
-        args.out,
-        device=args.device,
-        dtype=args.dtype,
+    recipe = DrafterRecipe(
         block=args.block,
         layers=args.layers,
-        taps=taps,
+        taps=tuple(taps) if taps else None,
         intermediate=args.intermediate,
         mask_token_id=args.mask_token_id,
-        max_new_tokens=args.max_new_tokens,
-        streams=args.streams,
         steps=args.steps,
         minutes=minutes,
         batch=args.batch,
         anchors=args.anchors,
         lr=args.lr,
         seed=args.seed,
+    )
+    train_drafter_for(
+        args.target,
+        args.prompts,
+        args.out,
+        recipe,
+        device=args.device,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        streams=args.streams,
         think=args.think,
     )
     return 0
