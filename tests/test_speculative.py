@@ -339,3 +339,9 @@ def test_planner_counts_what_a_round_costs_beyond_its_windows():
     for _ in range(40):
         p.observe_step(5.0, drafted=False)
     assert p.worth_drafting()
+    # A drafted step the engine did not time (prompt rows in it) leaves nothing behind.
+    overhead = p.overhead
+    p.choose(4)
+    assert p.worth_drafting()
+    p.observe_step(9.0, drafted=True)
+    assert p.overhead == overhead

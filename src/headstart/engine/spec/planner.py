@@ -73,7 +73,10 @@ class SpecPlanner:
     def worth_drafting(self) -> bool:
         """Whether a round (drafter forward + verify window) is expected to emit tokens faster
         than plain decode steps. When it is not, the answer is still yes once every
-        ``recheck`` calls, so a drafter that starts to fit the text gets noticed."""
+        ``recheck`` calls, so a drafter that starts to fit the text gets noticed. Asked once a
+        step, before any :meth:`choose`: a step the engine did not time (one with prompt rows)
+        leaves no modelled cost behind for the next."""
+        self._modelled = 0.0
         rate = self._best_chain(self.block)[1]
         if self.tree_cost is not None:
             rate = max(rate, self.tree_tokens / self._tree_round())
