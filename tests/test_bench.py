@@ -529,9 +529,7 @@ def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
     its logprobs counts (as vLLM's benchmark counts it); one with nothing in it would not."""
     import asyncio
 
-    import httpx
-
-    from headstart.bench.client import measure, token_ids
+    from headstart.bench.client import measure, open_session, token_ids
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), HeldBack)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -541,7 +539,7 @@ def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
         body["logprobs"] = 0
 
     async def one():
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with open_session(1, 10) as client:
             return await measure(client, url, json.dumps(body).encode(), time.perf_counter(), {})
 
     try:
@@ -556,3 +554,55 @@ def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
     else:
         assert row["ttft_s"] >= HeldBack.DELAY_S and row["n_deltas"] == 1
     assert "".join(out.content) == "\ufffd5"
+
+
+class Failing(BaseHTTPRequestHandler):
+    """``/bad``: a 400 with an OpenAI-style body; ``/cut``: a stream that ends without
+    ``data: [DONE]``; ``/error``: an error event inside the stream."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/bad":
+            body = json.dumps({"error": {"message": "max_tokens must be >= 1"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        if self.path == "/error":
+            self.wfile.write(b'data: {"error": {"message": "engine failed"}}\n\n')
+            self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_a_failed_request_lands_in_its_row():
+    """The client never raises for a request's failure: the status, the server's message or
+    the cut stream is recorded in the row (and then fails ``bench check``)."""
+    import asyncio
+
+    from headstart.bench.client import measure, open_session
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    async def run(path: str):
+        async with open_session(1, 10) as client:
+            return (await measure(client, base + path, b"{}", time.perf_counter(), {}))[0]
+
+    try:
+        bad, cut, err = (asyncio.run(run(p)) for p in ("/bad", "/cut", "/error"))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert bad["status"] == 400 and "max_tokens must be >= 1" in bad["error"]
+    assert cut["status"] == 200 and cut["error"] == "stream ended without data: [DONE]"
+    assert cut["n_deltas"] == 1
+    assert err["error"] == "engine failed" and err["t_done"] is not None

@@ -12,6 +12,7 @@ Non-goals: sending the workload (``client.py``); recording the environment (``en
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -20,11 +21,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
-
-import httpx
 
 from headstart.errors import HeadstartError
 
@@ -102,12 +103,26 @@ def wait_ready(
             )
         for path in ("/health", "/v1/models"):
             try:
-                if httpx.get(url + path, timeout=2).status_code == 200:
+                if _get(url + path, {}, timeout=2)[0] == 200:
                     return
-            except httpx.HTTPError:
+            except OSError:  # refused, reset, timed out: not up yet
                 pass
         time.sleep(0.2)
     raise HeadstartError(f"{url}: not ready after {timeout:.0f} s{_tail(log_path)}")
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _get(url: str, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+    """(status, body) of a GET; raises OSError when no response came (urllib's HTTPError,
+    a response with an error status, is returned as its status instead). No proxy from the
+    environment: the arms are servers this machine reaches directly."""
+    try:
+        with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def _tail(log_path: Path | None, lines: int = 20) -> str:
@@ -122,9 +137,9 @@ def server_info(url: str, headers: dict[str, str]) -> dict[str, Any]:
     info: dict[str, Any] = {}
     for path in ("/v1/models", "/health"):
         try:
-            r = httpx.get(url + path, headers=headers, timeout=10)
-            info[path] = r.json() if r.status_code == 200 else {"status": r.status_code}
-        except (httpx.HTTPError, ValueError) as e:
+            status, body = _get(url + path, headers, timeout=10)
+            info[path] = json.loads(body) if status == 200 else {"status": status}
+        except (OSError, ValueError) as e:
             info[path] = {"error": f"{type(e).__name__}: {e}"}
     return info
 

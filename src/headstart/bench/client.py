@@ -2,12 +2,17 @@
 
 Job: one request -> one raw row (send, first and last delta that carries a token, ``[DONE]``,
 usage, output fingerprint); one burst -> N such requests started together. Every timestamp is
-``time.perf_counter()`` taken as close to the wire as httpx allows, minus the run's ``t0``.
+``time.perf_counter()`` taken as close to the wire as the client allows, minus the run's ``t0``.
 
 Works against any OpenAI-compatible server: it reads ``choices[].delta.content``,
 ``reasoning_content``/``reasoning`` (chat) or ``choices[].text`` (completions), the final
 ``usage`` chunk, and, when asked for, token strings from streamed ``logprobs`` (and the ids
 in them, :func:`token_ids`).
+
+The client is aiohttp, not httpx: one event loop drives every stream of a burst, so whatever
+the client spends per request and per chunk lands in the burst's TTFT. Against a server that
+answers at once, 16 streams' max TTFT measured 13.5 ms through httpx and 1.5 ms through aiohttp
+(its C HTTP parser) on a 2-core machine; BENCHMARKS.md has the calibration.
 
 Non-goals: deciding what to send (``workload.py``) or when (``runner.py``); aggregation.
 """
@@ -23,12 +28,39 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from headstart.bench.rows import Row, derive
 
 #: Seconds a response may take to end after its ``data: [DONE]`` (see :func:`_drain`).
 DRAIN_S = 1.0
+#: Longest line of a streamed body the client reads (aiohttp's default is 64 KiB; a chunk with
+#: many logprobs can be longer). A longer one fails its request with a clear error.
+MAX_LINE_BYTES = 1 << 24
+
+#: What a request's failure can raise: recorded in its row, never raised to the run.
+_FAILURES = (
+    aiohttp.ClientError,
+    TimeoutError,
+    json.JSONDecodeError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    ValueError,
+)
+
+
+def open_session(connections: int, timeout: float) -> aiohttp.ClientSession:
+    """A client session holding up to ``connections`` kept-alive connections. ``timeout``
+    bounds connecting and each read, not a whole stream (which may run for minutes). Open it
+    inside the event loop; close it with ``await session.close()``."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
+        read_bufsize=MAX_LINE_BYTES,
+        max_line_size=MAX_LINE_BYTES,
+        max_field_size=MAX_LINE_BYTES,
+    )
 
 
 @dataclass
@@ -96,7 +128,7 @@ def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
 
 
 async def measure(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     payload: bytes,
     t0: float,
@@ -126,15 +158,15 @@ async def measure(
     }
     send = time.perf_counter()
     try:
-        async with client.stream("POST", url, content=payload, headers=headers) as r:
-            row["status"] = r.status_code
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                row["error"] = f"HTTP {r.status_code}: {body[:300]}"
+        async with client.post(url, data=payload, headers=headers) as r:
+            row["status"] = r.status
+            if r.status != 200:
+                body = (await r.read()).decode(errors="replace")
+                row["error"] = f"HTTP {r.status}: {body[:300]}"
             else:
                 await _read_stream(r, row, out, t0, on_delta)
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    except _FAILURES as e:
+        row["error"] = f"{type(e).__name__}: {e or 'timed out'}"[:300]
     if not row["error"] and row["t_done"] is None:
         row["error"] = "stream ended without data: [DONE]"
     row["t_send"] = send - t0
@@ -146,14 +178,20 @@ async def measure(
     return row, out
 
 
+async def _lines(r: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The body's lines, decoded, without their line ends."""
+    async for raw in r.content:
+        yield raw.decode().rstrip("\r\n")
+
+
 async def _read_stream(
-    r: httpx.Response,
+    r: aiohttp.ClientResponse,
     row: Row,
     out: Output,
     t0: float,
     on_delta: Callable[[float], None] | None,
 ) -> None:
-    lines = r.aiter_lines()
+    lines = _lines(r)
     async for line in lines:
         now = time.perf_counter()  # before parsing: the time the bytes arrived
         if not line.startswith("data:"):
@@ -199,14 +237,14 @@ async def _drain(lines: AsyncIterator[str]) -> None:
     hands its connection back to the pool kept alive, where one left unread would be closed
     and the stream's next request would pay for a new connection. A server that leaves the
     stream open after ``[DONE]`` gets :data:`DRAIN_S`, then the connection is closed."""
-    with contextlib.suppress(httpx.HTTPError, TimeoutError):
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
         async with asyncio.timeout(DRAIN_S):
             async for _ in lines:
                 pass
 
 
 async def burst(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     body: dict[str, Any],
     streams: int,

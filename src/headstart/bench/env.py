@@ -35,7 +35,7 @@ PACKAGES = (
     "safetensors",
     "fastapi",
     "uvicorn",
-    "httpx",
+    "aiohttp",
     "openai",
     "vllm",
     "sglang",

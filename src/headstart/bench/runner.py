@@ -22,13 +22,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
 from headstart.bench import env as envmod
 from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, wait_ready
 from headstart.bench.check import CheckReport, check_receipt
-from headstart.bench.client import burst
+from headstart.bench.client import burst, open_session
 from headstart.bench.receipt import run_title, write_receipt
 from headstart.bench.rows import Row
 from headstart.bench.scenarios import Scenario
@@ -108,8 +107,7 @@ async def _workload(
     arm, order, slot, model = target.arm, target.order, target.slot, target.model
     headers = {"Content-Type": "application/json", **auth_headers(plan)}
     width = max(plan.streams) + 4
-    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
-    async with httpx.AsyncClient(timeout=plan.request_timeout, limits=limits) as client:
+    async with open_session(width, plan.request_timeout) as client:
         for prompt in plan.prompts:
             salt = salt_for(run_id, order, prompt.id) if plan.salted else None
             body = request_body(prompt, plan.sampling, salt)

@@ -44,12 +44,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from headstart.bench import env as envmod
 from headstart.bench.arms import arm_orders
 from headstart.bench.check import check_receipt
-from headstart.bench.client import measure, token_ids
+from headstart.bench.client import measure, open_session, token_ids
 from headstart.bench.receipt import write_scenario_receipt
 from headstart.bench.runner import Plan, Target, auth_headers, finish, new_run_id, run_arms
 from headstart.bench.scenario_summary import (
@@ -116,7 +116,7 @@ class Counters:
 
     def __init__(self, url: str, headers: dict[str, str], timeout: float) -> None:
         self.url, self.headers = url + "/metrics", headers
-        self.client = httpx.AsyncClient(timeout=timeout)
+        self.client = open_session(1, timeout)
 
     @classmethod
     async def open(cls, url: str, headers: dict[str, str], timeout: float) -> Counters | None:
@@ -131,13 +131,16 @@ class Counters:
     async def read(self) -> dict[str, float] | None:
         """The counters now, or None when the scrape failed."""
         try:
-            r = await self.client.get(self.url, headers=self.headers)
-        except httpx.HTTPError:
+            async with self.client.get(self.url, headers=self.headers) as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
-        return parse_counters(r.text) if r.status_code == 200 else None
+        return parse_counters(text)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.client.close()
 
 
 class Lanes:
@@ -145,18 +148,18 @@ class Lanes:
     stream never waits for a connection and never shares one."""
 
     def __init__(self, n: int, timeout: float) -> None:
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(n)]
+        self.clients = [open_session(1, timeout) for _ in range(n)]
 
     async def warm(self, lane: int, url: str, headers: dict[str, str]) -> None:
         """Open (or keep) lane ``lane``'s connection with a cheap request. A server without
         ``/v1/models`` still opens the connection; a failure leaves the send to connect."""
-        with contextlib.suppress(httpx.HTTPError):
-            await self.clients[lane].get(url + "/v1/models", headers=headers)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.clients[lane].get(url + "/v1/models", headers=headers) as r:
+                await r.read()  # read to its end: the connection goes back to the pool
 
     async def aclose(self) -> None:
         for c in self.clients:
-            await c.aclose()
+            await c.close()
 
 
 @dataclass(frozen=True)
