@@ -568,14 +568,14 @@ def test_an_unhandled_error_is_a_500_that_keeps_the_connection(tmp_path):
         metrics=Metrics(slots=1),
         request_log=RequestLog(str(log)),
     )
-    app = create_app(state)
+    lane = create_app(state)
 
-    @app.get("/v1/boom")
+    @lane.app.get("/v1/boom")
     async def boom():
         raise TypeError("a bug")
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    srv = uvicorn.Server(uvicorn.Config(lane, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:

@@ -4,10 +4,11 @@ Each completion request becomes one engine request per (prompt, choice); engine 
 the engine thread and are handed to the request's asyncio queue. A streaming response turns them
 into SSE chunks; a client that goes away (streaming or not, queued or running) aborts every
 engine request it started, which frees their slots at once. Parsing, template rendering and
-tokenization run on worker threads, never on the event loop, so a large body cannot hold up
-other streams or ``/health``. Request parsing and response shapes live in ``protocol``, the
-checks every request passes (keys, body size, the last-resort 500) in ``guard``; this module
-wires them to the engine, the metrics and the request log.
+tokenization of a body over :data:`INLINE_BODY_BYTES` run on worker threads, not on the event
+loop, so a large body cannot hold up other streams or ``/health``; the generation routes bypass
+FastAPI's routing (:class:`GenerationLane`). Request parsing and response shapes live in
+``protocol``, the checks every request passes (keys, body size, the last-resort 500) in
+``guard``; this module wires them to the engine, the metrics and the request log.
 Non-goal: model or engine code (this module imports neither ``model`` nor ``ops``).
 """
 
@@ -17,13 +18,13 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -44,6 +45,8 @@ from headstart.tokenizer import Tokenizer
 log = logging.getLogger("headstart.server")
 
 R = TypeVar("R")
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
 
 @dataclass
@@ -472,7 +475,7 @@ def _check_size(state: ServerState, prompts: int, n: int) -> None:
 
 
 #: The request models behind the routes that read their body themselves.
-_BODIES = {"/v1/chat/completions": P.ChatCompletionRequest, "/v1/completions": P.CompletionRequest}
+_BODIES = {CHAT_PATH: P.ChatCompletionRequest, COMPLETIONS_PATH: P.CompletionRequest}
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -511,7 +514,7 @@ def _check_text_size(state: ServerState, texts: list[str], param: str) -> None:
         )
 
 
-def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
+def create_app(state: ServerState, lifespan: Any = None) -> GenerationLane:
     app = FastAPI(
         title="headstart",
         docs_url=None,
@@ -527,9 +530,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError) -> JSONResponse:
-        state.metrics.error(e.type)
-        request.scope.setdefault("state", {})[ERROR] = e.type
-        return _error_response(e)
+        return _answer_error(state, request.scope, e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -602,23 +603,73 @@ def create_app(state: ServerState, lifespan: Any = None) -> FastAPI:
             "has_audio_understanding": False,
         }
 
-    # Each request counts as arriving while its body is read and parsed, so an idle engine
-    # gathering a burst waits for the ones still being parsed (Inbox.arriving).
-    @app.post("/v1/chat/completions")
+    # What HTTP reaches is GenerationLane's handler; FastAPI's routes stay for the schema.
+    @app.post(CHAT_PATH)
     async def chat(request: Request) -> Response:
-        with state.engine.arriving():
-            body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
-            prep = await _off_loop(state, _prepare_chat, state, body)
-        return await _complete(state, request, "chat", prep)
+        return await _generate(state, request, CHAT_PATH)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
-        with state.engine.arriving():
-            body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
-            prep = await _off_loop(state, _prepare_completion, state, body)
-        return await _complete(state, request, "completion", prep)
+        return await _generate(state, request, COMPLETIONS_PATH)
 
-    return app
+    return GenerationLane(app, state)
+
+
+class GenerationLane:
+    """The server's ASGI app: a POST to a generation route goes straight to its handler,
+    behind the same :class:`Guard` as every route; anything else goes to the FastAPI app.
+
+    Why: FastAPI's router and the five middleware layers it wraps around every ``send`` cost
+    more of the event loop per request than the rest of the request's HTTP work, and a burst
+    of new prompts waits for the loop to get through all of them. The lane answers an
+    :class:`APIError` as the FastAPI app's handler does."""
+
+    def __init__(self, app: FastAPI, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self._guarded = Guard(self._serve, state)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in _PREPARE:
+            await self._guarded(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            response = await _generate(self.state, request, scope["path"])
+        except P.APIError as e:
+            response = _answer_error(self.state, scope, e)
+        await response(scope, receive, send)
+
+
+_PREPARE = {
+    CHAT_PATH: ("chat", _prepare_chat),
+    COMPLETIONS_PATH: ("completion", _prepare_completion),
+}
+#: Bodies up to this size are parsed, rendered and tokenized on the event loop: about a
+#: millisecond of work at most (a 2 KiB chat message), less than handing it to a worker thread
+#: and back costs while a burst holds the interpreter. Larger ones go to the workers.
+INLINE_BODY_BYTES = 2048
+
+
+async def _generate(state: ServerState, request: Request, path: str) -> Response:
+    kind, prepare = _PREPARE[path]
+    # The request counts as arriving while its body is read and parsed, so an idle engine
+    # gathering a burst waits for the ones still being parsed (Inbox.arriving).
+    with state.engine.arriving():
+        body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+        if len(body) <= INLINE_BODY_BYTES:
+            prep = prepare(state, body)
+        else:
+            prep = await _off_loop(state, prepare, state, body)
+    return await _complete(state, request, kind, prep)
+
+
+def _answer_error(state: ServerState, scope: Scope, e: P.APIError) -> JSONResponse:
+    state.metrics.error(e.type)
+    scope.setdefault("state", {})[ERROR] = e.type
+    return _error_response(e)
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -638,7 +689,7 @@ async def _complete(state: ServerState, request: Request, kind: str, prep: _Prep
     gen = _Generation(state, kind, prep.req, prep.prompts, prep.prompt_text, prep.snapshot_at, info)
     gen.submit()
     if prep.req.stream:
-        return _GenerationStream(gen)
+        return _GenerationStream(gen, request)
     # The client may leave while its request waits or runs: free the slots at once.
     watcher = asyncio.ensure_future(_on_disconnect(request, gen))
     try:
@@ -671,51 +722,65 @@ async def _on_disconnect(request: Request, gen: _Generation) -> None:
     gen.queue.put_nowait((-1, _GONE))
 
 
-class _GenerationStream(StreamingResponse):
-    """SSE for one generation. Whatever ends the response (done, client gone before the first
-    chunk, cancelled), its engine requests are aborted and it is recorded once."""
+#: The head of a stream: what Starlette's StreamingResponse sent for it.
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
-    def __init__(self, gen: _Generation) -> None:
-        super().__init__(
-            _stream(gen),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self.gen = gen
+
+class _GenerationStream:
+    """SSE for one generation, written straight to the ASGI ``send``.
+
+    Not Starlette's StreamingResponse: it watches for a disconnect through an anyio task group
+    per response and sends every chunk alone, and a burst of new requests spent most of the
+    event loop's time there. Here one asyncio task watches for the client leaving (it queues
+    ``_GONE``), and the events already queued when the stream wakes go out in one write.
+    Whatever ends the response (done, client gone, cancelled), its engine requests are aborted
+    and it is recorded once."""
+
+    def __init__(self, gen: _Generation, request: Request) -> None:
+        self.gen, self.request = gen, request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gen = self.gen
+        watcher = asyncio.ensure_future(_on_disconnect(self.request, gen))
+        status, error = 499, "client_disconnected"  # unless the last chunk goes out
         try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.gen.abort()
-            self.gen.record(499, "client_disconnected")  # no-op when the stream recorded
-
-
-async def _stream(gen: _Generation) -> AsyncIterator[bytes]:
-    status, error = 200, None
-    try:
-        while not gen.done:
-            index, event = await gen.queue.get()
-            for chunk in gen.take(index, event):
-                yield P.sse(chunk)
-        if gen.error is not None:
-            status, error = 500, "server_error"
-            yield P.sse(P.APIError(500, gen.error).body())
-        elif gen.req.include_usage:
-            object_type = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
-            yield P.sse(
-                P.usage_chunk(
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            chunks: list[bytes] = []
+            while not gen.done:
+                index, event = await gen.queue.get()
+                while event is not _GONE:
+                    chunks.extend(P.sse(chunk) for chunk in gen.take(index, event))
+                    if gen.done or gen.queue.empty():
+                        break
+                    index, event = gen.queue.get_nowait()
+                if event is _GONE:
+                    return
+                if chunks and not gen.done:  # the last ones go with the tail
+                    body = b"".join(chunks)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    chunks = []
+            tail, final = chunks, (200, None)
+            if gen.error is not None:
+                tail.append(P.sse(P.APIError(500, gen.error).body()))
+                final = (500, "server_error")
+            elif gen.req.include_usage:
+                object_type = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+                usage = P.usage_chunk(
                     request_id=gen.id,
                     model=gen.state.model_name,
                     object_type=object_type,
                     usage=gen.usage(),
                     created=gen.created,
                 )
-            )
-        yield P.SSE_DONE
-    except BaseException:  # client gone (cancelled) or anything else: free the slots now
-        status, error = 499, "client_disconnected"
-        raise
-    finally:
-        gen.abort()
-        gen.record(status, error)
+                tail.append(P.sse(usage))
+            tail.append(P.SSE_DONE)
+            await send({"type": "http.response.body", "body": b"".join(tail)})
+            status, error = final
+        finally:
+            watcher.cancel()
+            gen.abort()
+            gen.record(status, error)

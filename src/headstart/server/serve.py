@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import anyio
 import uvicorn
 
 from headstart.errors import HeadstartError
@@ -817,6 +818,9 @@ def _serve_loaded(
     async def lifespan(app):
         if keys is not None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
+        # Loads anyio's asyncio backend now: Starlette imports it on first use, and the import
+        # held the event loop for milliseconds in the first burst of requests after start-up.
+        await anyio.sleep(0)
         yield
 
     app = create_app(state, lifespan)
