@@ -4,9 +4,9 @@ Each completion request becomes one engine request per (prompt, choice); engine 
 the engine thread and are handed to the request's asyncio queue. A streaming response turns them
 into SSE chunks; a client that goes away (streaming or not, queued or running) aborts every
 engine request it started, which frees their slots at once. Parsing, template rendering and
-tokenization of a body over :data:`INLINE_BODY_BYTES` run on worker threads, not on the event
-loop, so a large body cannot hold up other streams or ``/health``; the generation routes bypass
-FastAPI's routing (:class:`GenerationLane`). Request parsing and response shapes live in
+tokenization run on worker threads, never on the event loop, so a large body cannot hold up
+other streams or ``/health``; the generation routes bypass FastAPI's routing
+(:class:`GenerationLane`). Request parsing and response shapes live in
 ``protocol``, the checks every request passes (keys, body size, the last-resort 500) in
 ``guard``; this module wires them to the engine, the metrics and the request log.
 Non-goal: model or engine code (this module imports neither ``model`` nor ``ops``).
@@ -647,10 +647,6 @@ _PREPARE = {
     CHAT_PATH: ("chat", _prepare_chat),
     COMPLETIONS_PATH: ("completion", _prepare_completion),
 }
-#: Bodies up to this size are parsed, rendered and tokenized on the event loop: about a
-#: millisecond of work at most (a 2 KiB chat message), less than handing it to a worker thread
-#: and back costs while a burst holds the interpreter. Larger ones go to the workers.
-INLINE_BODY_BYTES = 2048
 
 
 async def _generate(state: ServerState, request: Request, path: str) -> Response:
@@ -659,10 +655,10 @@ async def _generate(state: ServerState, request: Request, path: str) -> Response
     # gathering a burst waits for the ones still being parsed (Inbox.arriving).
     with state.engine.arriving():
         body = await read_body(request, state.max_body_bytes, state.body_timeout_s)
-        if len(body) <= INLINE_BODY_BYTES:
-            prep = prepare(state, body)
-        else:
-            prep = await _off_loop(state, prepare, state, body)
+        # Even a small body goes to a worker: parsed on the loop, each request of a burst
+        # would be submitted before the next one is read, and the engine would start a step
+        # without the rest of the burst (measured: bursts split in two steps).
+        prep = await _off_loop(state, prepare, state, body)
     return await _complete(state, request, kind, prep)
 
 
