@@ -1,5 +1,6 @@
 """`headstart serve` sizes torch's CPU threads: every core but one (the HTTP loop's), at least
-one; --threads overrides; GPU devices and tensor parallelism keep their own sizing."""
+one, and every core for the decode steps of a model of large weights; --threads overrides; GPU
+devices and tensor parallelism keep their own sizing."""
 
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def test_size_threads_returns_the_steps_thread_counts(threads_kept, monkeypatch)
     assert serve._size_threads(_args()) == ThreadConfig(decode=3, prefill=4)
     assert serve._size_threads(_args(threads=2, threads_batch=3)) == ThreadConfig(2, 3)
     assert serve._size_threads(_args(device="cuda:0")) is None
+
+
+def test_a_model_of_large_weights_decodes_on_every_core():
+    small = ThreadConfig(decode=3, prefill=4)
+    big = serve.WIDE_DECODE_BYTES
+    assert serve.decode_threads(small, big, None) == ThreadConfig(decode=4, prefill=4)
+    assert serve.decode_threads(small, big - 1, None) == small  # the embedded default's case
+    assert serve.decode_threads(small, big, 3) == small  # --threads was given
+    assert serve.decode_threads(ThreadConfig(2, 1), big, None) == ThreadConfig(2, 1)
 
 
 def test_prompt_steps_run_with_the_batch_threads_and_decode_steps_without(threads_kept, engines):

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -209,8 +210,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="CPU threads of the engine's operations (torch intra-op) on a CPU device; "
-        "default: the usable cores less one, left to the HTTP loop, at least 1 "
+        help="CPU threads of the engine's decode steps (torch intra-op) on a CPU device; "
+        "default: the usable cores less one, left to the HTTP loop, at least 1, and "
+        "--threads-batch for a model of 256 MiB of weights or more, whose steps read them all "
         "(see BENCHMARKS.md); with --tensor-parallel the cores are shared out instead",
     )
     _auto_or_off(
@@ -592,6 +594,24 @@ def cpu_threads(cores: int) -> int:
     return max(1, cores - 1)
 
 
+#: A model with at least this many bytes of weights decodes on every core: its decode step
+#: reads them all (tens of milliseconds and up), so the HTTP loop's share of a token is a
+#: fraction of a percent and a descheduled OpenMP thread costs little beside the second core's
+#: bandwidth. Measured at the 2B shape in MLX 4-bit on this project's 2-core machine, 1 stream
+#: through ``serve``: 4.63 tok/s on one thread, 6.18 on two (BENCHMARKS.md). The embedded
+#: default (0.04 GiB) keeps a core for the loop.
+WIDE_DECODE_BYTES = 256 << 20
+
+
+def decode_threads(threads: ThreadConfig, weight_bytes: int, asked: int | None) -> ThreadConfig:
+    """``threads`` with decode steps on the prefill count (every core, by default) for a
+    model of ``weight_bytes`` of at least :data:`WIDE_DECODE_BYTES`; unchanged when the
+    decode count was ``asked`` for (``--threads``) or the model is smaller."""
+    if asked is not None or weight_bytes < WIDE_DECODE_BYTES or threads.decode >= threads.prefill:
+        return threads
+    return replace(threads, decode=threads.prefill)
+
+
 def _size_threads(args: argparse.Namespace) -> ThreadConfig | None:
     """Set torch's intra-op threads for a CPU device and return what the engine's steps use
     (tensor parallelism shares the cores out itself; GPU devices keep torch's default: None)."""
@@ -708,6 +728,12 @@ def _serve_loaded(
         # memory it holds is free again before the state pool is sized against what is free.
         ahead.wait()
     _check_memory(loaded.model, parallel, context, max(0, args.prompt_cache_mib) << 20)
+    arena = loaded.model.arena
+    if threads is not None and arena is not None:
+        wide = decode_threads(threads, arena.nbytes, getattr(args, "threads", None))
+        if wide != threads:
+            log.info("cpu threads: %d for decode steps too (large weights)", wide.decode)
+            threads = wide
     drafter = None
     if args.drafter is None and args.model is None and not args.no_drafter:
         from headstart.loading import default_drafter
