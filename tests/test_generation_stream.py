@@ -138,3 +138,42 @@ def test_a_client_that_leaves_ends_the_stream_without_done():
     assert _body(sent) == _expected([0])
     assert P.SSE_DONE not in _body(sent)
     assert gen.records[0] == (499, "client_disconnected") and gen.aborts >= 1
+
+
+def test_engine_events_reach_their_queues_in_order_with_one_wake_up_a_batch():
+    """The mailbox between the engine thread and the loop: nothing lost or reordered when a
+    thread posts while the loop delivers, and events posted before the loop runs share one
+    wake-up (one ``call_soon_threadsafe``, not one per event)."""
+    import threading
+
+    from headstart.server.api import _Mailbox
+
+    async def main() -> tuple[list[int], list[int], int]:
+        loop = asyncio.get_running_loop()
+        box = _Mailbox(loop)
+        wakes = 0
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args):
+            nonlocal wakes
+            wakes += 1
+            return schedule(*args)
+
+        loop.call_soon_threadsafe = counted
+        q1, q2 = asyncio.Queue(), asyncio.Queue()
+        for i in range(100):  # the loop does not run meanwhile: one wake-up for all
+            box.post(q1 if i % 2 else q2, i)
+        batched = wakes
+        n = 20_000
+        poster = threading.Thread(target=lambda: [box.post(q1, 100 + i) for i in range(n)])
+        poster.start()
+        async with asyncio.timeout(30):  # a stranded event fails here instead of hanging
+            got1 = [await q1.get() for _ in range(50 + n)]
+            got2 = [await q2.get() for _ in range(50)]
+        poster.join()
+        return got1, got2, batched
+
+    got1, got2, batched = asyncio.run(main())
+    assert batched == 1
+    assert got1 == [i for i in range(100) if i % 2] + [100 + i for i in range(20_000)]
+    assert got2 == [i for i in range(100) if not i % 2]
