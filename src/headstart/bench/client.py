@@ -10,9 +10,8 @@ Works against any OpenAI-compatible server: it reads ``choices[].delta.content``
 in them, :func:`token_ids`).
 
 The client is aiohttp, not httpx: one event loop drives every stream of a burst, so whatever
-the client spends per request and per chunk lands in the burst's TTFT. Against a server that
-answers at once, 16 streams' max TTFT measured 13.5 ms through httpx and 1.5 ms through aiohttp
-(its C HTTP parser) on a 2-core machine; BENCHMARKS.md has the calibration.
+the client spends per request and per chunk lands in the burst's TTFT, and aiohttp's (its C
+HTTP parser) is a small fraction of httpx's (``benchmarks/client_overhead.py``; BENCHMARKS.md).
 
 Non-goals: deciding what to send (``workload.py``) or when (``runner.py``); aggregation.
 """
@@ -42,11 +41,10 @@ MAX_LINE_BYTES = 1 << 24
 _FAILURES = (
     aiohttp.ClientError,
     TimeoutError,
-    json.JSONDecodeError,
     KeyError,
     TypeError,
     AttributeError,
-    ValueError,
+    ValueError,  # json.JSONDecodeError and UnicodeDecodeError among them
 )
 
 

@@ -597,9 +597,8 @@ def cpu_threads(cores: int) -> int:
 #: A model with at least this many bytes of weights decodes on every core: its decode step
 #: reads them all (tens of milliseconds and up), so the HTTP loop's share of a token is a
 #: fraction of a percent and a descheduled OpenMP thread costs little beside the second core's
-#: bandwidth. Measured at the 2B shape in MLX 4-bit on this project's 2-core machine, 1 stream
-#: through ``serve``: 4.63 tok/s on one thread, 6.18 on two (BENCHMARKS.md). The embedded
-#: default (0.04 GiB) keeps a core for the loop.
+#: bandwidth (the 2B shape in MLX 4-bit decodes about 1.5x as fast on two cores as on one:
+#: BENCHMARKS.md). The embedded default (0.04 GiB) keeps a core for the loop.
 WIDE_DECODE_BYTES = 256 << 20
 
 
