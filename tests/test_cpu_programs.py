@@ -45,6 +45,26 @@ def test_int4_f32_matmul_matches_the_reference(n, k, group, rows):
     assert rel_err(got, quant_matmul(x, w)) <= 1e-5
 
 
+def test_the_operators_cpp_kernels_serve_them_with_the_same_results():
+    """Once loaded, the C++ kernels are what the dispatcher runs for CPU tensors, and give
+    the Python implementations' results (the same C code behind both)."""
+    from headstart.ops import native
+
+    if not native.load():
+        pytest.skip("no C++ compiler here")
+    for op in ("int4_matmul_f32", "decode_attention_cpu"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"headstart::{op}", "CPU")
+    g = torch.Generator().manual_seed(5)
+    w = cpu_f32.prepare(quantize(torch.randn(48, 256, generator=g) * 0.05, 4, 64))
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 256, generator=g)
+        args = (w.packed, w.scales, w.biases, w.group_size)
+        got = torch.ops.headstart.int4_matmul_f32(x, *args)
+        assert torch.equal(got, cpu_f32._int4_matmul(x, *args))
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.headstart.int4_matmul_f32(torch.randn(1, 128), *args)
+
+
 def test_what_the_f32_kernel_takes():
     assert cpu_f32.fits(quantize(torch.randn(40, 96), 4, 32))
     assert not cpu_f32.fits(quantize(torch.randn(48, 128), 8, 64))
@@ -218,24 +238,38 @@ def test_a_first_start_warms_the_cache_for_the_next(q4_tied, tmp_path, monkeypat
     assert not cpu_programs.warm("another-key")
 
 
-@pytest.mark.parametrize("gather_rows", [0, 1 << 20], ids=["stream-by-stream", "gathered"])
-def test_cpu_decode_attention_matches_the_reference(gather_rows, monkeypatch):
-    """Both ways the op attends (each stream over its slot's rows, or the histories gathered
-    into one batch) write the rows and attend as the reference does, GQA and a fresh row
-    included; rows past a stream's length (here NaN) are never read."""
+@pytest.mark.parametrize("hd", [16, 40])
+@pytest.mark.parametrize("path", ["operator", "c", "stream-by-stream", "gathered"])
+def test_cpu_decode_attention_matches_the_reference(path, hd, monkeypatch):
+    """Every way the op attends (its C++ kernel; the Python implementation through the C
+    kernel; in PyTorch each stream over its slot's rows, or the histories gathered into one
+    batch) writes the rows and attends as the reference does, GQA and a fresh row included, a
+    head size that is not a multiple of 16 too; rows past a stream's length (here NaN) are
+    never read."""
+    from headstart.ops import native
     from headstart.ops.attention import cpu as cpu_attention
     from headstart.ops.attention.reference import attend_decode
 
-    monkeypatch.setattr(cpu_attention, "GATHER_ROWS", gather_rows)
-    g = torch.Generator().manual_seed(9)
-    layers, slots_n, nkv, nh, hd, max_tokens = 2, 5, 2, 4, 16, 40
+    if path == "operator" and not native.load():
+        pytest.skip("no C++ compiler here")
+    if path == "c" and cpu_attention._kernel() is None:
+        pytest.skip("no C compiler here")
+    if path in ("stream-by-stream", "gathered"):
+        monkeypatch.setattr(cpu_attention, "_kernel", lambda: None)
+        rows = 0 if path == "stream-by-stream" else 1 << 20
+        monkeypatch.setattr(cpu_attention, "GATHER_ROWS", rows)
+    attend = (
+        cpu_attention.decode_attention if path == "operator" else cpu_attention._decode_attention
+    )
+    g = torch.Generator().manual_seed(9 + hd)
+    layers, slots_n, nkv, nh, max_tokens = 2, 5, 2, 4, 40
     keys = torch.randn(layers, slots_n, nkv, max_tokens, hd, generator=g)
     values = torch.randn(layers, slots_n, nkv, max_tokens, hd, generator=g)
     slots, positions = torch.tensor([3, 0, 4]), torch.tensor([17, 0, 33])
     for s, p in zip(slots.tolist(), positions.tolist(), strict=True):
         keys[:, s, :, p + 1 :] = float("nan")
         values[:, s, :, p + 1 :] = float("nan")
-    q = torch.randn(3, nh, hd, generator=g)
+    q = torch.randn(3, nh, hd, generator=g) * 3  # peaked softmaxes as well as flat ones
     k, v = torch.randn(3, nkv, hd, generator=g), torch.randn(3, nkv, hd, generator=g)
     want_keys, want_values = keys.clone(), values.clone()
     want_keys[1, slots, :, positions], want_values[1, slots, :, positions] = k, v
@@ -243,7 +277,7 @@ def test_cpu_decode_attention_matches_the_reference(gather_rows, monkeypatch):
     want = attend_decode(
         q, want_keys[1, slots, :, :longest], want_values[1, slots, :, :longest], positions + 1
     )
-    got = cpu_attention.decode_attention(q, k, v, keys, values, 1, slots, positions)
+    got = attend(q, k, v, keys, values, 1, slots, positions)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(keys.nan_to_num(), want_keys.nan_to_num())
     assert torch.equal(values.nan_to_num(), want_values.nan_to_num())

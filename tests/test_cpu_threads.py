@@ -71,9 +71,55 @@ def test_a_model_of_large_weights_decodes_on_every_core():
     small = ThreadConfig(decode=3, prefill=4)
     big = serve.WIDE_DECODE_BYTES
     assert serve.decode_threads(small, big, None) == ThreadConfig(decode=4, prefill=4)
-    assert serve.decode_threads(small, big - 1, None) == small  # the embedded default's case
+    # the embedded default's case: only steps past the 4-bit kernel's rows on every core
+    wide = ThreadConfig(decode=3, prefill=4, wide_rows=serve.WIDE_DECODE_ROWS)
+    assert serve.decode_threads(small, big - 1, None) == wide
     assert serve.decode_threads(small, big, 3) == small  # --threads was given
     assert serve.decode_threads(ThreadConfig(2, 1), big, None) == ThreadConfig(2, 1)
+
+
+def _threads_seen(engines, threads, prompts):
+    """(rows, threads) of each forward of an engine with ``threads`` serving ``prompts`` at
+    once, after its warm-up."""
+    from engine_helpers import Collector
+
+    from headstart.engine.config import EngineConfig
+    from headstart.engine.engine import EngineRequest, Finish
+    from headstart.loading import load
+    from headstart.sampling import SamplingParams
+
+    loaded = load()
+    model = loaded.model
+    seen: list[tuple[int, int]] = []
+    forward_ex = model.forward_ex
+
+    def counting(batch, pool, *a, **kw):
+        seen.append((int(batch.input_ids.shape[0]), torch.get_num_threads()))
+        return forward_ex(batch, pool, *a, **kw)
+
+    model.forward_ex = counting
+    config = EngineConfig(len(prompts), 128, threads=threads)
+    engine = engines(model, loaded.tokenizer, loaded.eos_token_ids, config)
+    c0 = Collector()
+    engine.submit(EngineRequest("w", [5, 6], SamplingParams(max_tokens=1), 1, c0))
+    assert c0.done.wait(60)
+    seen.clear()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    collectors = [Collector() for _ in prompts]
+    for i, (p, c) in enumerate(zip(prompts, collectors, strict=True)):
+        engine.submit(EngineRequest(f"r{i}", p, params, 4, c))
+    for c in collectors:
+        assert c.done.wait(60) and isinstance(c.events[-1], Finish)
+    return seen
+
+
+def test_decode_steps_of_wide_rows_run_with_the_batch_threads(threads_kept, engines):
+    """With ``wide_rows``, decode steps of at least that many rows take the prefill count,
+    narrower ones the decode count."""
+    threads = ThreadConfig(decode=1, prefill=2, wide_rows=2)
+    seen = _threads_seen(engines, threads, [list(range(5, 25)), list(range(7, 30))])
+    decode = [s for s in seen if s[0] <= 2]
+    assert (2, 2) in decode and all(t == (2 if rows == 2 else 1) for rows, t in decode), seen
 
 
 def test_prompt_steps_run_with_the_batch_threads_and_decode_steps_without(threads_kept, engines):

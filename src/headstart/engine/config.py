@@ -107,10 +107,12 @@ class ThreadConfig:
     """Intra-op threads of the engine's forwards on a CPU. ``decode``: steps of decode rows
     only (short operations, where one thread descheduled by the HTTP loop stalls the step);
     ``prefill``: steps that run prompt tokens (a chunk of more than one row: long,
-    compute-bound operations that every core shortens)."""
+    compute-bound operations that every core shortens); ``wide_rows``: decode steps of at
+    least this many rows take the prefill count too (None: never)."""
 
     decode: int
     prefill: int
+    wide_rows: int | None = None
 
 
 @dataclass(frozen=True)

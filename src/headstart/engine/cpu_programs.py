@@ -63,6 +63,9 @@ class DecodePrograms:
     def __init__(
         self, model: CausalLM, pool: StatePool, max_streams: int, scratch_slot: int
     ) -> None:
+        from headstart.ops import native
+
+        native.load()  # the traced step's operators without Python, when they build here
         self.model, self.pool, self.scratch = model, pool, scratch_slot
         self.fixed = [g.name for g in pool.groups if not g.per_token]
         self.step, self.weights = model.decode_program()
@@ -139,6 +142,9 @@ _SOURCES = (
     "engine/cpu_programs.py",
     "models/qwen35/decode_step.py",
     "ops/attention/cpu.py",
+    "ops/attention/decode_f32.c",
+    "ops/cpu_ops.cpp",
+    "ops/native.py",
     "ops/quant_matmul/cpu_f32.py",
     "ops/quant_matmul/int4_f32.c",
     "ops/pointwise/reference.py",

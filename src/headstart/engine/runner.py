@@ -328,13 +328,14 @@ class ModelRunner:
         self._size_threads([SeqChunk(0, 1, (0,), 1)])
 
     def _size_threads(self, chunks: Sequence[SeqChunk]) -> None:
-        """On a CPU: the prefill thread count for a step with a prompt chunk of several rows,
-        the decode count otherwise (verify windows too: the speculative planner's costs were
-        measured at it). Set on the engine thread, which runs the forward: OpenMP's thread
-        count is per calling thread."""
+        """On a CPU: the prefill thread count for a step with a prompt chunk of several rows
+        or of at least ``wide_rows`` rows, the decode count otherwise (verify windows too:
+        the speculative planner's costs were measured at it). Set on the engine thread,
+        which runs the forward: OpenMP's thread count is per calling thread."""
         t = self.threads
         prompt = any(len(c.tokens) > 1 and not _is_window(c) for c in chunks)
-        want = t.prefill if prompt else t.decode
+        wide = t.wide_rows is not None and len(chunks) >= t.wide_rows
+        want = t.prefill if prompt or wide else t.decode
         if want != self._threads_now:
             torch.set_num_threads(want)
             self._threads_now = want

@@ -602,12 +602,24 @@ def cpu_threads(cores: int) -> int:
 WIDE_DECODE_BYTES = 256 << 20
 
 
+#: A smaller model's decode steps of at least this many rows run on every core: above the
+#: fp32 4-bit kernel's rows (``cpu_f32.MAX_ROWS``, single-threaded) the matmuls run on the dense
+#: copies through MKL, which splits each across the cores, and they dominate such a step. At
+#: 16 streams of the embedded default the step took 13.4 ms on one core and 8.9 on two, and
+#: `serve` gained in spite of the loop sharing a core (BENCHMARKS.md); at 8 rows two threads
+#: were slower.
+WIDE_DECODE_ROWS = 9
+
+
 def decode_threads(threads: ThreadConfig, weight_bytes: int, asked: int | None) -> ThreadConfig:
     """``threads`` with decode steps on the prefill count (every core, by default) for a
-    model of ``weight_bytes`` of at least :data:`WIDE_DECODE_BYTES`; unchanged when the
-    decode count was ``asked`` for (``--threads``) or the model is smaller."""
-    if asked is not None or weight_bytes < WIDE_DECODE_BYTES or threads.decode >= threads.prefill:
+    model of ``weight_bytes`` of at least :data:`WIDE_DECODE_BYTES`, and those of at least
+    :data:`WIDE_DECODE_ROWS` rows for a smaller one; unchanged when the decode count was
+    ``asked`` for (``--threads``) or is every core already."""
+    if asked is not None or threads.decode >= threads.prefill:
         return threads
+    if weight_bytes < WIDE_DECODE_BYTES:
+        return replace(threads, wide_rows=WIDE_DECODE_ROWS)
     return replace(threads, decode=threads.prefill)
 
 
@@ -730,9 +742,12 @@ def _serve_loaded(
     arena = loaded.model.arena
     if threads is not None and arena is not None:
         wide = decode_threads(threads, arena.nbytes, getattr(args, "threads", None))
-        if wide != threads:
+        if wide.decode != threads.decode:
             log.info("cpu threads: %d for decode steps too (large weights)", wide.decode)
-            threads = wide
+        elif wide.wide_rows is not None:
+            log.info("cpu threads: %d for decode steps of %d rows or more", wide.prefill,
+                     wide.wide_rows)  # fmt: skip
+        threads = wide
     drafter = None
     if args.drafter is None and args.model is None and not args.no_drafter:
         from headstart.loading import default_drafter

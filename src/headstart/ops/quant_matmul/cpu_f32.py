@@ -56,7 +56,12 @@ def available() -> bool:
 def takes(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` whose 4-bit weights are unpacked at load
     keeps their codes for this kernel too (each weight that :func:`fits`)."""
-    return device.type == "cpu" and dtype == torch.float32 and available()
+    if not (device.type == "cpu" and dtype == torch.float32 and available()):
+        return False
+    from headstart.ops import native
+
+    native.load()  # the operator's C++ kernel, when it builds here
+    return True
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ _LIB = torch.library.Library("headstart", "FRAGMENT")
 _LIB.define(
     "int4_matmul_f32(Tensor x, Tensor packed, Tensor scales, Tensor biases, int group) -> Tensor"
 )
-_LIB.impl("int4_matmul_f32", _int4_matmul, "CPU")
+_LIB.impl("int4_matmul_f32", _int4_matmul, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("headstart::int4_matmul_f32")
