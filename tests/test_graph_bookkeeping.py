@@ -414,3 +414,25 @@ def test_every_step_of_new_prompts_and_decode_rows_replays_from_graphs(target, t
     # chunk that continues a prompt).
     assert runner._graph_plan([SeqChunk(0, 0, (5,) * 21, 1)]) is None
     assert runner._graph_plan([SeqChunk(0, 3, (5,), 0)]) is None
+
+
+def test_warm_shards_deal_out_every_graph_once(engines, target, tokenizer):
+    """A compile-ahead process of shard (i, n) captures every n-th graph from the i-th, in the
+    order the start-up takes them across its phases: the shards together capture each graph
+    of an unsharded start-up exactly once."""
+    from headstart.engine.cuda_graph import Shard
+
+    deal = [Shard(i, 3) for i in range(3)]
+    assert [[s.mine() for _ in range(7)] for s in deal] == [
+        [j % 3 == i for j in range(7)] for i in range(3)
+    ]
+
+    def graphs(shard):
+        runner = emulated(engines, target, tokenizer, shard=shard).runner
+        phases = (runner.decode_graphs, runner.prompt_graphs, runner.continuation_graphs)
+        return {(k, key) for k, g in enumerate(phases) for key in g.graphs}
+
+    every = graphs(None)
+    shards = [graphs((i, 2)) for i in range(2)]
+    assert len(every) >= 4 and all(shards)
+    assert shards[0] | shards[1] == every and not shards[0] & shards[1]

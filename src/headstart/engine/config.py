@@ -91,7 +91,9 @@ class GraphConfig:
     prompts in one replay up to ``prefill_rows`` padded rows; ``capture=False`` keeps every
     graph's bookkeeping but runs eagerly (tests on a CPU); ``windows``: with a drafter, also
     proposals, chain verify windows and rollbacks; ``continuations``: continued prefill chunks
-    of up to ``continuation_tokens`` tokens."""
+    of up to ``continuation_tokens`` tokens. ``shard`` (i, n): warm up and capture only every
+    n-th shape from the i-th, in the order the start-up takes them (a compile-ahead process,
+    one of n that share the work; its engine never serves)."""
 
     enabled: bool | None = None
     capture: bool = True
@@ -100,6 +102,7 @@ class GraphConfig:
     windows: bool = True
     continuations: bool = True
     continuation_tokens: int = 1024
+    shard: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

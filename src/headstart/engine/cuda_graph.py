@@ -26,7 +26,8 @@ tests check everything here but the capture itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +98,44 @@ class _Replayable:
         return self.out  # None for a graph with no outputs (a rollback)
 
 
+class Shard:
+    """Of the shapes a start-up takes, in order, the every ``n``-th from the ``i``-th: those
+    one of ``n`` compile-ahead processes warms and captures (server/compile_ahead.py).
+    :meth:`mine` counts every shape it is asked about, so the shapes of all phases are dealt
+    out in turn."""
+
+    def __init__(self, i: int, n: int) -> None:
+        if not 0 <= i < n:
+            raise ValueError(f"shard {i} of {n}")
+        self.i, self.n, self.seen = i, n, 0
+
+    def mine(self) -> bool:
+        self.seen += 1
+        return (self.seen - 1) % self.n == self.i
+
+
+# The shard of the start-up under way in this process (None: every shape); set by
+# :func:`sharded` around a compile-ahead process's warm-up.
+_SHARD: Shard | None = None
+
+
+@contextlib.contextmanager
+def sharded(shard: tuple[int, int] | None) -> Iterator[None]:
+    """Within it, :func:`_capture_each` (and a runner's eager warm-up, through :func:`mine`)
+    take only ``shard``'s shapes (None: all)."""
+    global _SHARD
+    before, _SHARD = _SHARD, None if shard is None else Shard(*shard)
+    try:
+        yield
+    finally:
+        _SHARD = before
+
+
+def mine() -> bool:
+    """Whether the next shape of the start-up is this process's to warm (always, unsharded)."""
+    return _SHARD is None or _SHARD.mine()
+
+
 def _capture_each(
     label: str,
     keys: Sequence[Any],
@@ -106,7 +145,9 @@ def _capture_each(
     warmups: int = 2,
 ) -> dict[Any, _Replayable]:
     """One replayable ``forward(key)`` per key, in the given order (largest first, so a shared
-    memory pool fits them all), with a progress bar on a terminal."""
+    memory pool fits them all), with a progress bar on a terminal; under :class:`sharded`,
+    the shard's keys only."""
+    keys = [k for k in keys if mine()]
     graphs: dict[Any, _Replayable] = {}
     with progress(label, len(keys)) as tick:
         for key in keys:

@@ -172,9 +172,12 @@ class ModelRunner:
         draft graphs too). Then, with a drafter, measure what the planner weighs, as steps will
         run (so no timing includes compilation)."""
         if self.graphed:
-            with _phase("warm-up of the eager paths"):
-                self.warm_eager(self.scratch)
-            self._capture()
+            from headstart.engine.cuda_graph import sharded
+
+            with sharded(self.graph_config.shard):
+                with _phase("warm-up of the eager paths"):
+                    self.warm_eager(self.scratch)
+                self._capture()
         if self.compiled:
             with _phase("CPU decode steps compiled"):
                 self.cpu_programs = DecodePrograms(
@@ -189,23 +192,28 @@ class ModelRunner:
         request pays no kernel compilation or autotuning: prefill chunks of a few sizes, a
         continued chunk, a decode row beside a chunk, two chunks in one step and, with a
         drafter, a recorded verify window, its rollback and a draft."""
+        from headstart.engine.cuda_graph import mine  # a compile-ahead shard's only
+
         sizes = sorted(
-            {min(n, self.context - 1) for n in (7, 14, 16, 31, 32, 64, 128, self.prefill_chunk)}
+            {min(n, self.context - 1) for n in (7, 14, 16, 31, 32, 64, 128, self.prefill_chunk)},
+            reverse=True,  # the longest first: dealt out to shards, the longest go apart
         )
-        for n in sizes:
-            self._forward([SeqChunk(scratch, 0, (0,) * n, 1)])
+        steps = [[SeqChunk(scratch, 0, (0,) * n, 1)] for n in sizes]
         short = min(16, self.context // 4)
         if short >= 2:
             # A chunk that continues a stream (masked attention from position > 0, as after a
             # snapshot boundary or a cache hit); the varlen kernels (two chunks in one step).
-            self._forward([SeqChunk(scratch, short, (0,) * short, 1)])
+            steps.append([SeqChunk(scratch, short, (0,) * short, 1)])
             if self.num_slots >= 2:
-                self._forward(
+                steps.append(
                     [SeqChunk(scratch, 2 * short, (0,), 1), SeqChunk(0, 0, (0,) * short, 1)]
                 )
-                self._forward(
+                steps.append(
                     [SeqChunk(scratch, 0, (0,) * short, 1), SeqChunk(0, 0, (0,) * short, 1)]
                 )
+        for chunks in steps:
+            if mine():
+                self._forward(chunks)
         if self.spec is not None and self.spec.block >= 2:
             b = self.spec.block
             out = self._forward([SeqChunk(scratch, 1, (0,) * b, b, record=True)])

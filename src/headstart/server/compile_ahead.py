@@ -1,4 +1,4 @@
-"""Compile the GPU kernels in a second process while ``serve`` loads the weights.
+"""Compile the GPU kernels in other processes while ``serve`` loads the weights.
 
 A first start on a fresh machine spends most of its warm-up compiling Triton kernels: every
 kernel, at every shape the warm-up and the graph captures run, once. The kernels depend on the
@@ -7,8 +7,10 @@ each layer type) with random weights compiles the same kernels, and Triton's on-
 shared by every process of the machine, hands them to the server when it gets there. This
 process starts before the server's own load and runs the server's own start-up (``headstart
 serve --warm-only`` with the same engine settings) on the cut model; the server waits for it
-before its warm-up, so nothing is compiled twice. Whatever goes wrong here only costs the time
-it saves: the server compiles what is missing itself.
+before its warm-up, so nothing is compiled twice. On a machine of several cores the start-up's
+shapes are dealt out to several such processes (:func:`shards`), since Triton compiles on one
+core a process. Whatever goes wrong here only costs the time it saves: the server compiles what
+is missing itself.
 """
 
 from __future__ import annotations
@@ -105,17 +107,39 @@ def planned_step_tokens(path: Path, device: str) -> int | None:
     )
 
 
-class CompileAhead:
-    """The compiling process, started by :meth:`start` and waited for by :meth:`wait`."""
+def shards(cores: int | None = None) -> int:
+    """How many compile-ahead processes share the work: one per four cores, at most
+    :data:`MAX_SHARDS`. Triton compiles on one core a process; the server's load and each
+    process's own start-up need cores too."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, min(MAX_SHARDS, cores // 4))
 
-    def __init__(self, proc: subprocess.Popen, tmp: tempfile.TemporaryDirectory) -> None:
-        self.proc, self.tmp, self.started = proc, tmp, time.monotonic()
+
+# Beyond four, each process's own start-up (imports, CUDA context, the cut model) outweighs
+# the shapes it takes off the others (a few dozen at 27B).
+MAX_SHARDS = 4
+
+
+class CompileAhead:
+    """The compiling processes, started by :meth:`start` and waited for by :meth:`wait`: the
+    same start-up of the cut model, its shapes dealt out among them (``--warm-shard``)."""
+
+    def __init__(self, procs: list[subprocess.Popen], tmp: tempfile.TemporaryDirectory) -> None:
+        self.procs, self.tmp, self.started = procs, tmp, time.monotonic()
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The first process (the only one, unsharded)."""
+        return self.procs[0]
 
     @classmethod
-    def start(cls, args: argparse.Namespace, path: Path, step_tokens: int) -> CompileAhead | None:
-        """Start it for the checkpoint at ``path`` (None where it does not apply: a folder
-        that cannot be cut, or a failure to start, which is logged)."""
+    def start(
+        cls, args: argparse.Namespace, path: Path, step_tokens: int, n: int = 1
+    ) -> CompileAhead | None:
+        """Start ``n`` of them for the checkpoint at ``path`` (None where it does not apply: a
+        folder that cannot be cut, or a failure to start, which is logged)."""
         tmp = tempfile.TemporaryDirectory(prefix="headstart-ahead-")
+        procs: list[subprocess.Popen] = []
         try:
             folder = cut_folder(path, Path(tmp.name) / path.name)
             if folder is None:
@@ -123,37 +147,49 @@ class CompileAhead:
                 return None
             cmd = command(args, folder, step_tokens)
             env = {**os.environ, "HEADSTART_COMPILE_AHEAD": "0"}
-            # Its stderr to a file, not a pipe: nobody reads a pipe until the load is done, and
-            # a full one would stop the process in the middle of the work it overlaps.
-            with open(Path(tmp.name) / "stderr.log", "w") as err:
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            for i in range(n):
+                shard = [f"--warm-shard={i}/{n}"] if n > 1 else []
+                # Its stderr to a file, not a pipe: nobody reads a pipe until the load is
+                # done, and a full one would stop the process in the middle of its work.
+                with open(Path(tmp.name) / f"stderr-{i}.log", "w") as err:
+                    procs.append(
+                        subprocess.Popen(
+                            cmd + shard, env=env, stdout=subprocess.DEVNULL, stderr=err
+                        )
+                    )
         except (OSError, ValueError) as e:
             log.warning("compile-ahead process not started: %s", e)
+            for proc in procs:
+                proc.kill()
+                proc.wait()
             tmp.cleanup()
             return None
-        log.info("compile-ahead process started (%s, cut to its first layers)", path.name)
-        return cls(proc, tmp)
+        log.info("compile-ahead processes started: %d (%s, cut to its first layers)", n, path.name)
+        return cls(procs, tmp)
 
     def wait(self, timeout: float = 600.0) -> None:
-        """Wait for it (at most ``timeout`` s, then end it); log how it went."""
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        took = time.monotonic() - self.started
-        if self.proc.returncode == 0:
-            log.info("compile-ahead process done in %.1fs", took)
-        else:
-            err = (Path(self.tmp.name) / "stderr.log").read_text(errors="replace")
-            tail = " | ".join(err.strip().splitlines()[-3:])
-            log.warning(
-                "compile-ahead process ended %s after %.1fs: %s", self.proc.returncode, took, tail
-            )
+        """Wait for them (at most ``timeout`` s in all, then end them); log how it went."""
+        for i, proc in enumerate(self.procs):
+            try:
+                proc.wait(timeout=max(0.0, timeout - (time.monotonic() - self.started)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            took = time.monotonic() - self.started
+            if proc.returncode == 0:
+                log.info("compile-ahead process %d done in %.1fs", i, took)
+            else:
+                err = (Path(self.tmp.name) / f"stderr-{i}.log").read_text(errors="replace")
+                tail = " | ".join(err.strip().splitlines()[-3:])
+                log.warning(
+                    "compile-ahead process %d ended %s after %.1fs: %s",
+                    i, proc.returncode, took, tail,
+                )  # fmt: skip
         self.tmp.cleanup()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         self.tmp.cleanup()

@@ -226,6 +226,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     # The compile-ahead process: start up (load, warm-up, graph captures), then exit.
     p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    # One of several compile-ahead processes: I/N, its share of the shapes.
+    p.add_argument("--warm-shard", type=_shard, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--threads-batch",
         type=int,
@@ -678,10 +680,22 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
             ahead.stop()
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """``I/N`` as (I, N), 0 <= I < N."""
+    i, _, n = text.partition("/")
+    try:
+        shard = int(i), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not I/N: {text!r}") from None
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"not 0 <= I < N: {text!r}")
+    return shard
+
+
 def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
     """The compile-ahead process (server/compile_ahead.py), where it applies: a CUDA device,
     one process, graphs on, a step budget known before the load."""
-    from headstart.server.compile_ahead import CompileAhead, planned_step_tokens
+    from headstart.server.compile_ahead import CompileAhead, planned_step_tokens, shards
 
     if (
         getattr(args, "compile_ahead", "off") != "auto"
@@ -699,7 +713,7 @@ def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
     except Exception as e:  # an optimisation: the load itself reports real problems
         log.warning("compile-ahead process not started: %s", e)
         return None
-    return None if budget is None else CompileAhead.start(args, path, budget)
+    return None if budget is None else CompileAhead.start(args, path, budget, shards())
 
 
 def _serve_loaded(
@@ -799,6 +813,7 @@ def _serve_loaded(
             windows=args.window_graphs,
             continuations=args.continuation_graphs,
             continuation_tokens=args.continuation_graph_tokens,
+            shard=getattr(args, "warm_shard", None),
         ),
     )
     phase = time.monotonic()
