@@ -10,6 +10,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from headstart.cli import _add_model_args
 from headstart.loading import default_model_dir
 from headstart.server import compile_ahead
@@ -135,3 +137,20 @@ def test_start_and_wait_run_the_process_to_its_end(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="headstart.serve"):
         failing.wait(timeout=120)
     assert failing.proc.returncode != 0 and "no-such-set" in caplog.text
+
+
+def test_the_work_is_shared_by_a_process_per_two_cores_at_most_eight(monkeypatch):
+    monkeypatch.delenv("HEADSTART_COMPILE_AHEAD_PROCESSES", raising=False)
+    assert [compile_ahead.shards(c) for c in (1, 2, 5, 16, 64)] == [1, 1, 2, 8, 8]
+    monkeypatch.setenv("HEADSTART_COMPILE_AHEAD_PROCESSES", "3")
+    assert compile_ahead.shards(64) == 3
+
+
+def test_shards_are_asked_for_by_the_process_command():
+    """Each of n processes runs the same start-up with its own --warm-shard I/N, which the
+    server's parser takes (and refuses outside 0 <= I < N)."""
+    p = _parser()
+    assert p.parse_args(["--warm-shard", "2/3"]).warm_shard == (2, 3)
+    for bad in ("3/3", "x/2", "1"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--warm-shard", bad])

@@ -56,6 +56,7 @@ class _Replayable:
         capture: bool,
         mempool: object | None,
         warmups: int = 2,
+        launch: bool = True,
     ) -> None:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -74,9 +75,10 @@ class _Replayable:
                 self.out = fn()
             # A graph's first launch uploads it to the device: the first request after start-up
             # spent 23 ms launching its prompt graph at 27B, later ones about 1 ms. Launch it
-            # once now, over the same static buffers its warm-up ran on (so nothing new is
-            # written); the GPU runs it while the next graph is captured.
-            self.graph.replay()
+            # once now (``launch``), over the same static buffers its warm-up ran on (so
+            # nothing new is written).
+            if launch:
+                self.graph.replay()
 
     def replay(self) -> ForwardOutput | None:
         if self.graph is None:
@@ -143,17 +145,29 @@ def _capture_each(
     capture: bool,
     mempool: object | None,
     warmups: int = 2,
+    rows: Callable[[Any], int] = lambda key: 0,
 ) -> dict[Any, _Replayable]:
     """One replayable ``forward(key)`` per key, in the given order (largest first, so a shared
-    memory pool fits them all), with a progress bar on a terminal; under :class:`sharded`,
-    the shard's keys only."""
+    memory pool fits them all), with a progress bar on a terminal; under :func:`sharded`, the
+    shard's keys only. Those of at most :data:`LAUNCHED_ROWS` ``rows`` are launched once at
+    capture."""
     keys = [k for k in keys if mine()]
     graphs: dict[Any, _Replayable] = {}
     with progress(label, len(keys)) as tick:
         for key in keys:
-            graphs[key] = _Replayable(lambda key=key: forward(key), capture, mempool, warmups)
+            launch = rows(key) <= LAUNCHED_ROWS
+            graphs[key] = _Replayable(
+                lambda key=key: forward(key), capture, mempool, warmups, launch
+            )
             tick()
     return graphs
+
+
+# Graphs of at most this many rows are launched once right after capture, so that their first
+# use does not pay the upload (about 20 ms at 27B, the work of a few short prompts). Wider ones
+# compute for 100 ms and more at 27B, where the upload is a small share of the first use, and
+# launching them all added about 6 s to a 27B start-up (BENCHMARKS.md).
+LAUNCHED_ROWS = 512
 
 
 class DecodeGraphs:
@@ -280,6 +294,7 @@ class PromptGraphs:
             capture,
             mempool,
             warmups=1,
+            rows=lambda s: s[0] * s[1],
         )
 
     def shape_for(self, lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -537,6 +552,7 @@ class ContinuationGraphs:
             capture,
             mempool,
             warmups=1,
+            rows=lambda w: w,
         )
 
     def width(self, n: int, start: int) -> int | None:
