@@ -78,15 +78,11 @@ def test_a_model_of_large_weights_decodes_on_every_core():
     assert serve.decode_threads(ThreadConfig(2, 1), big, None) == ThreadConfig(2, 1)
 
 
-def _threads_seen(engines, threads, prompts):
-    """(rows, threads) of each forward of an engine with ``threads`` serving ``prompts`` at
-    once, after its warm-up."""
-    from engine_helpers import Collector
-
+def _counting_engine(engines, threads, slots):
+    """A started engine with ``threads`` and ``slots`` slots, and the (rows, threads) of
+    each forward it runs, its warm-up's included."""
     from headstart.engine.config import EngineConfig
-    from headstart.engine.engine import EngineRequest, Finish
     from headstart.loading import load
-    from headstart.sampling import SamplingParams
 
     loaded = load()
     model = loaded.model
@@ -98,8 +94,19 @@ def _threads_seen(engines, threads, prompts):
         return forward_ex(batch, pool, *a, **kw)
 
     model.forward_ex = counting
-    config = EngineConfig(len(prompts), 128, threads=threads)
-    engine = engines(model, loaded.tokenizer, loaded.eos_token_ids, config)
+    config = EngineConfig(slots, 128, threads=threads)
+    return engines(model, loaded.tokenizer, loaded.eos_token_ids, config), seen
+
+
+def _threads_seen(engines, threads, prompts):
+    """(rows, threads) of each forward of an engine with ``threads`` serving ``prompts`` at
+    once, after its warm-up."""
+    from engine_helpers import Collector
+
+    from headstart.engine.engine import EngineRequest, Finish
+    from headstart.sampling import SamplingParams
+
+    engine, seen = _counting_engine(engines, threads, len(prompts))
     c0 = Collector()
     engine.submit(EngineRequest("w", [5, 6], SamplingParams(max_tokens=1), 1, c0))
     assert c0.done.wait(60)
@@ -128,27 +135,10 @@ def test_prompt_steps_run_with_the_batch_threads_and_decode_steps_without(thread
     so it is read inside the forward, on the engine thread)."""
     from engine_helpers import Collector
 
-    from headstart.engine.config import EngineConfig
     from headstart.engine.engine import EngineRequest, Finish
-    from headstart.loading import load
     from headstart.sampling import SamplingParams
 
-    loaded = load()
-    model = loaded.model
-    seen: list[tuple[int, int]] = []
-    forward_ex = model.forward_ex
-
-    def counting(batch, pool, *a, **kw):
-        seen.append((int(batch.input_ids.shape[0]), torch.get_num_threads()))
-        return forward_ex(batch, pool, *a, **kw)
-
-    model.forward_ex = counting
-    engine = engines(
-        model,
-        loaded.tokenizer,
-        loaded.eos_token_ids,
-        EngineConfig(2, 128, threads=ThreadConfig(decode=1, prefill=2)),
-    )
+    engine, seen = _counting_engine(engines, ThreadConfig(decode=1, prefill=2), 2)
     c0 = Collector()  # the engine thread warmed its prompt steps before this first request
     engine.submit(EngineRequest("w", [5, 6], SamplingParams(max_tokens=1), 1, c0))
     assert c0.done.wait(60)
