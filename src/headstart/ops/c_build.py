@@ -1,11 +1,13 @@
 """Small C kernels for the CPU, built at first use with the machine's compiler and loaded with
 ctypes (``ops/quant_matmul/int4_f32.c``, ``ops/attention/decode_f32.c``).
 
-Why not a torch C++ extension: compiling against torch's headers takes a minute on a small
-machine, a plain C file a second. Each library is built once per source, flags and compiler
-into headstart's per-user cache (``HEADSTART_CACHE``, else ``~/.cache/headstart``), with
-``-march=native`` (so the cache is per machine); without a compiler :func:`library` is None and
-callers keep their PyTorch path.
+Why plain C files and not a torch C++ extension: compiling a whole extension against torch's
+headers takes a minute on a small machine, a plain C file a second; the one C++ file
+(:func:`torch_library`, the operators' registrations) includes only torch's core headers.
+Each library is built once per source, flags and compiler into headstart's per-user
+cache (``HEADSTART_CACHE``, else ``~/.cache/headstart``), with ``-march=native`` (so the cache
+is per machine); without a compiler :func:`library` is None and callers keep their PyTorch
+path.
 """
 
 from __future__ import annotations

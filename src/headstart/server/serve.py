@@ -693,8 +693,8 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
-    """The compile-ahead process (server/compile_ahead.py), where it applies: a CUDA device,
-    one process, graphs on, a step budget known before the load."""
+    """The compile-ahead processes (server/compile_ahead.py), where they apply: a CUDA
+    device, one serving process, graphs on, a step budget known before the load."""
     from headstart.server.compile_ahead import CompileAhead, planned_step_tokens, shards
 
     if (

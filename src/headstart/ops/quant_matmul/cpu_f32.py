@@ -56,12 +56,7 @@ def available() -> bool:
 def takes(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` whose 4-bit weights are unpacked at load
     keeps their codes for this kernel too (each weight that :func:`fits`)."""
-    if not (device.type == "cpu" and dtype == torch.float32 and available()):
-        return False
-    from headstart.ops import native
-
-    native.load()  # the operator's C++ kernel, when it builds here
-    return True
+    return device.type == "cpu" and dtype == torch.float32 and available()
 
 
 @dataclass(frozen=True)
@@ -88,7 +83,11 @@ def fits(w: QuantizedTensor) -> bool:
 
 
 def prepare(w: QuantizedTensor) -> CpuPacked:
-    """``w`` (:func:`fits`) with fp32 scales and its dense copy; meta in, meta out."""
+    """``w`` (:func:`fits`) with fp32 scales and its dense copy; meta in, meta out. The
+    operator's C++ kernel is built and loaded first, where it builds (once a process)."""
+    from headstart.ops import native
+
+    native.load()
     return CpuPacked(
         w.packed.contiguous(),
         w.scales.to(torch.float32).contiguous(),
