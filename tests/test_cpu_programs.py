@@ -163,7 +163,7 @@ def test_compiled_decode_equals_the_eager_forward(ckpt, request):
     is ready (the runner then steps eagerly)."""
     model = Qwen35Model.load(request.getfixturevalue(ckpt))
     pool, lengths = _prefilled(model, 3)
-    progs = DecodePrograms(model, pool, 2, scratch_slot=3)
+    progs = DecodePrograms(model, pool, 2, scratch_slot=3, widths=())
     assert sorted(progs.ready) == [1, 2]
     start = {k: t.clone() for k, t in pool.tensors.items()}
     cases = [([0], [lengths[0]]), ([1, 2], [lengths[1], 0]), ([2], [lengths[2]])]
@@ -187,6 +187,41 @@ def test_compiled_decode_equals_the_eager_forward(ckpt, request):
     assert progs.run([5], [3], [0]) is None
 
 
+@pytest.mark.parametrize("ckpt", ["q4_tied", "f32_untied"])
+def test_compiled_windows_equal_the_eager_forward(ckpt, request):
+    """A short prompt chunk of one stream from a compiled window (the next width up, its
+    padding rows past the chunk): after a history and fresh at position 0, a chunk as wide as
+    its window and narrower ones: the last row's logits, the slot's conv tails and recurrent
+    states, and its keys and values at the chunk's rows as the eager forward leaves them; a
+    chunk whose padding would pass the slot's rows gets no window."""
+    model = Qwen35Model.load(request.getfixturevalue(ckpt))
+    pool, lengths = _prefilled(model, 2)
+    progs = DecodePrograms(model, pool, 1, scratch_slot=2, widths=(4, 8))
+    assert progs.complete and sorted(progs.windows) == [4, 8]
+    start = {k: t.clone() for k, t in pool.tensors.items()}
+    per_token = {g.name for g in pool.groups if g.per_token}
+    cases = [(0, lengths[0], 3), (1, lengths[1], 4), (1, 0, 6), (0, 0, 2), (0, lengths[0], 8)]
+    for slot, at, n in cases:
+        tokens = tuple(range(20 + n, 20 + 2 * n))
+        for k, t in pool.tensors.items():
+            t.copy_(start[k])
+        want = model.forward(ForwardBatch.build([SeqChunk(slot, at, tokens, 1)]), pool)
+        after = {k: t[:, slot].clone() for k, t in pool.tensors.items()}
+        for k, t in pool.tensors.items():
+            t.copy_(start[k])
+        got = progs.run_window(tokens, at, slot)
+        case = (slot, at, n)
+        assert got is not None and got.logits.shape == want.shape == (1, model.cfg.vocab_size)
+        assert rel_err(got.logits, want) < 1e-5, case
+        for k, t in pool.tensors.items():
+            mine, ref = t[:, slot], after[k]
+            if k in per_token:  # the chunk's rows (padding wrote past them)
+                mine, ref = mine[:, :, : at + n], ref[:, :, : at + n]
+            assert rel_err(mine, ref) < 1e-5, (case, k)
+    assert progs.run_window((1, 2, 3), pool.max_tokens - 3, 0) is None  # 4 rows would pass it
+    assert progs.run_window(tuple(range(9)), 0, 0) is None  # wider than every window
+
+
 def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
     """Greedy tokens of three requests on two slots, with compiled decode steps and without."""
     model = Qwen35Model.load(q4_tied)
@@ -199,6 +234,7 @@ def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
         engine = engines(model, tokenizer, (1,), config)
         if compiled:
             assert sorted(engine.runner.cpu_programs.ready) == [1, 2]
+            assert sorted(engine.runner.cpu_programs.windows) == [4, 8, 16]
         collectors = [Collector() for _ in prompts]
         for i, (ids, c) in enumerate(zip(prompts, collectors, strict=True)):
             engine.submit(EngineRequest(f"r{i}", ids, params, 1, c))

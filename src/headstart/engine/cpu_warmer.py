@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from headstart.engine.cpu_programs import DecodePrograms
-from headstart.engine.cuda_graph import buckets_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load(args.model, "cpu", args.dtype, args.kernels, args.load_format)
     pool = loaded.model.new_state_pool(args.slots + 1, args.context)  # + the scratch slot
     programs = DecodePrograms(loaded.model, pool, args.slots, args.slots)
-    if len(programs.ready) != len(buckets_for(args.slots)):
+    if not programs.complete:
         return 1
     args.marker.parent.mkdir(parents=True, exist_ok=True)
     args.marker.touch()

@@ -308,7 +308,9 @@ class ModelRunner:
         if self.threads is not None:
             self._size_threads(chunks)
         plan = self._graph_plan(chunks)
-        compiled = self._compiled_decode(chunks) if not step.taps or not self.taps else None
+        compiled = None
+        if not step.taps or not self.taps:
+            compiled = self._compiled_decode(chunks) or self._compiled_window(chunks)
         if compiled is not None:
             out = compiled
         elif plan is not None:
@@ -394,6 +396,20 @@ class ModelRunner:
         return progs.run(
             [c.tokens[0] for c in chunks], [c.start for c in chunks], [c.slot for c in chunks]
         )
+
+    def _compiled_window(self, chunks: Sequence[SeqChunk]) -> ForwardOutput | None:
+        """A step of one stream's short prompt chunk, from a compiled CPU window (None: not
+        such a step, or no window ready for it)."""
+        progs = self.cpu_programs
+        if progs is None or len(chunks) != 1:
+            return None
+        (c,) = chunks
+        if len(c.tokens) < 2 or c.logit_rows > 1 or _is_window(c):
+            return None
+        out = progs.run_window(c.tokens, c.start, c.slot)
+        if out is not None and not c.logit_rows:
+            out = ForwardOutput(out.logits[:0], None, {})
+        return out
 
     def _graph_plan(self, chunks: Sequence[SeqChunk]) -> _GraphPlan | None:
         """How the whole step replays graphs (chunks by index), or None when it cannot."""

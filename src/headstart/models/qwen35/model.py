@@ -275,15 +275,18 @@ class Qwen35Model:
         h = rms_norm(x[batch.logit_index], w["norm.weight"], eps)
         return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None, records)
 
-    def decode_program(self) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
+    def decode_program(
+        self, width: int = 1
+    ) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
         """The decode step as a pure function of its tensors, to trace (``decode_step.py``):
-        ``(step, weights)`` where ``step(ids, positions, slots, fresh, *groups, *weights)``
-        runs one decode row per stream over the pool's group tensors (``groups``, in
-        :meth:`state_groups` order), writes the rows' keys and values, and returns (logits,
-        the new rows of each fixed-size group in order: conv tails and recurrent states,
-        ``[layers, n, ...]``) for the caller to write back. The weights are arguments, not
-        constants of the trace, so a compiled step depends only on shapes (a compiler's cache
-        then serves a restart)."""
+        ``(step, weights)`` where ``step(ids, positions, slots, fresh, lengths, *groups,
+        *weights)`` runs ``width`` rows per stream (one: a decode row; more: a window of a
+        stream's next tokens, the first ``lengths[i]`` of stream i real) over the pool's group
+        tensors (``groups``, in :meth:`state_groups` order), writes the rows' keys and values,
+        and returns (each stream's last logits, the new rows of each fixed-size group in
+        order: conv tails and recurrent states, ``[layers, streams, ...]``) for the caller to
+        write back. The weights are arguments, not constants of the trace, so a compiled step
+        depends only on shapes (a compiler's cache then serves a restart)."""
         weights: list[torch.Tensor] = []
         index: dict[int, int] = {}  # each tensor once: a compiler given one tensor twice errs
 
@@ -298,13 +301,13 @@ class Qwen35Model:
         rotary = arg(self.rotary.inv_freq)
         groups = len(self.state_groups())
 
-        def step(ids, positions, slots, fresh, *rest):
+        def step(ids, positions, slots, fresh, lengths, *rest):
             pool, flat = rest[:groups], rest[groups:]
             model = copy.copy(self)  # the same model reading the arguments as its weights
             w = {name: rebuild(v, {f: flat[i] for f, i in at.items()}) for name, v, at in layout}
             model.head = w.pop("head")
             model.w, model.rotary = w, Rotary(flat[rotary])
-            return decode_step(model, ids, positions, slots, fresh, *pool)
+            return decode_step(model, ids, positions, slots, fresh, lengths, *pool, width=width)
 
         return step, weights
 
