@@ -234,7 +234,7 @@ def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
         engine = engines(model, tokenizer, (1,), config)
         if compiled:
             assert sorted(engine.runner.cpu_programs.ready) == [1, 2]
-            assert sorted(engine.runner.cpu_programs.windows) == [4, 8, 16]
+            assert sorted(engine.runner.cpu_programs.windows) == [4, 8, 16, 32]
         collectors = [Collector() for _ in prompts]
         for i, (ids, c) in enumerate(zip(prompts, collectors, strict=True)):
             engine.submit(EngineRequest(f"r{i}", ids, params, 1, c))

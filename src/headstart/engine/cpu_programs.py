@@ -20,12 +20,11 @@ shares no GIL with the server. A step of fewer streams
 than its bucket pads with rows on the scratch slot, which compute harmlessly and are dropped,
 as in the CUDA decode graphs.
 
-Windows: a short prompt chunk of one stream (up to :data:`WINDOW_WIDTHS`' last: a chat
-prompt's tail after its snapshot boundary, a short new turn) runs from a program of the
-same function at a width of several rows (``decode_step.py``), its last rows padding past
-the chunk's end. Eager, such a chunk cost a 63-token prompt's forward half again (6.5 ms
-for 4 tokens after 17.8 ms for 63, on this project's 2-core machine): the forward's fixed
-dispatch, not its rows.
+Windows: a short prompt chunk of one stream (up to :data:`WINDOW_WIDTHS`' last: a short
+prompt, a chat prompt's tail after its snapshot boundary, a short new turn) runs from a
+program of the same function at a width of several rows (``decode_step.py``), its last rows
+padding past the chunk's end. Eager, a chunk pays the forward's fixed dispatch: a chat
+prompt's 4-token tail cost 6.5 ms after 17.8 ms for its first 63 tokens (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -58,8 +57,10 @@ __all__ = [
 
 log = logging.getLogger("headstart.engine")
 
-#: Widths of the one-stream window programs: a chunk of 2..16 tokens pads to the next.
-WINDOW_WIDTHS = (4, 8, 16)
+#: Widths of the one-stream window programs: a chunk of 2..64 tokens pads to the next. Each
+#: costs start-up time (loaded from inductor's cache: 1.9 s at 4 rows, 4.2 at 16, 7.6 s for 32
+#: and 64 together here), so there are few.
+WINDOW_WIDTHS = (4, 8, 16, 32, 64)
 
 
 def offered(model: CausalLM) -> bool:
