@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 
 import torch
 
@@ -37,7 +38,7 @@ from headstart.engine.spec.proposal import STATS, Speculator
 from headstart.engine.spec.verification import Draft
 from headstart.engine.step_log import StepClock
 from headstart.models.contract import CausalLM
-from headstart.sampling import Sampler, SampleResult, make_generator
+from headstart.sampling import Sampler, SampleResult, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
 
 log = logging.getLogger("headstart.engine")
@@ -84,11 +85,15 @@ class Engine:
         self._live: dict[str, Live] = {}  # engine thread only
         self._inbox = Inbox(self.num_slots, self.max_queue, self.context)
         self._thread = threading.Thread(target=self._loop, name="headstart-engine", daemon=True)
+        self._warmed = threading.Event()  # the engine thread's own warm-up has run
         self.steps = 0
 
     # -- other threads ---------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; returns once its warm-up has run, so that the first
+        request does not wait for it."""
         self._thread.start()
+        self._warmed.wait()
 
     def stop(self) -> None:
         """End the thread after its current step; requests still in flight finish "abort"."""
@@ -134,7 +139,12 @@ class Engine:
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        self.runner.warm_engine_thread()
+        try:
+            self._warm_sampler(self.runner.warm_engine_thread())
+        except Exception:  # a slower first request, never a dead engine
+            log.exception("warming up the engine thread failed")
+        finally:
+            self._warmed.set()
         while not self._inbox.closed:
             self._apply_commands()
             self._admit()
@@ -306,6 +316,18 @@ class Engine:
                 return
 
     # -- delivery ----------------------------------------------------------------------------
+    def _warm_sampler(self, row: torch.Tensor) -> None:
+        """Draw from ``row`` (one row of logits) greedily and with every filter, at one row
+        and at a full batch: a GPU loads a kernel's code on its first launch, which the first
+        burst of requests paid (the warm-up's forwards sample nothing)."""
+        every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, logprobs=2)
+        for n in sorted({1, self.num_slots}):
+            for params in (SamplingParams(temperature=0.0), every, replace(every, seed=0)):
+                logits = row.expand(n, -1).clone()
+                logits[:, self.tokenizer.vocab_size :] = float("-inf")
+                rngs = [make_generator(params.seed) for _ in range(n)]
+                draw_rows(self.sampler, logits, [params] * n, rngs)
+
     def _sample_and_deliver(self, lives: list[Live], logits: torch.Tensor) -> None:
         logits[:, self.tokenizer.vocab_size :] = float("-inf")  # embedding-table padding rows
         drawn = draw_rows(

@@ -322,20 +322,42 @@ class ModelRunner:
         self._chunks, self._records = {c.slot: c for c in chunks}, out.records
         return out
 
-    def warm_engine_thread(self) -> None:
-        """On the engine thread, before its first step: on a CPU with thread counts set, two
-        new prompts' forwards on slot 0 at the prefill count (nothing runs yet; a stream at
-        position 0 ignores what its slot held). OpenMP keeps a team of threads per calling
-        thread, so this cannot run at start-up on another thread; without it the first request
-        paid the team's start and the kernels' first calls (a 1,000-token prompt: 885 ms as
-        the first request, 189 ms after, on this project's 2-core machine)."""
+    def warm_engine_thread(self) -> torch.Tensor:
+        """On the engine thread, before its first step; returns one row of logits from it (for
+        the engine to warm its sampler on). A new prompt's forward on slot 0; on a CPU with
+        thread counts set, instead, new prompts' forwards at the prefill count, the step
+        budget's chunk continued, each compiled window and decode program (nothing runs yet;
+        a stream at position 0 ignores what its slot held). OpenMP keeps a team of threads
+        per calling thread, so this cannot run at start-up on another thread; without it the
+        first request paid the team's start and the kernels' first calls (a 1,000-token
+        prompt: 885 ms as the first request, 189 ms after, on this project's 2-core machine).
+        """
         if self.threads is None:
-            return
-        for n in sorted({min(16, self.context - 1), min(256, self.context - 1)}):
+            chunk = SeqChunk(0, 0, (0,) * min(16, self.context - 1), 1)
+            return self._forward([chunk]).logits[-1:]
+        sizes = {min(n, self.context - 1) for n in (16, 256, self.prefill_chunk)}
+        for n in sorted(sizes):
             chunk = SeqChunk(0, 0, (0,) * n, 1)
             self._size_threads([chunk])
+            logits = self._forward([chunk]).logits[-1:]
+        # A chunk that continues the stream (a long prompt's second chunk attends over the
+        # first), and each compiled window: their first calls on this thread cost as much
+        # again as a warm one (a 30-token prompt: 90 ms as the first request, 9 ms after).
+        n = max(sizes)
+        if 2 * n < self.context:
+            chunk = SeqChunk(0, n, (0,) * n, 1)
+            self._size_threads([chunk])
             self._forward([chunk])
+        programs = self.cpu_programs
+        if programs is not None:
+            for w in sorted(programs.windows):
+                self._size_threads([SeqChunk(0, 0, (0,) * w, 1)])
+                programs.run_window((0,) * w, 0, 0)
         self._size_threads([SeqChunk(0, 1, (0,), 1)])
+        if programs is not None:  # decode rows at position 1 of slots no stream holds yet
+            for b in sorted(b for b in programs.ready if b <= self.num_slots):
+                programs.run([0] * b, [1] * b, list(range(b)))
+        return logits
 
     def _size_threads(self, chunks: Sequence[SeqChunk]) -> None:
         """On a CPU: the prefill thread count for a step with a prompt chunk of several rows
