@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -323,3 +324,23 @@ def test_decoding_beside_a_long_prefill_equals_decoding_alone(loaded, engines):
         assert c.tokens == alone(loaded, ids, params)
     mixed = [s for s in shapes if s.count(1) >= 1 and max(s) > 1 and sum(s) == budget]
     assert len(mixed) >= 3, shapes  # full budget steps: a prompt chunk beside decode rows
+
+
+def test_start_returns_after_the_engine_threads_warm_up(loaded, engines, monkeypatch):
+    """``start`` waits for the engine thread's warm-up (its forward and the sampler's draws),
+    so that the first request does not."""
+    from headstart.engine.runner import ModelRunner
+
+    warm = ModelRunner.warm_engine_thread
+    ran = []
+
+    def slow_warm(runner):
+        time.sleep(0.3)  # long enough that a start that did not wait returns first
+        ran.append(threading.current_thread().name)
+        return warm(runner)
+
+    monkeypatch.setattr(ModelRunner, "warm_engine_thread", slow_warm)
+    cfg = EngineConfig(2, 64)
+    engines(loaded.model, loaded.tokenizer, loaded.eos_token_ids, cfg)
+    assert ran == ["headstart-engine"]
+
