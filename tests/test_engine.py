@@ -343,4 +343,3 @@ def test_start_returns_after_the_engine_threads_warm_up(loaded, engines, monkeyp
     cfg = EngineConfig(2, 64)
     engines(loaded.model, loaded.tokenizer, loaded.eos_token_ids, cfg)
     assert ran == ["headstart-engine"]
-
