@@ -336,8 +336,9 @@ def test_start_returns_after_the_engine_threads_warm_up(loaded, engines, monkeyp
 
     def slow_warm(runner):
         time.sleep(0.3)  # long enough that a start that did not wait returns first
+        logits = warm(runner)
         ran.append(threading.current_thread().name)
-        return warm(runner)
+        return logits
 
     monkeypatch.setattr(ModelRunner, "warm_engine_thread", slow_warm)
     cfg = EngineConfig(2, 64)

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from headstart.engine.config import EngineConfig
-from headstart.engine.draw import draw_rows
+from headstart.engine.draw import Drawn, draw_rows
 from headstart.engine.inbox import Abort, Add, EndAll, Inbox
 from headstart.engine.output import Event, Failed, Finish, OutputStream, Piece
 from headstart.engine.prompt_cache_tiers import PromptCache
@@ -323,16 +323,20 @@ class Engine:
         every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, logprobs=2)
         for n in sorted({1, self.num_slots}):
             for params in (SamplingParams(temperature=0.0), every, replace(every, seed=0)):
-                logits = row.expand(n, -1).clone()
-                logits[:, self.tokenizer.vocab_size :] = float("-inf")
                 rngs = [make_generator(params.seed) for _ in range(n)]
-                draw_rows(self.sampler, logits, [params] * n, rngs)
+                self._draw(row.expand(n, -1).clone(), [params] * n, rngs)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        rngs: Sequence[torch.Generator | None],
+    ) -> list[Drawn]:
+        logits[:, self.tokenizer.vocab_size :] = float("-inf")  # embedding-table padding rows
+        return draw_rows(self.sampler, logits, params, rngs)
 
     def _sample_and_deliver(self, lives: list[Live], logits: torch.Tensor) -> None:
-        logits[:, self.tokenizer.vocab_size :] = float("-inf")  # embedding-table padding rows
-        drawn = draw_rows(
-            self.sampler, logits, [lv.req.params for lv in lives], [lv.rng for lv in lives]
-        )
+        drawn = self._draw(logits, [lv.req.params for lv in lives], [lv.rng for lv in lives])
         for live, d in zip(lives, drawn, strict=True):  # failed rows first, as they were drawn
             if isinstance(d, Exception):
                 self._fail(live, d)
