@@ -145,6 +145,30 @@ def profile_case(model, pool, lines: list[str], name: str, chunks: list[SeqChunk
         lines.append(f"  {t / 1e3:8.3f} ms  {count:5d}x  {key[:90]}")
 
 
+def profile_ops(model, pool, lines: list[str], name: str, chunks: list[SeqChunk]) -> None:
+    """The host ops of one eager forward over ``chunks`` that launch GPU work, by count: which
+    torch calls the many small kernels of a short prompt come from (shapes of the top ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = ForwardBatch.build(chunks, "cuda")
+    model.forward(batch, pool)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
+        model.forward(batch, pool)
+        torch.cuda.synchronize()
+    ops = [
+        e
+        for e in p.key_averages(group_by_input_shape=True)
+        if e.key.startswith("aten::") and e.device_time_total > 0
+    ]
+    ops.sort(key=lambda e: -e.count)
+    lines.append(f"{name}: aten ops that ran GPU work, by calls (input shapes)")
+    for e in ops[:24]:
+        shapes = str(e.input_shapes)[:70]
+        ms = e.device_time_total / 1e3
+        lines.append(f"  {e.count:5d}x {ms:7.3f} ms  {e.key:28s} {shapes}")
+
+
 def attention_probe(cfg, lines: list[str]) -> None:
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dev, dt = "cuda", torch.bfloat16
@@ -231,7 +255,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8200)
     ap.add_argument("--budget", type=int, default=2048, help="prompt graphs' most padded rows")
     ap.add_argument(
-        "--parts", default="attn,matmul,shapes,graphs,profile", help="also: prof31, profcont"
+        "--parts", default="attn,matmul,shapes,graphs,profile", help="also: prof31, ops31, profcont"
     )
     args = ap.parse_args()
     quant = args.format == "4bit"
@@ -256,6 +280,8 @@ def main() -> None:
     if "prof31" in parts:  # one new short prompt alone, and a decode step, kernel by kernel
         profile_case(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
         profile_case(model, pool, lines, "decode x1", [SeqChunk(0, 100, (7,))])
+    if "ops31" in parts:  # the torch calls behind the short prompt's small kernels
+        profile_ops(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
     if "profcont" in parts:  # an agent turn's chunk on a short and on a long history
         for start in (2063, args.context - 600):
             chunk = [SeqChunk(0, start, tok[:501])]

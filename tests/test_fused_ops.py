@@ -82,6 +82,25 @@ def test_silu_mul_and_sigmoid_mul():
     close(gpu_fused.sigmoid_mul(x, gate), pointwise.sigmoid_mul(x, gate))
 
 
+@pytest.mark.parametrize("weights", [torch.float32, BF])
+def test_gdn_gates_on_strided_rows(weights):
+    # a and b as the GDN layer passes them: row-strided views of the in_proj output. a spans
+    # softplus's three regimes (far below zero: the series for log1p; above 20: x itself).
+    H = 6
+    proj = rand(5, 2 * H + 3, seed=17, scale=12)
+    a, b = proj[:, 3 : 3 + H], proj[:, 3 + H :]
+    a_log = rand(H, seed=18, dtype=weights)
+    dt_bias = rand(H, seed=19, dtype=weights)
+    g, beta = gpu_fused.gdn_gates(a, b, a_log, dt_bias)
+    want_g, want_beta = pointwise.gdn_gates(a, b, a_log, dt_bias)
+    assert g.dtype == want_g.dtype == torch.float32 and beta.dtype == want_beta.dtype == BF
+    torch.testing.assert_close(g, want_g, rtol=2e-5, atol=1e-30)  # relative at every scale
+    if EXACT:
+        assert torch.equal(beta, want_beta)
+    close(beta, want_beta)
+    assert gpu_fused.gdn_gates(a[:0], b[:0], a_log, dt_bias)[0].shape == (0, H)
+
+
 def _pools(seed):
     tails = rand(4, 40, 3, seed=seed)
     tails[1] = float("nan")  # a fresh stream's slot may hold anything
@@ -165,6 +184,7 @@ FUSED = replace(
     gated_rms_norm=gpu_fused.gated_rms_norm,
     silu_mul=gpu_fused.silu_mul,
     sigmoid_mul=gpu_fused.sigmoid_mul,
+    gdn_gates=gpu_fused.gdn_gates,
     conv_step_rows=gpu_fused.conv_step_rows,
     attn_decode_inputs=gpu_fused.attn_decode_inputs,
 )

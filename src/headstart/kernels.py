@@ -148,6 +148,7 @@ class Kernels:
     gated_rms_norm: Callable[..., torch.Tensor] = pointwise.gated_rms_norm
     silu_mul: Callable[..., torch.Tensor] = pointwise.silu_mul
     sigmoid_mul: Callable[..., torch.Tensor] = pointwise.sigmoid_mul
+    gdn_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = pointwise.gdn_gates
     conv_step_rows: Callable[..., torch.Tensor] = pointwise.conv_step_rows
     attn_decode_inputs: Callable[..., torch.Tensor] = pointwise.attn_decode_inputs
     # (q [W,nh,hd] at positions start.. of stream slot, keys/values [slots,nkv,max_tokens,hd]
@@ -224,6 +225,7 @@ def gpu_kernels() -> Kernels:
         gated_rms_norm=gpu_fused.gated_rms_norm,
         silu_mul=gpu_fused.silu_mul,
         sigmoid_mul=gpu_fused.sigmoid_mul,
+        gdn_gates=gpu_fused.gdn_gates,
         conv_step_rows=gpu_fused.conv_step_rows,
         attn_decode_inputs=gpu_fused.attn_decode_inputs,
         attn_chunk=chunk_attention,

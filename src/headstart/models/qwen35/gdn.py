@@ -22,7 +22,6 @@ from headstart.models.qwen35.parts import ModelParts
 from headstart.models.qwen35.speculative import GDNRecord, tree_gated_delta
 from headstart.ops.conv.reference import conv_spans_plan
 from headstart.ops.linear import linear
-from headstart.ops.pointwise.reference import gdn_gates
 from headstart.state import StatePool
 
 __all__ = ["GatedDeltaNet"]
@@ -85,7 +84,7 @@ class GatedDeltaNet:
         only_decode = d is not None and batch.all_decode is d
         g = beta = None
         if not only_decode:  # other rows' paths take the gates as tensors
-            g, beta = gdn_gates(a, b, m.w[p + "A_log"], m.w[p + "dt_bias"])
+            g, beta = m.kernels.gdn_gates(a, b, m.w[p + "A_log"], m.w[p + "dt_bias"])
         layer = m.state_index[i]
         rows = _Rows(
             i,
