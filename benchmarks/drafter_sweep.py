@@ -5,13 +5,14 @@ headstart's Engine (greedy, with and without it, held-out prompts).
 
     python benchmarks/drafter_sweep.py prep --out .work/sweep.json [--prompts 24576]
     python benchmarks/drafter_sweep.py run --data .work/sweep.json --minutes 2.5 \\
-        --geometry 2:8:0,3,6 --geometry 2:8:1,4,7 [--keep DIR]
+        --geometry 2:8:0,3,6 --geometry 2:8:1,4,7 [--keep DIR] [--init DRAFTER]
 
 ``prep`` runs where the corpus is (this machine; the GPU machine's Python has no test suite):
 half chat requests made from training files, rendered as serving renders them, half 64-token
 prefixes of training rows (``training.run``'s drafter prompts), and 64-token prefixes of
 held-out rows to measure on, all as token ids. ``run`` prints one line per geometry
-(``layers:block:taps``) and a table last; ``--keep DIR`` keeps each drafter as DIR/<geometry>.
+(``layers:block:taps``) and a table last; ``--keep DIR`` keeps each drafter as DIR/<geometry>;
+``--init DRAFTER`` goes on training a drafter of that geometry instead of starting afresh.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def run(a: argparse.Namespace) -> None:
             tokenizer_size=loaded.tokenizer.vocab_size,
             eos_token_ids=loaded.eos_token_ids,
             generation_s=gen_s,
+            init=a.init,
         )
         (out / "train_report.json").write_text(json.dumps(fit, indent=1) + "\n")
         acc = evaluate_acceptance(
@@ -141,6 +143,7 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=128)
     r.add_argument("--lr", type=float, default=6e-4)
     r.add_argument("--keep", default=None)
+    r.add_argument("--init", default=None, help="a drafter checkpoint to go on training")
     a = ap.parse_args()
     torch.manual_seed(0)
     prep(a) if a.command == "prep" else run(a)

@@ -358,10 +358,11 @@ def test_window_graph_replay_equals_eager_bit_for_bit(ckpt):
     )
 
 
-@pytest.mark.parametrize("spec_mode", ["chain", "auto"])
-def test_engine_with_every_graph_serves(ckpt, tmp_path, engines, spec_mode):
+@pytest.mark.parametrize("spec_mode,penalty", [("chain", 1.0), ("auto", 1.0), ("chain", 1.3)])
+def test_engine_with_every_graph_serves(ckpt, tmp_path, engines, spec_mode, penalty):
     """The engine with decode, prefill and verify-window graphs captured at start (a capture
-    that syncs with the host fails here) serves concurrent requests to their end. Token
+    that syncs with the host fails here) serves concurrent requests to their end, penalised
+    ones too (their histories on the GPU, windows judged row by row). Token
     equality beyond the first is not asserted: on random bf16 weights near-ties flip between
     differently tiled kernels; the bit-exact tests above cover each graph."""
     from engine_helpers import Collector
@@ -376,7 +377,13 @@ def test_engine_with_every_graph_serves(ckpt, tmp_path, engines, spec_mode):
         tmp_path / "drafter", tiny.causal_lm(seed=41, **SHAPE).config, taps=[0, 2], block=5
     )
     tok = tiny.small_tokenizer(512)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        repetition_penalty=penalty,
+        presence_penalty=0.5 if penalty != 1.0 else 0.0,
+    )
     prompts = [[(5 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([7, 30, 70, 3])]
     results = []
     for drafter in (None, DFlashDrafter.load(drafter_dir, model)):

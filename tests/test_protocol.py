@@ -239,7 +239,6 @@ def test_error_message_does_not_echo_input():
 
 def test_unknown_fields_ignored_and_defaults():
     req = chat(
-        frequency_penalty=0.5,
         logit_bias={"1": 2},
         user="u",
         response_format={},
@@ -414,6 +413,24 @@ def test_sampling_precedence():
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 1.0, 0, 0.0)
     p = sampling_params(chat(), defaults={"temperature": None}, max_new_tokens=10)
     assert p.temperature == 1.0
+
+
+def test_penalties_from_the_request_then_the_checkpoint():
+    p = sampling_params(chat(), defaults={"repetition_penalty": 1.1}, max_new_tokens=10)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.1, 0.0, 0.0)
+    assert p.penalized
+    req = chat(repetition_penalty=1, frequency_penalty=0.5, presence_penalty=-1.5)
+    p = sampling_params(req, defaults={"repetition_penalty": 1.1}, max_new_tokens=10)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.0, 0.5, -1.5)
+    assert not sampling_params(chat(), defaults={}, max_new_tokens=10).penalized
+    for field, bad in (
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("repetition_penalty", 0),
+        ("frequency_penalty", "1"),
+    ):
+        err = error_of(completion, prompt="x", **{field: bad})
+        assert err.status == 400 and err.param == field
 
 
 def test_sampling_carries_request_fields():

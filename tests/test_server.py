@@ -161,6 +161,40 @@ def test_sixteen_concurrent_greedy_equal_alone(server):
     assert together == alone and all(len(t) == 16 for t in together)
 
 
+def test_penalties_through_the_server_equal_the_reference_loop(client):
+    """frequency_penalty and presence_penalty (the openai client's own arguments) and
+    repetition_penalty (vLLM's, in the body) give what the in-process reference gives."""
+    from headstart.generate import Piece, generate
+    from headstart.loading import load
+    from headstart.sampling import SamplingParams
+
+    loaded = load()
+    prompt = loaded.tokenizer.encode("def parse(line):\n")
+    knobs = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.2}
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        logprobs=0,
+        frequency_penalty=knobs["frequency_penalty"],
+        presence_penalty=knobs["presence_penalty"],
+        extra_body={
+            "repetition_penalty": knobs["repetition_penalty"],
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
+    got = [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **knobs)
+    events = generate(loaded.model, loaded.tokenizer, prompt, params, ())
+    want = [e.token_id for e in events if isinstance(e, Piece)]
+    plain = generate(
+        loaded.model, loaded.tokenizer, prompt, SamplingParams(temperature=0, max_tokens=24), ()
+    )
+    assert got == want and want != [e.token_id for e in plain if isinstance(e, Piece)][:24]
+
+
 def test_disconnects_free_slots(server):
     """Fill all slots with long streams, drop them mid-stream, then get served promptly;
     then 200 random disconnects leave no slot held and memory flat."""
@@ -253,6 +287,13 @@ BAD = [
         None,
     ),
     ("n range", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    (
+        "presence_penalty range",
+        "/v1/completions",
+        {"prompt": "x", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
 ]
 
 

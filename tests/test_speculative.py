@@ -117,6 +117,32 @@ def test_greedy_with_drafter_equals_without(target, tokenizer, engines, plain_gr
         assert spec["spec_accepted"] < spec["spec_drafted"] / 2
 
 
+PENALISED = SamplingParams(
+    temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_penalised_greedy_with_drafter_equals_without(target, tokenizer, engines, kind, mode):
+    """A verify round judges each window row after the rows before it, as plain decoding
+    would: the drafts (unpenalised proposals) change nothing in what is emitted."""
+    plain = run_all(engine_for(engines, target, tokenizer), PENALISED)
+    assert plain != run_all(engine_for(engines, target, tokenizer), GREEDY)
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    if kind == "oracle":
+        drafter = OracleDrafter(drafter)
+    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode))
+    if kind == "oracle":
+        drafter.engine = e
+    assert run_all(e, PENALISED) == plain
+    spec = e.stats()
+    assert spec["spec_rounds"] > 0
+    if kind == "oracle":  # the unpenalised continuation is accepted in part
+        assert 0 < spec["spec_accepted"] < spec["spec_drafted"]
+
+
 def test_draft_opt_out(target, tokenizer, engines, plain_greedy):
     drafter = DFlashDrafter.load(target.drafter_dir, target)
     e = engine_for(engines, target, tokenizer, drafter)

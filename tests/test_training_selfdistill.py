@@ -187,6 +187,18 @@ def test_train_drafter_command_end_to_end(mlx_target, tmp_path, tokenizer):
     assert result["mismatches"] == 0 and result["tokens"] == 24 * len(ids)
     assert result["mean_accepted_length"] > 2.0, result
 
+    # Going on training it starts where it ended, not where a fresh drafter starts.
+    from training.selfdistill import DrafterRecipe, batched_continuations, fit_drafter
+
+    conts = batched_continuations(loaded.model, ids, 32, loaded.eos_token_ids, rows=6)
+    recipe = DrafterRecipe(block=6, taps=(0, 2), steps=2, batch=6, anchors=8, lr=1e-9)
+    fit = dict(tokenizer_size=tokenizer.vocab_size, eos_token_ids=loaded.eos_token_ids)
+    again = fit_drafter(loaded.model, ids, conts, tmp_path / "again", recipe, **fit, init=out)
+    assert again["loss_first"] < 0.6 * report["loss_first"], (again, report)
+    with pytest.raises(ValueError, match="recipe"):
+        other = DrafterRecipe(block=4, taps=(0, 2), steps=1, batch=6, anchors=8)
+        fit_drafter(loaded.model, ids, conts, tmp_path / "other", other, **fit, init=out)
+
 
 def test_train_drafter_command_reports_bad_input(mlx_target, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n")

@@ -387,12 +387,15 @@ def chat_answers(
     device: str = "cpu",
     max_tokens: int = 256,
     dtype: str | None = None,
+    repetition_penalty: float | None = None,
 ) -> list[dict]:
     """Greedy answers of the model in ``model_dir`` through headstart's Engine, each prompt
     rendered as ``headstart serve`` renders a chat request (the folder's ``headstart.json``
-    template defaults), the reply split into reasoning and content as the server splits it.
-    One dict per prompt: prompt, content, reasoning, finish (``stop``: the model ended its
-    turn; ``length``: ``max_tokens`` ran out), tokens."""
+    template defaults) and decoded as serve decodes a request that sets only
+    ``temperature=0``: with the folder's ``repetition_penalty`` (generation_config.json), unless
+    ``repetition_penalty`` is given. The reply is split into reasoning and content as the server
+    splits it. One dict per prompt: prompt, content, reasoning, finish (``stop``: the model
+    ended its turn; ``length``: ``max_tokens`` ran out), tokens."""
     import threading
 
     from headstart.engine.engine import Engine, EngineConfig, EngineRequest, Failed, Finish, Piece
@@ -406,7 +409,13 @@ def chat_answers(
         tok.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True, **kwargs)
         for p in prompts
     ]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    if repetition_penalty is None:
+        repetition_penalty = dict(loaded.model.cfg.generation_defaults).get(
+            "repetition_penalty", 1.0
+        )
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty
+    )
     context = max(len(e.ids) for e in encoded) + max_tokens + 1
     from training.selfdistill import decode_graphs_only
 
@@ -460,10 +469,17 @@ def evaluate_code(
     device: str = "cpu",
     max_tokens: int = 256,
     prompts: list[str] | None = None,
+    repetition_penalty: float | None = None,
 ) -> dict:
     """:func:`chat_answers` of :data:`CODE_PROMPTS`; ``parsed``: how many answers' code
     (:func:`extract_code`) :func:`parses`; ``ended``: how many ended their turn themselves."""
-    answers = chat_answers(model_dir, prompts or CODE_PROMPTS, device, max_tokens)
+    answers = chat_answers(
+        model_dir,
+        prompts or CODE_PROMPTS,
+        device,
+        max_tokens,
+        repetition_penalty=repetition_penalty,
+    )
     for a in answers:
         a["parses"] = parses(extract_code(a["content"]))
     return {

@@ -34,7 +34,15 @@ def export_default(
     write_mlx(state, config, out, bits, group)
     for name in TOKENIZER_FILES:
         shutil.copy(Path(tokenizer_dir) / name, out / name)
-    gen = {"eos_token_id": eos_ids, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    # A repetition penalty of 1.1: at 8M parameters greedy decoding falls into loops
+    # ("_set_set_set..."), and the penalty ends most of them (BENCHMARKS.md, 20 chat requests).
+    gen = {
+        "eos_token_id": eos_ids,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.1,
+    }
     gen.update(generation or {})
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_policy(out, drafter_devices or [])

@@ -456,14 +456,16 @@ def fit_drafter(
     eos_token_ids: Sequence[int],
     log=print,
     generation_s: float | None = None,
+    init: str | Path | None = None,
 ) -> dict:
     """Train a drafter for the loaded headstart ``model`` on ``prompts`` and their
     ``continuations`` (what :func:`batched_continuations` returns; None and one-token ones are
     left out) as ``recipe`` says and write it to ``out``: the second half of
     :func:`train_drafter_for`, apart so that one set of continuations can train several
-    geometries. Returns counts, the geometry, the loss at the start and end and ``seconds``
-    {"training"}."""
-    from training.drafter import save_drafter_checkpoint, train_drafter
+    geometries. ``init``: a drafter checkpoint of the recipe's geometry to go on training
+    (a new warm-up and schedule) instead of random weights. Returns counts, the geometry, the
+    loss at the start and end and ``seconds`` {"training"}."""
+    from training.drafter import TrainableDrafter, save_drafter_checkpoint, train_drafter
 
     # A block needs an anchor and a target; None: not finished in the generation time.
     keep = [i for i, c in enumerate(continuations) if c is not None and len(c) >= 2]
@@ -489,6 +491,15 @@ def fit_drafter(
         taps=r.taps,
         intermediate=r.intermediate,
     )
+    start = None
+    if init is not None:
+        mc = model.cfg
+        start = TrainableDrafter.from_checkpoint(
+            init, mc.num_hidden_layers, mc.hidden_size, mc.vocab_size
+        )
+        got = (start.cfg.num_layers, start.cfg.block_size, tuple(start.cfg.target_layer_ids))
+        if got != (cfg.num_layers, cfg.block_size, tuple(cfg.target_layer_ids)):
+            raise ValueError(f"{init}: layers, block and taps {got} are not the recipe's")
     pad = eos_token_ids[0] if eos_token_ids else 0
     history: list[float] = []
     t2 = time.perf_counter()
@@ -505,6 +516,7 @@ def fit_drafter(
         device=model.device,
         dtype=amp,
         seed=r.seed,
+        init=start,
         history=history,
         log=log,
     )

@@ -54,6 +54,11 @@ def _run(args: argparse.Namespace) -> int:
         top_p=args.top_p if args.top_p is not None else defaults.get("top_p", 1.0),
         top_k=args.top_k if args.top_k is not None else int(defaults.get("top_k", 0)),
         min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty
+        if args.repetition_penalty is not None
+        else defaults.get("repetition_penalty", 1.0),
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
@@ -163,6 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--top-p", type=float, default=None)
     run.add_argument("--top-k", type=int, default=None)
     run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="divide the logits of tokens seen already (default: the model's generation_config)",
+    )
+    run.add_argument("--frequency-penalty", type=float, default=0.0)
+    run.add_argument("--presence-penalty", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")

@@ -14,6 +14,7 @@ import torch
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.output import Finish, OutputStream, Piece
 from headstart.models.contract import CausalLM
+from headstart.penalties import TokenHistory
 from headstart.sampling import Sampler, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
 
@@ -43,6 +44,9 @@ def generate(
     max_tokens = min(params.max_tokens or room, room)
     pool = model.new_state_pool(num_slots=1, max_tokens=len(prompt_ids) + max_tokens)
     sampler, rng = Sampler(), make_generator(params.seed)
+    history = (
+        TokenHistory(prompt_ids, model.cfg.vocab_size, model.device) if params.penalized else None
+    )
     out = OutputStream(tokenizer, params, eos_token_ids, max_tokens)
 
     for begin in range(0, len(prompt_ids), PREFILL_CHUNK):
@@ -55,8 +59,10 @@ def generate(
     while True:
         # Rows past the tokenizer's vocabulary are padding of the embedding table.
         logits[:, tokenizer.vocab_size :] = float("-inf")
-        result = sampler.sample(logits, [params], [rng])
+        result = sampler.sample(logits, [params], [rng], [history])
         token = result.token_ids[0]
+        if history is not None:
+            history.add(token)
         piece, finish = out.add(
             token,
             result.logprobs[0] if result.logprobs else None,

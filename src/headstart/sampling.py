@@ -7,10 +7,11 @@ per row (greedy rows take the argmax and draw nothing). Each row's randomness co
 from that row's own ``torch.Generator``, so a seeded request yields the same tokens
 whatever other requests share its batch. The sampler also reports log-probabilities
 under the *raw* model distribution (``log_softmax`` of the unmodified logits, vLLM's
-default). Non-goals: stop handling (``stops.py`` and the engine; ``max_tokens``, ``stop``,
-``stop_token_ids`` and ``ignore_eos`` are only carried and validated here), penalties
-(repetition/presence/frequency), logit bias, constrained decoding, beam search and
-speculative decoding.
+default). Repetition, frequency and presence penalties come first, on the raw logits, from
+each row's :class:`~headstart.penalties.TokenHistory` (``penalties.py``). Non-goals: stop
+handling (``stops.py`` and the engine; ``max_tokens``, ``stop``, ``stop_token_ids`` and
+``ignore_eos`` are only carried and validated here), logit bias, constrained decoding, beam
+search and speculative decoding.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from headstart.penalties import TokenHistory, apply_penalties
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -83,7 +86,9 @@ class SamplingParams:
     ``top_p == 1`` disables top-p and ``min_p == 0`` disables min-p. ``seed`` seeds the
     request's own generator (see :func:`make_generator`); ``None`` means unseeded.
     ``logprobs`` is the number of top alternatives to report per token (0..20); ``None``
-    means no logprobs at all, 0 means only the chosen token's logprob. ``stop`` and
+    means no logprobs at all, 0 means only the chosen token's logprob.
+    ``repetition_penalty`` (> 0, 1 = off), ``frequency_penalty`` and ``presence_penalty``
+    (each in [-2, 2], 0 = off) follow vLLM (``penalties.py``). ``stop`` and
     ``stop_token_ids`` accept any sequence (a bare string counts as one stop string) and
     are stored as tuples. Any invalid value raises ``ValueError`` naming the parameter.
     """
@@ -98,6 +103,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are written back with object.__setattr__.
@@ -164,11 +172,30 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
             put("logprobs", logprobs)
 
+        repetition = _as_real("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        put("repetition_penalty", repetition)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _as_real(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            put(name, value)
+
     @property
     def greedy(self) -> bool:
         """True when the request decodes by argmax and so consumes no randomness
         (temperature below :data:`SAMPLING_EPS`, or ``top_k == 1``)."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty is on: the row's draws depend on what it has said."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 def derived_seed(seed: int, index: int) -> int:
@@ -323,7 +350,11 @@ def _processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     )
 
 
-def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> torch.Tensor:
     """The distribution :meth:`Sampler.sample` draws each row from, as float32 ``[B, V]``.
 
     Greedy rows are one-hot at their argmax (lowest id among ties). Meant for tests,
@@ -332,6 +363,8 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     if logits.dim() != 2 or len(params) != logits.shape[0]:
         raise ValueError("sampling_probs needs [B, V] logits and B params")
     logits = logits.float()
+    if histories is not None:
+        logits = apply_penalties(logits, params, histories)
     out = torch.zeros_like(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -385,14 +418,16 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SampleResult:
         """Sample one token per row.
 
         ``logits`` is ``[B, V]`` in any float dtype (upcast to float32 internally);
-        ``params[i]`` and ``generators[i]`` belong to row i. A generator may live on a
-        different device from the logits (its noise is then copied over); ``None`` draws
-        from torch's global RNG for the logits' device. Rows whose logits are all -inf
-        or contain NaN are the caller's bug and give an unspecified token.
+        ``params[i]``, ``generators[i]`` and ``histories[i]`` belong to row i. A generator
+        may live on a different device from the logits (its noise is then copied over);
+        ``None`` draws from torch's global RNG for the logits' device. A row's penalties
+        apply only with its history (None: the row has said nothing). Rows whose logits are
+        all -inf or contain NaN are the caller's bug and give an unspecified token.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -401,7 +436,10 @@ class Sampler:
             raise ValueError(
                 f"got {batch} logit rows, {len(params)} params and {len(generators)} generators"
             )
-        logits = logits.float()
+        if histories is not None and len(histories) != batch:
+            raise ValueError(f"got {batch} logit rows and {len(histories)} histories")
+        raw = logits.float()  # logprobs are reported under the raw distribution
+        logits = raw if histories is None else apply_penalties(raw, params, histories)
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == batch:
@@ -422,7 +460,7 @@ class Sampler:
 
         result = SampleResult(token_ids=token_ids.tolist(), token_ids_tensor=token_ids)
         if any(p.logprobs is not None for p in params):
-            raw = torch.log_softmax(logits, dim=-1)
+            raw = torch.log_softmax(raw, dim=-1)
             result.logprobs = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
             result.top_logprobs = _top_logprobs(raw, params)
         return result

@@ -38,6 +38,7 @@ from headstart.engine.spec.proposal import STATS, Speculator
 from headstart.engine.spec.verification import Draft
 from headstart.engine.step_log import StepClock
 from headstart.models.contract import CausalLM
+from headstart.penalties import TokenHistory
 from headstart.sampling import Sampler, SampleResult, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
 
@@ -190,7 +191,12 @@ class Engine:
             features = (
                 FeatureQueue(self.spec.window) if self.spec is not None and req.draft else None
             )
-            live = Live(req, seq, out, make_generator(req.params.seed), features)
+            history = (
+                TokenHistory(req.prompt_ids, self.model.cfg.vocab_size, self.model.device)
+                if req.params.penalized
+                else None
+            )
+            live = Live(req, seq, out, make_generator(req.params.seed), features, history)
             # Admission is bounded by the inbox (Inbox.submit); here the queue always has room.
             self.scheduler.add(seq)
         except Exception as e:  # this request cannot start; the others are unaffected
@@ -302,7 +308,9 @@ class Engine:
         accepted rows to the slot's state and queue their features for the drafter."""
         assert self.spec is not None
         logits[:, self.tokenizer.vocab_size :] = float("-inf")
-        verdict, path = self.spec.judge(logits, draft, live.req.params, live.rng, self.sampler)
+        verdict, path = self.spec.judge(
+            logits, draft, live.req.params, live.rng, self.sampler, live.history
+        )
         # The path's rows (anchor + accepted drafts) are committed, the others undone, before
         # any token is delivered: a request that ends on one of them leaves a settled slot.
         self.runner.commit(live.seq.slot, path)
@@ -321,22 +329,35 @@ class Engine:
         and at a full batch: a GPU loads a kernel's code on its first launch, which the first
         burst of requests paid (the warm-up's forwards sample nothing)."""
         every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, logprobs=2)
+        penalized = SamplingParams(
+            temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1
+        )
+        history = TokenHistory((0,), row.shape[-1], row.device)
+        history.add(0)
         for n in sorted({1, self.num_slots}):
-            for params in (SamplingParams(temperature=0.0), every, replace(every, seed=0)):
+            kinds = (SamplingParams(temperature=0.0), every, replace(every, seed=0), penalized)
+            for params in kinds:
                 rngs = [make_generator(params.seed) for _ in range(n)]
-                self._draw(row.expand(n, -1).clone(), [params] * n, rngs)
+                said = [history if params.penalized else None] * n
+                self._draw(row.expand(n, -1).clone(), [params] * n, rngs, said)
 
     def _draw(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         rngs: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory | None],
     ) -> list[Drawn]:
         logits[:, self.tokenizer.vocab_size :] = float("-inf")  # embedding-table padding rows
-        return draw_rows(self.sampler, logits, params, rngs)
+        return draw_rows(self.sampler, logits, params, rngs, histories)
 
     def _sample_and_deliver(self, lives: list[Live], logits: torch.Tensor) -> None:
-        drawn = self._draw(logits, [lv.req.params for lv in lives], [lv.rng for lv in lives])
+        drawn = self._draw(
+            logits,
+            [lv.req.params for lv in lives],
+            [lv.rng for lv in lives],
+            [lv.history for lv in lives],
+        )
         for live, d in zip(lives, drawn, strict=True):  # failed rows first, as they were drawn
             if isinstance(d, Exception):
                 self._fail(live, d)
@@ -356,6 +377,8 @@ class Engine:
     ) -> bool:
         """Deliver one generated token; False when that ended the request (a stop, the length
         limit, or a broken sink)."""
+        if live.history is not None:
+            live.history.add(token)
         piece, finish = live.out.add(token, logprob, top)
         if piece is not None and not self._deliver(live, piece):
             return False

@@ -12,6 +12,7 @@ from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.scheduler import Work
 from headstart.engine.spec.features import FeatureQueue
 from headstart.engine.spec.proposal import DraftJob
+from headstart.penalties import TokenHistory
 from headstart.sampling import SamplingParams
 
 
@@ -31,13 +32,15 @@ class EngineRequest:
 @dataclass
 class Live:
     """A request from submission to its final event: its scheduler sequence, its output
-    stream, its generator (None: unseeded) and, when it drafts, its queue of features."""
+    stream, its generator (None: unseeded), when it drafts its queue of features, and when
+    its parameters penalise repeats the tokens it has seen (every emitted token is added)."""
 
     req: EngineRequest
     seq: Seq
     out: OutputStream
     rng: torch.Generator | None
     features: FeatureQueue | None = None  # set when this stream drafts
+    history: TokenHistory | None = None  # set when the request has a penalty
 
     def draft_job(self, w: Work, context: int) -> DraftJob | None:
         """A draft round for this step's work ``w`` when the stream drafts and ``w`` is its

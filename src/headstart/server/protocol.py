@@ -8,8 +8,8 @@ chunks, SSE framing, logprobs). Every problem with a request becomes an :class:`
 carrying the HTTP status and the OpenAI error body (naming the offending field in ``param``),
 never an unhandled exception. Unknown request fields are ignored, as OpenAI-compatible servers
 do. Non-goals: HTTP routing, auth, streaming control flow and scheduling (the app's job),
-tool-call parsing of model output, penalties / ``logit_bias`` / ``response_format`` (accepted
-as unknown fields and ignored), multimodal content, and ``echo`` (rejected).
+tool-call parsing of model output, ``logit_bias`` / ``response_format`` (accepted as unknown
+fields and ignored), multimodal content, and ``echo`` (rejected).
 """
 
 from __future__ import annotations
@@ -175,6 +175,8 @@ _Temperature = Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)]
 _TopP = Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)]
 _MinP = Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)]
 _TopK = Annotated[StrictInt, Field(ge=-1)]
+_Penalty = Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)]
+_RepetitionPenalty = Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)]
 _MaxTokens = Annotated[StrictInt, Field(ge=1)]
 _N = Annotated[StrictInt, Field(ge=1, le=MAX_N)]
 _NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
@@ -226,6 +228,10 @@ class _CommonRequest(_Lenient):
     top_p: _TopP | None = None
     top_k: _TopK | None = None
     min_p: _MinP | None = None
+    # OpenAI's two penalties and vLLM's repetition_penalty (penalties.py has the rules).
+    frequency_penalty: _Penalty | None = None
+    presence_penalty: _Penalty | None = None
+    repetition_penalty: _RepetitionPenalty | None = None
     seed: StrictInt | None = None
     # The wire accepts a string or a list; the before-validator normalises to a list (and
     # keeps pydantic's union branch names out of error locations).
@@ -557,8 +563,24 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
 
 # ---------------------------------------------------------------------- sampling params
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
-_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+_NEUTRAL = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
 
 
 def sampling_params(
@@ -570,8 +592,9 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's :class:`SamplingParams`.
 
-    For temperature/top_p/top_k/min_p the request's value wins, then ``defaults`` (the
-    checkpoint's generation_config), then the neutral value (no filtering, temperature 1).
+    For temperature, top_p, top_k, min_p and the penalties the request's value wins, then
+    ``defaults`` (the checkpoint's generation_config), then the neutral value (no filtering,
+    temperature 1, no penalty).
     ``max_new_tokens`` is the most this request may generate (server cap and room left in
     the context): it is the limit when the request sets none, and a request asking for more
     gets a 400 naming ``max_tokens`` (or ``max_completion_tokens``), as OpenAI and vLLM do.

@@ -24,6 +24,7 @@ from headstart.engine.spec.features import FeatureQueue
 from headstart.engine.spec.planner import SpecPlanner
 from headstart.engine.spec.verification import Draft, Verdict, build_tree, verify, verify_tree
 from headstart.models.contract import CausalLM
+from headstart.penalties import TokenHistory
 from headstart.sampling import Sampler, SamplingParams
 
 K = TypeVar("K")
@@ -187,14 +188,16 @@ class Speculator:
         params: SamplingParams,
         rng: torch.Generator | None,
         sampler: Sampler,
+        history: TokenHistory | None = None,
     ) -> tuple[Verdict, list[int]]:
         """The verdict on a verified window (``logits``: its rows, masked) and the accepted
-        path as window rows (0, the anchor, first); counted in :attr:`stats` and the planner."""
+        path as window rows (0, the anchor, first); counted in :attr:`stats` and the planner.
+        ``history``: the request's tokens so far, for its penalties."""
         if draft.parents is None:
-            verdict = verify(logits, list(draft.tokens), params, rng, sampler)
+            verdict = verify(logits, list(draft.tokens), params, rng, sampler, history)
             path = list(range(len(verdict.tokens)))
         else:
-            verdict, path = verify_tree(logits, draft, params, rng, sampler)
+            verdict, path = verify_tree(logits, draft, params, rng, sampler, history)
         self.observe(draft, verdict)
         return verdict, path
 

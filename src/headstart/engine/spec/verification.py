@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headstart.penalties import TokenHistory
 from headstart.sampling import Sampler, SamplingParams
 
 
@@ -37,11 +38,14 @@ def verify(
     params: SamplingParams,
     rng: torch.Generator | None,
     sampler: Sampler,
+    history: TokenHistory | None = None,
 ) -> Verdict:
-    """``logits``: ``[b, V]`` for the window rows (masked already); ``drafts``: ``d_1..d_{b-1}``."""
+    """``logits``: ``[b, V]`` for the window rows (masked already); ``drafts``: ``d_1..d_{b-1}``;
+    ``history``: what the request has said before the window, when its penalties need it."""
     assert logits.shape[0] == len(drafts) + 1
     want_lp = params.logprobs is not None
-    if params.greedy:
+    penalized = params.penalized and history is not None
+    if params.greedy and not penalized:
         result = sampler.sample(logits, [params] * logits.shape[0], [None] * logits.shape[0])
         ys = result.token_ids
         a = 0
@@ -55,9 +59,13 @@ def verify(
         )
     # Sampling: one row at a time, so the request's generator is consumed exactly as far as the
     # round goes (draws for rows after a rejection would change nothing but waste randomness).
+    # With penalties, row i is judged as plain decoding would judge it: after y_0 .. y_{i-1}.
+    said = history.fork() if penalized else None
     tokens, lps, tops = [], [], []
     for i in range(logits.shape[0]):
-        r = sampler.sample(logits[i : i + 1], [params], [rng])
+        r = sampler.sample(logits[i : i + 1], [params], [None if params.greedy else rng], [said])
+        if said is not None:
+            said.add(r.token_ids[0])
         tokens.append(r.token_ids[0])
         lps.append(r.logprobs[0] if want_lp and r.logprobs else None)
         tops.append(r.top_logprobs[0] if want_lp and r.top_logprobs else None)
@@ -130,20 +138,27 @@ def verify_tree(
     params: SamplingParams,
     rng: torch.Generator | None,
     sampler: Sampler,
+    history: TokenHistory | None = None,
 ) -> tuple[Verdict, list[int]]:
     """Walk the tree from the anchor: at each row the target picks its token (argmax, or a
-    sample of its distribution); the walk moves to the child holding that token, else stops.
-    Returns the verdict and the accepted path as window rows (starting with 0)."""
+    sample of its distribution, penalised by ``history`` and the walk so far); the walk moves
+    to the child holding that token, else stops. Returns the verdict and the accepted path as
+    window rows (starting with 0)."""
     assert draft.parents is not None
     children: dict[int, dict[int, int]] = {}
     for i, (tok, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
         children.setdefault(parent, {}).setdefault(tok, i + 1)
     want_lp = params.logprobs is not None
+    said = history.fork() if params.penalized and history is not None else None
     path, tokens, lps, tops = [0], [], [], []
     while True:
         row = path[-1]
-        r = sampler.sample(logits[row : row + 1], [params], [None if params.greedy else rng])
+        r = sampler.sample(
+            logits[row : row + 1], [params], [None if params.greedy else rng], [said]
+        )
         tok = r.token_ids[0]
+        if said is not None:
+            said.add(tok)
         tokens.append(tok)
         lps.append(r.logprobs[0] if want_lp and r.logprobs else None)
         tops.append(r.top_logprobs[0] if want_lp and r.top_logprobs else None)
