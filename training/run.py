@@ -124,12 +124,15 @@ def headstart_perplexity(model_dir: Path, rows: torch.Tensor, device: str) -> fl
 
 
 def samples(model_dir: Path, device: str, max_tokens: int = 48) -> dict[str, str]:
-    """Greedy raw completions of :data:`SAMPLE_PROMPTS` (no chat template)."""
+    """Greedy raw completions of :data:`SAMPLE_PROMPTS` (no chat template), with the folder's
+    repetition_penalty, as ``headstart run --raw --temperature 0`` decodes them."""
     from headstart.generate import Finish, Piece, generate
     from headstart.loading import load
     from headstart.sampling import SamplingParams
 
     loaded = load(str(model_dir), device)
+    penalty = dict(loaded.model.cfg.generation_defaults).get("repetition_penalty", 1.0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=penalty)
     out = {}
     for prompt in SAMPLE_PROMPTS:
         ids = loaded.tokenizer.encode(prompt)
@@ -138,7 +141,7 @@ def samples(model_dir: Path, device: str, max_tokens: int = 48) -> dict[str, str
             loaded.model,
             loaded.tokenizer,
             ids,
-            SamplingParams(temperature=0, max_tokens=max_tokens),
+            params,
             loaded.eos_token_ids,
         ):
             if isinstance(ev, (Piece, Finish)):
