@@ -154,6 +154,11 @@ def _prefilled(model: Qwen35Model, slots: int, max_tokens: int = 64):
     return pool, lengths
 
 
+# The drafter's target layers a program returns features of (the 4-bit model's programs are
+# shared with the engine test below through inductor's cache, so they tap nothing).
+TAPS = {"q4_tied": (), "f32_untied": (0, 2)}
+
+
 @pytest.mark.parametrize("ckpt", ["q4_tied", "f32_untied"])
 def test_compiled_decode_equals_the_eager_forward(ckpt, request):
     """A 4-bit tied model and an unquantized one with its own head: a step of 1 and of 2
@@ -163,7 +168,8 @@ def test_compiled_decode_equals_the_eager_forward(ckpt, request):
     is ready (the runner then steps eagerly)."""
     model = Qwen35Model.load(request.getfixturevalue(ckpt))
     pool, lengths = _prefilled(model, 3)
-    progs = DecodePrograms(model, pool, 2, scratch_slot=3, widths=())
+    taps = TAPS[ckpt]
+    progs = DecodePrograms(model, pool, 2, scratch_slot=3, widths=(), taps=taps)
     assert sorted(progs.ready) == [1, 2]
     start = {k: t.clone() for k, t in pool.tensors.items()}
     cases = [([0], [lengths[0]]), ([1, 2], [lengths[1], 0]), ([2], [lengths[2]])]
@@ -174,13 +180,18 @@ def test_compiled_decode_equals_the_eager_forward(ckpt, request):
         for k, t in pool.tensors.items():
             t.copy_(start[k])
         chunks = [SeqChunk(s, p, (t,)) for s, p, t in zip(slots, positions, tokens, strict=True)]
-        want = model.forward(ForwardBatch.build(chunks), pool)
+        ref = model.forward_ex(ForwardBatch.build(chunks), pool, taps)
+        want = ref.logits
         after = {k: t[:, :3].clone() for k, t in pool.tensors.items()}
         for k, t in pool.tensors.items():
             t.copy_(start[k])
         got = progs.run(tokens, positions, slots)
         assert got is not None and got.logits.shape == want.shape
         assert rel_err(got.logits, want) < 1e-5, case
+        if taps:  # the drafter's features of the rows, as the eager forward gives them
+            assert got.taps.shape == ref.taps.shape and rel_err(got.taps, ref.taps) < 1e-5
+        else:
+            assert got.taps is None
         for k, t in pool.tensors.items():
             assert rel_err(t[:, :3], after[k]) < 1e-5, (case, k)
     progs.ready.clear()
@@ -196,7 +207,8 @@ def test_compiled_windows_equal_the_eager_forward(ckpt, request):
     chunk whose padding would pass the slot's rows gets no window."""
     model = Qwen35Model.load(request.getfixturevalue(ckpt))
     pool, lengths = _prefilled(model, 2)
-    progs = DecodePrograms(model, pool, 1, scratch_slot=2, widths=(4, 8))
+    taps = TAPS[ckpt]
+    progs = DecodePrograms(model, pool, 1, scratch_slot=2, widths=(4, 8), taps=taps)
     assert progs.complete and sorted(progs.windows) == [4, 8]
     start = {k: t.clone() for k, t in pool.tensors.items()}
     per_token = {g.name for g in pool.groups if g.per_token}
@@ -205,7 +217,8 @@ def test_compiled_windows_equal_the_eager_forward(ckpt, request):
         tokens = tuple(range(20 + n, 20 + 2 * n))
         for k, t in pool.tensors.items():
             t.copy_(start[k])
-        want = model.forward(ForwardBatch.build([SeqChunk(slot, at, tokens, 1)]), pool)
+        ref = model.forward_ex(ForwardBatch.build([SeqChunk(slot, at, tokens, 1)]), pool, taps)
+        want = ref.logits
         after = {k: t[:, slot].clone() for k, t in pool.tensors.items()}
         for k, t in pool.tensors.items():
             t.copy_(start[k])
@@ -213,6 +226,9 @@ def test_compiled_windows_equal_the_eager_forward(ckpt, request):
         case = (slot, at, n)
         assert got is not None and got.logits.shape == want.shape == (1, model.cfg.vocab_size)
         assert rel_err(got.logits, want) < 1e-5, case
+        if taps:  # every row of the chunk, none of its padding
+            assert got.taps.shape == ref.taps.shape == (n, len(taps) * model.cfg.hidden_size)
+            assert rel_err(got.taps, ref.taps) < 1e-5, case
         for k, t in pool.tensors.items():
             mine, ref = t[:, slot], after[k]
             if k in per_token:  # the chunk's rows (padding wrote past them)
@@ -317,3 +333,46 @@ def test_cpu_decode_attention_matches_the_reference(path, hd, monkeypatch):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(keys.nan_to_num(), want_keys.nan_to_num())
     assert torch.equal(values.nan_to_num(), want_values.nan_to_num())
+
+
+def test_a_drafting_engine_steps_from_compiled_programs(f32_untied, tmp_path, engines):
+    """With a drafter the compiled programs return the tapped features too, so a drafting
+    stream's plain steps and prompt chunks run compiled (before, any step that wanted taps ran
+    eagerly); greedy tokens with drafts equal those without, compiled or eager."""
+    from transformers import Qwen3_5TextConfig
+
+    from headstart.engine.config import SpecConfig
+    from headstart.engine.spec.drafter import DFlashDrafter
+
+    model = Qwen35Model.load(f32_untied)
+    shape = Qwen3_5TextConfig.from_pretrained(f32_untied)
+    drafter_dir = tiny.save_drafter(tmp_path / "d", shape, taps=[0, 2], block=4)
+    tokenizer = tiny.small_tokenizer(model.cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[3, 9, 27, 8, 1], [5, 6, 7]]
+
+    def tokens(compiled: bool, drafter: bool) -> list[list[int]]:
+        config = EngineConfig(
+            1, 48, cpu_programs=compiled, spec=SpecConfig(mode="chain" if drafter else "auto")
+        )
+        d = DFlashDrafter.load(drafter_dir, model) if drafter else None
+        engine = engines(model, tokenizer, (), config, drafter=d)
+        programs = engine.runner.cpu_programs
+        if compiled:
+            assert programs is not None and programs.taps == ((0, 2) if drafter else ())
+            ran = []
+            run, run_window = programs.run, programs.run_window
+            programs.run = lambda *a: ran.append("decode") or run(*a)
+            programs.run_window = lambda *a: ran.append("window") or run_window(*a)
+        out = []
+        for i, ids in enumerate(prompts):
+            c = Collector()
+            engine.submit(EngineRequest(f"r{i}", ids, params, 10, c))
+            assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+            out.append([e.token_id for e in c.events if isinstance(e, Piece)])
+        if compiled and drafter:
+            assert "window" in ran and engine.stats()["spec_rounds"] > 0
+        return out
+
+    plain = tokens(False, False)
+    assert tokens(True, True) == tokens(False, True) == plain

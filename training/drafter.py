@@ -764,6 +764,7 @@ def evaluate_acceptance(
     dtype: torch.dtype = torch.float32,
     spec_mode: str = "chain",
     strict: bool = True,
+    cpu_programs: bool = False,
 ) -> dict:
     """Greedy decode of ``prompts`` with and without the drafter through headstart's Engine.
 
@@ -772,7 +773,8 @@ def evaluate_acceptance(
     (plain_s / spec_s), ``mismatches`` (prompts whose outputs differ). Greedy speculative
     decoding is exact, so with ``strict`` any mismatch raises AssertionError; in bf16 near-tie
     argmaxes may legitimately flip (dflash.md 2.4), hence the switch. Generation ignores EOS so
-    both runs produce exactly ``max_tokens`` per prompt."""
+    both runs produce exactly ``max_tokens`` per prompt. ``cpu_programs``: both engines step
+    from compiled CPU programs, as ``serve`` does on a CPU once they are cached."""
     from headstart.engine.config import EngineConfig, SpecConfig
     from headstart.engine.engine import Engine
     from headstart.engine.spec.drafter import DFlashDrafter
@@ -790,7 +792,8 @@ def evaluate_acceptance(
 
     def make(d: DFlashDrafter | None) -> Engine:
         spec = SpecConfig(draft_block=block, mode=spec_mode)  # used only with a drafter
-        e = Engine(target, tok, (), EngineConfig(1, context, spec=spec), drafter=d)
+        config = EngineConfig(1, context, spec=spec, cpu_programs=cpu_programs)
+        e = Engine(target, tok, (), config, drafter=d)
         e.start()
         return e
 

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--code-max-tokens", type=int, default=256)
     ap.add_argument("--no-code", action="store_true", help="skip the chat-code evaluation")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--cpu-programs", action="store_true", help="decode from compiled CPU programs, as serve"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=dtype,
                 strict=args.device == "cpu",
                 spec_mode=mode,
+                cpu_programs=args.cpu_programs,
             )
     report["seconds"] = time.perf_counter() - t0
     print(json.dumps(report, indent=1))

@@ -76,7 +76,9 @@ def offered(model: CausalLM) -> bool:
 class DecodePrograms:
     """Compiled decode steps of ``model`` over ``pool``, one per stream bucket, then one-stream
     windows (:data:`WINDOW_WIDTHS`), all compiled when it is made (see the module docstring);
-    a program that fails to compile and those after it stay eager."""
+    a program that fails to compile and those after it stay eager. With ``taps`` (a drafter's
+    target layers) every program also returns its rows' tapped features, so that a drafting
+    stream's steps run compiled too."""
 
     def __init__(
         self,
@@ -85,13 +87,15 @@ class DecodePrograms:
         max_streams: int,
         scratch_slot: int,
         widths: Sequence[int] = WINDOW_WIDTHS,
+        taps: Sequence[int] = (),
     ) -> None:
         from headstart.ops import native
 
         native.load()  # the traced step's operators without Python, when they build here
         self.model, self.pool, self.scratch = model, pool, scratch_slot
+        self.taps = tuple(taps)
         self.fixed = [g.name for g in pool.groups if not g.per_token]
-        self.step, self.weights = model.decode_program()
+        self.step, self.weights = model.decode_program(taps=self.taps)
         self.ready: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {}
         self.windows: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {}
         shapes = [(b, 1) for b in buckets_for(max_streams)]
@@ -138,7 +142,7 @@ class DecodePrograms:
         # here (2 cores), not faster.
         inductor_config.compile_threads = 1
         inputs = self._inputs(n, width)
-        step = self.step if width == 1 else self.model.decode_program(width)[0]
+        step = self.step if width == 1 else self.model.decode_program(width, self.taps)[0]
         # Fake tensors: tracing computes nothing and writes nothing into the pool.
         traced = make_fx(step, tracing_mode="fake")(*inputs)
         # A tracing context with a shape environment, as Dynamo would give: inductor's graph
@@ -165,8 +169,8 @@ class DecodePrograms:
         sl = torch.tensor([*slots, *(self.scratch,) * pad], dtype=torch.int64)
         ones = torch.ones(b, dtype=torch.int64)
         out = self.ready[b](ids, pos, sl, pos == 0, ones, *self._groups(), *self.weights)
-        self._write_back(sl, out[1:])
-        return ForwardOutput(out[0][:n], None, {})
+        self._write_back(sl, out[1 : 1 + len(self.fixed)])
+        return ForwardOutput(out[0][:n], out[-1][:n] if self.taps else None, {})
 
     def width(self, tokens: int) -> int | None:
         """The narrowest compiled window of at least ``tokens`` rows (None: none yet)."""
@@ -185,8 +189,8 @@ class DecodePrograms:
         fresh = torch.tensor([start == 0])
         lengths = torch.tensor([len(tokens)], dtype=torch.int64)
         out = self.windows[w](ids, pos, sl, fresh, lengths, *self._groups(), *self.weights)
-        self._write_back(sl[:1], out[1:])
-        return ForwardOutput(out[0], None, {})
+        self._write_back(sl[:1], out[1 : 1 + len(self.fixed)])
+        return ForwardOutput(out[0], out[-1][: len(tokens)] if self.taps else None, {})
 
     def _write_back(self, slots: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
         for name, new in zip(self.fixed, rows, strict=True):
@@ -219,8 +223,9 @@ def marker(key: str) -> Path:
 
 def cache_key(load_args: dict[str, str], slots: int, context: int) -> str:
     """What a model's compiled steps depend on: how it was loaded (``load_args``: the model's
-    folder and loading options, as :func:`warm_in_background` passes them on), its config,
-    the pool's shape, torch and the sources above."""
+    folder and loading options, and ``taps``, the drafter's target layers, as
+    :func:`warm_in_background` passes them on), its config, the pool's shape, torch and the
+    sources above."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(json.dumps([load_args, slots, context, torch.__version__]).encode())
     h.update((Path(load_args["model"]) / "config.json").read_bytes())

@@ -181,7 +181,7 @@ class ModelRunner:
         if self.compiled:
             with _phase("CPU decode steps compiled"):
                 self.cpu_programs = DecodePrograms(
-                    self.model, self.pool, self.num_slots, self.scratch
+                    self.model, self.pool, self.num_slots, self.scratch, taps=self.taps
                 )
         if self.spec is not None and self.spec.block >= 2:
             features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
@@ -308,9 +308,8 @@ class ModelRunner:
         if self.threads is not None:
             self._size_threads(chunks)
         plan = self._graph_plan(chunks)
-        compiled = None
-        if not step.taps or not self.taps:
-            compiled = self._compiled_decode(chunks) or self._compiled_window(chunks)
+        # The programs return the taps too when the engine has a drafter (compiled with them).
+        compiled = self._compiled_decode(chunks) or self._compiled_window(chunks)
         if compiled is not None:
             out = compiled
         elif plan is not None:

@@ -643,7 +643,11 @@ def _size_threads(args: argparse.Namespace) -> ThreadConfig | None:
 
 
 def _cpu_programs(
-    args: argparse.Namespace, loaded: LoadedModel, parallel: int, context: int
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    parallel: int,
+    context: int,
+    taps: tuple[int, ...] = (),
 ) -> tuple[bool, subprocess.Popen | None]:
     """Whether to compile the CPU decode steps at start-up (engine/cpu_programs.py): when
     they were compiled here before (seconds from inductor's cache). Else, the first time, the
@@ -660,6 +664,7 @@ def _cpu_programs(
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "kernels": args.kernels,
         "load-format": args.load_format,
+        "taps": ",".join(map(str, taps)),  # the drafter's: its steps return its features
     }
     key = cpu_programs.cache_key(load_args, parallel, context)
     if cpu_programs.warm(key):
@@ -786,7 +791,8 @@ def _serve_loaded(
     if budget < 1:
         raise HeadstartError("--max-batched-tokens must be >= 1")
     log.info("step budget: %d tokens", budget)
-    compile_now, warming = _cpu_programs(args, loaded, parallel, context)
+    taps = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
+    compile_now, warming = _cpu_programs(args, loaded, parallel, context, taps)
     interval = budget if args.prompt_cache_interval is None else args.prompt_cache_interval
     config = EngineConfig(
         parallel,

@@ -47,7 +47,8 @@ def decode_step(
     keys: torch.Tensor,
     values: torch.Tensor,
     width: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    taps: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, ...]:
     """``width`` rows per stream (one: a decode row), stream after stream: token ``ids[r]`` at
     ``positions[r]`` of ``slots[r]`` for row ``r``; stream ``i``'s real rows are its first
     ``lengths[i]`` (ignored at width 1), and a fresh stream (``fresh[i]``) ignores what its
@@ -55,7 +56,8 @@ def decode_step(
     (``[layers, slots, ...]``, the state groups' order). Writes the rows' keys and values;
     returns (logits of each stream's last real row [streams, vocab], the slots' new conv tails
     [linear layers, streams, C, K-1] and recurrent states [linear layers, streams, Hv, Dk,
-    Dv])."""
+    Dv]), and with ``taps`` the residual stream after each of those layers for every row,
+    concatenated ``[rows, len(taps) * hidden]``, as ``forward_ex`` gives the drafter)."""
     cfg, w = m.cfg, m.w
     eps, n = cfg.rms_norm_eps, ids.shape[0]
     streams = n // width
@@ -65,9 +67,12 @@ def decode_step(
     x = m.embed(ids)
     tails, states = [], []
     pending = None  # the last MLP's output, added with the next norm
+    tapped = []
     for i, kind in enumerate(cfg.layer_types):
         p, layer = f"layers.{i}.", m.state_index[i]
         x, h = pointwise.add_rms_norm(x, pending, w[p + "input_layernorm.weight"], eps)
+        if i - 1 in taps:
+            tapped.append(x)
         if kind == FULL:
             a = p + "self_attn."
             qkv = linear(h, w[a + "qkv_proj.weight"])
@@ -105,10 +110,13 @@ def decode_step(
         x, h = pointwise.add_rms_norm(x, h, w[p + "post_attention_layernorm.weight"], eps)
         pending = m.mlp(p + "mlp.", h)
     x = x + pending
+    if cfg.num_hidden_layers - 1 in taps:
+        tapped.append(x)
     if width > 1:  # each stream's last real row
         x = x.index_select(0, torch.arange(streams) * width + lengths - 1)
     logits = m.lm_head(pointwise.rms_norm(x, w["norm.weight"], eps))
-    return logits, torch.stack(tails), torch.stack(states)
+    out = (logits, torch.stack(tails), torch.stack(states))
+    return (*out, torch.cat(tapped, dim=-1)) if taps else out
 
 
 def _conv_window(

@@ -276,7 +276,7 @@ class Qwen35Model:
         return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None, records)
 
     def decode_program(
-        self, width: int = 1
+        self, width: int = 1, taps: tuple[int, ...] = ()
     ) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
         """The decode step as a pure function of its tensors, to trace (``decode_step.py``):
         ``(step, weights)`` where ``step(ids, positions, slots, fresh, lengths, *groups,
@@ -284,7 +284,8 @@ class Qwen35Model:
         stream's next tokens, the first ``lengths[i]`` of stream i real) over the pool's group
         tensors (``groups``, in :meth:`state_groups` order), writes the rows' keys and values,
         and returns (each stream's last logits, the new rows of each fixed-size group in
-        order: conv tails and recurrent states, ``[layers, streams, ...]``) for the caller to
+        order: conv tails and recurrent states, ``[layers, streams, ...]``, and with ``taps``
+        every row's tapped residual stream as :meth:`forward_ex` gives it) for the caller to
         write back. The weights are arguments, not constants of the trace, so a compiled step
         depends only on shapes (a compiler's cache then serves a restart)."""
         weights: list[torch.Tensor] = []
@@ -307,7 +308,9 @@ class Qwen35Model:
             w = {name: rebuild(v, {f: flat[i] for f, i in at.items()}) for name, v, at in layout}
             model.head = w.pop("head")
             model.w, model.rotary = w, Rotary(flat[rotary])
-            return decode_step(model, ids, positions, slots, fresh, lengths, *pool, width=width)
+            return decode_step(
+                model, ids, positions, slots, fresh, lengths, *pool, width=width, taps=taps
+            )
 
         return step, weights
 
