@@ -96,6 +96,18 @@ def test_sampler_penalises_greedy_rows_and_reports_raw_logprobs():
     assert int(history.output.sum()) == 0 and int(fork.output[2]) == 1
 
 
+@pytest.mark.parametrize("penalty", [1e300, 1e-300, 1e-7])
+def test_extreme_repetition_penalties_give_no_nan(penalty):
+    """Valid however large or small (> 0), and a zero logit stays a number."""
+    logits = torch.tensor([[0.0, 2.0, -3.0, 1.0]])
+    history = TokenHistory([0, 1, 2], 4, "cpu")
+    params = SamplingParams(temperature=0.8, repetition_penalty=penalty, seed=1)
+    out = apply_penalties(logits, [params], [history])
+    assert not out.isnan().any() and torch.isfinite(out).all()
+    gen = torch.Generator().manual_seed(1)
+    assert 0 <= Sampler().sample(logits, [params], [gen], [history]).token_ids[0] < 4
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

@@ -73,7 +73,9 @@ def apply_penalties(
 
     index = torch.tensor(rows, device=device)
     sub = logits.index_select(0, index)
-    r = per_row("repetition_penalty")
+    # Any r > 0 is valid (vLLM's rule), but past float32's range r would be 0 or inf, and a
+    # zero logit times inf is NaN. Beyond 1e6 either way the rule's effect is whole already.
+    r = per_row("repetition_penalty").clamp(1e-6, 1e6)
     sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     sub = sub - per_row("frequency_penalty") * counts - per_row("presence_penalty") * said
     out = logits.clone()
