@@ -62,7 +62,9 @@ def ours(tmp_path):
     return NemotronHModel.load(tmp_path, torch.float32, "cpu")
 
 
-def assert_serves_transformers_tokens(engine, ref, prompts, max_tokens: int) -> None:
+def assert_serves_transformers_tokens(
+    engine, ref, prompts, max_tokens: int, repetition_penalty: float = 1.0
+) -> None:
     """Submit every prompt at once to ``engine`` (greedy), wait for all, and check each stream's
     tokens are what transformers' ``ref`` generates for that prompt alone."""
     from engine_helpers import Collector
@@ -70,7 +72,12 @@ def assert_serves_transformers_tokens(engine, ref, prompts, max_tokens: int) -> 
     from headstart.engine.engine import EngineRequest, Finish, wait_idle
     from headstart.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        repetition_penalty=repetition_penalty,
+    )
     results = []
     for i, ids in enumerate(prompts):
         c = Collector()
@@ -81,7 +88,12 @@ def assert_serves_transformers_tokens(engine, ref, prompts, max_tokens: int) -> 
     assert wait_idle(engine)
     for ids, c in zip(prompts, results, strict=True):
         with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+            want = ref.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                repetition_penalty=repetition_penalty,
+            )
         assert c.tokens == want[0, len(ids) :].tolist()
 
 
@@ -223,6 +235,10 @@ def test_the_engine_serves_it_with_the_prompt_cache(tmp_path, engines):
     prompts.append(prompts[0] + [7, 8, 9])  # a growing prompt: a prefix hit
     assert_serves_transformers_tokens(e, ref, prompts, 10)
     assert e.stats()["cache_hits"] >= 1
+    # A repetition penalty, the exact repeat's first token from the cached logits included.
+    hits = e.stats()["cache_hits"]
+    assert_serves_transformers_tokens(e, ref, prompts, 10, repetition_penalty=1.5)
+    assert e.stats()["cache_hits"] > hits
 
 
 def test_dummy_weights_at_the_configs_shapes(tmp_path):
