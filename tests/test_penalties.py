@@ -184,3 +184,33 @@ def test_penalised_streams_in_a_batch_equal_each_alone(tiny_pair, engines):
         model, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), PROMPTS[0]
     )
     assert together[0] != plain  # the penalty did something
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row():
+    logits = torch.tensor([[3.0, 0.0, 1.0, -1.0]] * 3)
+    params = [
+        SamplingParams(temperature=0, logit_bias={3: 100}),  # forced
+        SamplingParams(temperature=0, logit_bias=[(0, -100.0), (2, 0.5)]),  # banned, nudged
+        SamplingParams(temperature=0),  # untouched
+    ]
+    assert Sampler().sample(logits, params, [None] * 3).token_ids == [3, 2, 0]
+    assert params[1].logit_bias == ((0, -100.0), (2, 0.5))
+    sampled = SamplingParams(temperature=1.0, seed=0, logit_bias={1: 100})
+    gen = torch.Generator().manual_seed(0)
+    assert Sampler().sample(logits[:1], [sampled], [gen]).token_ids == [1]
+    r = Sampler().sample(logits[:1], [replace_bias(params[0], logprobs=0)], [None])
+    assert r.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]))  # raw
+
+
+def replace_bias(p: SamplingParams, **kw) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(p, **kw)
+
+
+@pytest.mark.parametrize(
+    "bias", [{1: 101}, {-1: 1}, {1: float("inf")}, [(1, 2, 3)], dict.fromkeys(range(1025), 1)]
+)
+def test_bad_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

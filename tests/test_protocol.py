@@ -433,6 +433,21 @@ def test_penalties_from_the_request_then_the_checkpoint():
         assert err.status == 400 and err.param == field
 
 
+def test_logit_bias_keys_are_token_ids_in_the_vocabulary():
+    p = sampling_params(
+        completion(prompt="x", logit_bias={"7": -100, "3": 5}), defaults={}, max_new_tokens=5,
+        vocab_size=10,
+    )  # fmt: skip
+    assert p.logit_bias == ((3, 5.0), (7, -100.0))
+    for bad in ({"x": 1}, {"-1": 1}, {"10": 1}, {"1": 101}, {"1": "2"}):
+        err = error_of(
+            lambda b=bad: sampling_params(
+                completion(prompt="x", logit_bias=b), defaults={}, max_new_tokens=5, vocab_size=10
+            )
+        )
+        assert err.status == 400 and err.param.startswith("logit_bias"), bad
+
+
 def test_sampling_carries_request_fields():
     req = chat(
         seed=7,

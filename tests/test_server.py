@@ -195,6 +195,24 @@ def test_penalties_through_the_server_equal_the_reference_loop(client):
     assert got == want and want != [e.token_id for e in plain if isinstance(e, Piece)][:24]
 
 
+def test_logit_bias_through_the_server(client):
+    """The openai client's logit_bias: a token at +100 is every greedy token; an id outside
+    the vocabulary is a 400 naming the field."""
+    r = client.completions.create(
+        model=MODEL,
+        prompt="def f(x):",
+        max_tokens=5,
+        temperature=0,
+        logprobs=0,
+        logit_bias={"42": 100},
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    assert [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens] == [42] * 5
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias={"99999999": 1})
+    assert info.value.body["param"] == "logit_bias"
+
+
 def test_disconnects_free_slots(server):
     """Fill all slots with long streams, drop them mid-stream, then get served promptly;
     then 200 random disconnects leave no slot held and memory flat."""

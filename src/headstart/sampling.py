@@ -10,8 +10,8 @@ under the *raw* model distribution (``log_softmax`` of the unmodified logits, vL
 default). Repetition, frequency and presence penalties come first, on the raw logits, from
 each row's :class:`~headstart.penalties.TokenHistory` (``penalties.py``). Non-goals: stop
 handling (``stops.py`` and the engine; ``max_tokens``, ``stop``, ``stop_token_ids`` and
-``ignore_eos`` are only carried and validated here), logit bias, constrained decoding, beam
-search and speculative decoding.
+``ignore_eos`` are only carried and validated here), constrained decoding, beam search and
+speculative decoding. A request's ``logit_bias`` is added to the raw logits before anything.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ import torch
 from headstart.penalties import TokenHistory, apply_penalties
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "SAMPLING_EPS",
     "SampleResult",
     "Sampler",
     "SamplingParams",
+    "apply_logit_bias",
     "apply_min_p",
     "apply_temperature",
     "apply_top_k",
@@ -44,6 +46,8 @@ __all__ = [
 
 #: Largest number of top logprobs a request may ask for per token (the OpenAI API's limit).
 MAX_LOGPROBS = 20
+#: Most tokens one request's ``logit_bias`` may name (a bound on its per-step work).
+MAX_LOGIT_BIAS = 1024
 
 # The range torch.Generator.manual_seed accepts (negative seeds are remapped by torch).
 _SEED_MIN = -(2**63)
@@ -88,7 +92,9 @@ class SamplingParams:
     ``logprobs`` is the number of top alternatives to report per token (0..20); ``None``
     means no logprobs at all, 0 means only the chosen token's logprob.
     ``repetition_penalty`` (> 0, 1 = off), ``frequency_penalty`` and ``presence_penalty``
-    (each in [-2, 2], 0 = off) follow vLLM (``penalties.py``). ``stop`` and
+    (each in [-2, 2], 0 = off) follow vLLM (``penalties.py``). ``logit_bias`` (a mapping or
+    pairs of token id and bias in [-100, 100], at most :data:`MAX_LOGIT_BIAS`; stored as sorted
+    pairs) is added to the raw logits first, as OpenAI's. ``stop`` and
     ``stop_token_ids`` accept any sequence (a bare string counts as one stop string) and
     are stored as tuples. Any invalid value raises ``ValueError`` naming the parameter.
     """
@@ -106,6 +112,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values are written back with object.__setattr__.
@@ -181,6 +188,25 @@ class SamplingParams:
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
             put(name, value)
+
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}"
+            )
+        checked = {}
+        for pair in pairs:
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+            token = _as_int("logit_bias", pair[0])
+            value = _as_real("logit_bias", pair[1])
+            if token < 0 or not -100 <= value <= 100:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {pair!r}"
+                )
+            checked[token] = value
+        put("logit_bias", tuple(sorted(checked.items())))
 
     @property
     def greedy(self) -> bool:
@@ -314,6 +340,29 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | Sequence[float]) -> 
     return logits.masked_fill(relative < m.unsqueeze(1), _NEG_INF)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with each row's ``logit_bias`` added (the input itself when no row has one).
+
+    Ids past the row's width are the caller's to refuse (the server checks them against the
+    vocabulary); here they raise IndexError, failing that row's draw alone."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    r = [i for i in rows for _ in params[i].logit_bias]
+    ids = [t for i in rows for t, _ in params[i].logit_bias]
+    if max(ids) >= logits.shape[-1]:
+        raise IndexError(f"logit_bias names token {max(ids)} of {logits.shape[-1]} logits")
+    values = [v for i in rows for _, v in params[i].logit_bias]
+    out = logits.clone()
+    dev = logits.device
+    out.index_put_(
+        (torch.tensor(r, device=dev), torch.tensor(ids, device=dev)),
+        torch.tensor(values, dtype=out.dtype, device=dev),
+        accumulate=True,
+    )
+    return out
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | Sequence[int] | None = None,
@@ -362,7 +411,7 @@ def sampling_probs(
     """
     if logits.dim() != 2 or len(params) != logits.shape[0]:
         raise ValueError("sampling_probs needs [B, V] logits and B params")
-    logits = logits.float()
+    logits = apply_logit_bias(logits.float(), params)
     if histories is not None:
         logits = apply_penalties(logits, params, histories)
     out = torch.zeros_like(logits)
@@ -439,7 +488,9 @@ class Sampler:
         if histories is not None and len(histories) != batch:
             raise ValueError(f"got {batch} logit rows and {len(histories)} histories")
         raw = logits.float()  # logprobs are reported under the raw distribution
-        logits = raw if histories is None else apply_penalties(raw, params, histories)
+        logits = apply_logit_bias(raw, params)
+        if histories is not None:
+            logits = apply_penalties(logits, params, histories)
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == batch:

@@ -330,7 +330,11 @@ class Engine:
         burst of requests paid (the warm-up's forwards sample nothing)."""
         every = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, logprobs=2)
         penalized = SamplingParams(
-            temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1
+            temperature=0.0,
+            repetition_penalty=1.1,
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            logit_bias=((0, 1.0),),
         )
         history = TokenHistory((0,), row.shape[-1], row.device)
         history.add(0)

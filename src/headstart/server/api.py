@@ -183,7 +183,12 @@ class _Generation:
                     param=field_name,
                     code="context_length_exceeded",
                 )
-            base = P.sampling_params(req, defaults=state.generation_defaults, max_new_tokens=limit)
+            base = P.sampling_params(
+                req,
+                defaults=state.generation_defaults,
+                max_new_tokens=limit,
+                vocab_size=state.tokenizer.vocab_size,
+            )
             for j in range(req.n):
                 params = base
                 if req.seed is not None and req.n > 1:  # distinct but reproducible choices

@@ -8,8 +8,8 @@ chunks, SSE framing, logprobs). Every problem with a request becomes an :class:`
 carrying the HTTP status and the OpenAI error body (naming the offending field in ``param``),
 never an unhandled exception. Unknown request fields are ignored, as OpenAI-compatible servers
 do. Non-goals: HTTP routing, auth, streaming control flow and scheduling (the app's job),
-tool-call parsing of model output, ``logit_bias`` / ``response_format`` (accepted as unknown
-fields and ignored), multimodal content, and ``echo`` (rejected).
+tool-call parsing of model output, ``response_format`` (accepted as an unknown field and
+ignored), multimodal content, and ``echo`` (rejected).
 """
 
 from __future__ import annotations
@@ -232,6 +232,8 @@ class _CommonRequest(_Lenient):
     frequency_penalty: _Penalty | None = None
     presence_penalty: _Penalty | None = None
     repetition_penalty: _RepetitionPenalty | None = None
+    # OpenAI's: token id (a string) -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, StrictFloat] | None = None
     seed: StrictInt | None = None
     # The wire accepts a string or a list; the before-validator normalises to a list (and
     # keeps pydantic's union branch names out of error locations).
@@ -589,6 +591,7 @@ def sampling_params(
     defaults: Mapping[str, float],
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """The request's :class:`SamplingParams`.
 
@@ -600,7 +603,8 @@ def sampling_params(
     gets a 400 naming ``max_tokens`` (or ``max_completion_tokens``), as OpenAI and vLLM do.
     ``eos_ids`` is accepted for call-site symmetry but deliberately not merged into
     ``stop_token_ids``: the engine's output stream applies EOS itself, unless ``ignore_eos``,
-    and stop_token_ids would stop even with ``ignore_eos``. Raises 400 :class:`APIError`.
+    and stop_token_ids would stop even with ``ignore_eos``. ``logit_bias`` keys must be token
+    ids below ``vocab_size`` (when given). Raises 400 :class:`APIError`.
     """
     del eos_ids  # see the docstring
     values: dict[str, Any] = {}
@@ -621,9 +625,19 @@ def sampling_params(
             param=limit_field,
             code="context_length_exceeded",
         )
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        token = int(key) if re.fullmatch(r"\s*[0-9]+\s*", key) else None
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            raise _bad(
+                f"logit_bias keys must be token ids in [0, {vocab_size or 'vocab'}), got {key!r}",
+                "logit_bias",
+            )
+        bias.append((token, value))
     try:
         return SamplingParams(
             **values,
+            logit_bias=tuple(bias),
             seed=req.seed,
             max_tokens=limit if limit is not None else max_new_tokens,
             stop=tuple(req.stop),
