@@ -53,6 +53,18 @@ def engine_for(engines, target, tokenizer, drafter=None, **parts):
     return engines(target, tokenizer, (), config, drafter=drafter)
 
 
+def drafting_engine(engines, target, tokenizer, kind: str, mode: str):
+    """A started engine with the target's random drafter (``kind`` "random") or the oracle
+    that proposes the target's own greedy continuation ("oracle"), in spec ``mode``."""
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    if kind == "oracle":
+        drafter = OracleDrafter(drafter)
+    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode))
+    if kind == "oracle":
+        drafter.engine = e
+    return e
+
+
 PROMPTS = [
     [(7 * i + 3 * j) % 150 + 5 for j in range(n)]
     for i, n in enumerate([3, 9, 17, 30, 5, 41, 12, 24])
@@ -87,12 +99,7 @@ def plain_greedy(target, tokenizer, module_engines):
 @pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
 @pytest.mark.parametrize("kind", ["random", "oracle"])
 def test_greedy_with_drafter_equals_without(target, tokenizer, engines, plain_greedy, kind, mode):
-    drafter = DFlashDrafter.load(target.drafter_dir, target)
-    if kind == "oracle":
-        drafter = OracleDrafter(drafter)
-    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode))
-    if kind == "oracle":
-        drafter.engine = e
+    e = drafting_engine(engines, target, tokenizer, kind, mode)
     assert run_all(e, GREEDY) == plain_greedy
     spec = e.stats()
     assert spec["spec_rounds"] > 0
@@ -130,12 +137,7 @@ def test_penalised_greedy_with_drafter_equals_without(target, tokenizer, engines
     would: the drafts (unpenalised proposals) change nothing in what is emitted."""
     plain = run_all(engine_for(engines, target, tokenizer), PENALISED)
     assert plain != run_all(engine_for(engines, target, tokenizer), GREEDY)
-    drafter = DFlashDrafter.load(target.drafter_dir, target)
-    if kind == "oracle":
-        drafter = OracleDrafter(drafter)
-    e = engine_for(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode))
-    if kind == "oracle":
-        drafter.engine = e
+    e = drafting_engine(engines, target, tokenizer, kind, mode)
     assert run_all(e, PENALISED) == plain
     spec = e.stats()
     assert spec["spec_rounds"] > 0

@@ -381,6 +381,19 @@ def parses(code: str) -> bool:
         return False
 
 
+def served_greedy(loaded, max_tokens: int, repetition_penalty: float | None = None):
+    """Greedy ``SamplingParams`` as ``serve`` (and ``run``) decode a request that sets only
+    ``temperature=0``: the model folder's ``repetition_penalty`` unless one is given."""
+    from headstart.sampling import SamplingParams
+
+    if repetition_penalty is None:
+        defaults = dict(loaded.model.cfg.generation_defaults)
+        repetition_penalty = defaults.get("repetition_penalty", 1.0)
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty
+    )
+
+
 def chat_answers(
     model_dir: str | Path,
     prompts: list[str],
@@ -400,7 +413,6 @@ def chat_answers(
 
     from headstart.engine.engine import Engine, EngineConfig, EngineRequest, Failed, Finish, Piece
     from headstart.loading import load
-    from headstart.sampling import SamplingParams
     from headstart.server.reasoning import prompt_opens_reasoning, split_full
 
     loaded = load(str(model_dir), device, dtype)
@@ -409,13 +421,7 @@ def chat_answers(
         tok.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True, **kwargs)
         for p in prompts
     ]
-    if repetition_penalty is None:
-        repetition_penalty = dict(loaded.model.cfg.generation_defaults).get(
-            "repetition_penalty", 1.0
-        )
-    params = SamplingParams(
-        temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty
-    )
+    params = served_greedy(loaded, max_tokens, repetition_penalty)
     context = max(len(e.ids) for e in encoded) + max_tokens + 1
     from training.selfdistill import decode_graphs_only
 

@@ -128,11 +128,10 @@ def samples(model_dir: Path, device: str, max_tokens: int = 48) -> dict[str, str
     repetition_penalty, as ``headstart run --raw --temperature 0`` decodes them."""
     from headstart.generate import Finish, Piece, generate
     from headstart.loading import load
-    from headstart.sampling import SamplingParams
+    from training.chat import served_greedy
 
     loaded = load(str(model_dir), device)
-    penalty = dict(loaded.model.cfg.generation_defaults).get("repetition_penalty", 1.0)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=penalty)
+    params = served_greedy(loaded, max_tokens)
     out = {}
     for prompt in SAMPLE_PROMPTS:
         ids = loaded.tokenizer.encode(prompt)

@@ -399,6 +399,16 @@ def _processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     )
 
 
+def _adjusted(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None] | None,
+) -> torch.Tensor:
+    """The raw float32 logits with each row's logit_bias, then its penalties (with a history)."""
+    logits = apply_logit_bias(logits, params)
+    return logits if histories is None else apply_penalties(logits, params, histories)
+
+
 def sampling_probs(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -411,9 +421,7 @@ def sampling_probs(
     """
     if logits.dim() != 2 or len(params) != logits.shape[0]:
         raise ValueError("sampling_probs needs [B, V] logits and B params")
-    logits = apply_logit_bias(logits.float(), params)
-    if histories is not None:
-        logits = apply_penalties(logits, params, histories)
+    logits = _adjusted(logits.float(), params, histories)
     out = torch.zeros_like(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -488,9 +496,7 @@ class Sampler:
         if histories is not None and len(histories) != batch:
             raise ValueError(f"got {batch} logit rows and {len(histories)} histories")
         raw = logits.float()  # logprobs are reported under the raw distribution
-        logits = apply_logit_bias(raw, params)
-        if histories is not None:
-            logits = apply_penalties(logits, params, histories)
+        logits = _adjusted(raw, params, histories)
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == batch:
