@@ -448,6 +448,71 @@ def test_draft_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path):
         assert torch.equal(got, want)
 
 
+def test_round_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path):
+    """Captured whole greedy rounds (3 streams in a bucket of 4: one padding stream on the
+    scratch slot; one stream's room cuts its round short) against the same round run eagerly
+    on copies of the same state: the same tokens, target state and drafter ring rows, twice
+    in a row (the second round starts from what the first committed)."""
+    from types import SimpleNamespace
+
+    from headstart.engine.cuda_graph import RoundGraphs
+    from headstart.engine.spec.drafter import DFlashDrafter
+    from headstart.engine.spec.round import greedy_round
+
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    drafter = DFlashDrafter.load(
+        tiny.save_drafter(
+            tmp_path / "d", tiny.causal_lm(seed=41, **SHAPE).config, taps=[0, 2], block=5
+        ),
+        model,
+    )
+    taps = drafter.cfg.target_layer_ids
+    prompts = [[(3 * i + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate([9, 20, 4])]
+    sides = []
+    for _ in range(2):
+        pool, ring = model.new_state_pool(5, 64), drafter.new_pool(5, 64)
+        for s, ids in enumerate(prompts):
+            out = model.forward_ex(
+                ForwardBatch.build([SeqChunk(s, 0, ids[:-1], 1)], model.device), pool, taps
+            )
+            drafter.add_context(ring, s, out.taps, 0)
+        spec = SimpleNamespace(spare=4, block=5, drafter=drafter, pool=ring)
+        sides.append((pool, ring, spec, model.new_window_records(4, 5)))
+    (pool, ring, spec, records), (epool, ering, _, erecords) = sides
+    graphs = RoundGraphs(model, pool, spec, records, 4, 4, taps, 512)
+    anchors = [ids[-1] for ids in prompts]
+    starts = [len(ids) - 1 for ids in prompts]
+    rooms = [5, 2, 5]
+    t = lambda v: torch.tensor(v, device="cuda")  # noqa: E731
+    ids = torch.zeros(20, dtype=torch.int64, device="cuda")
+    for _ in range(2):
+        got = graphs.run([0, 1, 2], anchors, starts, rooms)
+        want = greedy_round(
+            model,
+            epool,
+            drafter,
+            ering,
+            erecords,
+            ids,
+            t([0, 1, 2, 4]),
+            t(anchors + [0]),
+            t(starts + [1]),
+            t(rooms + [1]),
+            5,
+            512,
+            taps,
+        ).tolist()
+        assert got == [row[: row[-1]] for row in want[:3]]
+        assert len(got[1]) <= 2
+        for name in ("recurrent", "conv", "keys", "values"):
+            assert torch.equal(getattr(pool, name)[:, :3], getattr(epool, name)[:, :3]), name
+        for name in ("keys", "values"):
+            assert torch.equal(getattr(ring, name)[:, :3], getattr(ering, name)[:, :3]), name
+        assert torch.equal(ring.positions[:3], ering.positions[:3])
+        anchors = [row[-1] for row in got]
+        starts = [s + len(row) for s, row in zip(starts, got, strict=True)]
+
+
 def test_continuation_graph_replay_equals_eager(ckpt):
     """Captured continued chunks (several lengths and starts, each padded to its graph's
     width) against the same padded batches run eagerly on another pool, bit for bit (logits,

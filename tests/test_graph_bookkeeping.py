@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import replace
 
 import pytest
 import tiny
@@ -287,6 +288,139 @@ def test_window_graphs_at_the_context_edge(target, tokenizer, engines):
     expected = run(plain)
     e = make(DFlashDrafter.load(target.drafter_dir, target), windows=True)
     assert run(e) == expected
+
+
+def test_rolling_back_a_window_batch_by_device_lengths_equals_each_rollback(target):
+    """Three graphed windows rolled back at once to kept lengths held in a device tensor (the
+    whole window replayed, rows past the kept ones without decay or update) against each
+    window's own recorded rollback: every kept length 1 .. W, the same state; padding rows on
+    a scratch slot leave the other slots alone."""
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(5, 150, (n,), generator=gen).tolist() for n in (4, 11, 7)]
+    W = 5
+    for keeps in ((1, 3, 5), (2, 5, 4), (5, 1, 1)):
+        pools = [target.new_state_pool(5, 64) for _ in range(2)]
+        for pool in pools:
+            target.forward(
+                ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]), pool
+            )
+        windows = [torch.randint(5, 150, (W,), generator=gen).tolist() for _ in prompts]
+        starts = torch.tensor([len(p) for p in prompts] + [1])
+        slots = torch.tensor([0, 1, 2, 4])  # the last: a padding window on the scratch slot
+        ids = torch.tensor(functools.reduce(operator.iadd, windows, []) + [0] * W)
+        records = target.new_window_records(4, W)
+        outs = [
+            target.forward_ex(ForwardBatch.windows_of(ids, slots, starts, W, records), pool)
+            for pool in pools
+        ]
+        for j, keep in enumerate(keeps):
+            if keep < W:
+                target.rollback(pools[0], j, outs[0].records[j], keep)
+        before = pools[1].recurrent[:, 3].clone()
+        target.rollback_windows(pools[1], slots, records, torch.tensor([*keeps, 1]), W)
+        for name in ("recurrent", "conv"):
+            torch.testing.assert_close(
+                getattr(pools[1], name)[:, :3],
+                getattr(pools[0], name)[:, :3],
+                atol=1e-5,
+                rtol=1e-4,
+            )
+        assert torch.equal(pools[1].recurrent[:, 3], before)
+
+
+def test_ring_rows_from_device_counts_equal_adding_them_one_stream_at_a_time(target):
+    """The drafter's context rows for several streams at once, each writing only its first
+    ``count`` rows (device tensors), against :meth:`add_context` of those rows stream by
+    stream: the same keys, values and positions, the unwritten rows as they were (a ring that
+    wraps included)."""
+    drafter = DFlashDrafter.load(target.drafter_dir, target)
+    gen = torch.Generator().manual_seed(3)
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
+    rings = [drafter.new_pool(4, 8) for _ in range(2)]
+    history = torch.randn(6, width, generator=gen)
+    for ring in rings:
+        for slot in range(3):
+            drafter.add_context(ring, slot, history, 0)
+    B = 5
+    features = torch.randn(4, B, width, generator=gen)
+    starts, counts = [6, 2, 9, 1], [3, 5, 1, 0]
+    for j in range(3):
+        drafter.add_context(rings[0], j, features[j, : counts[j]], starts[j])
+    drafter.add_context_rows(
+        rings[1], torch.tensor([0, 1, 2, 3]), features, torch.tensor(starts), torch.tensor(counts)
+    )
+    for name in ("keys", "values", "positions"):
+        torch.testing.assert_close(getattr(rings[1], name), getattr(rings[0], name))
+
+
+class PartOracle(DFlashDrafter):
+    """Proposes the target's greedy continuation, cut short: from a depth drawn from the
+    anchor's position (0 .. block - 1) on, the drafts are wrong, so rounds accept every
+    length. Overrides the device form (``propose_from``), which whole rounds run; only with
+    graphs emulated."""
+
+    def __init__(self, real: DFlashDrafter, engine=None):
+        self.__dict__.update(real.__dict__)
+        self.engine = engine
+
+    def propose_from(self, pool, slot_t, anchor_t, position_t, block):
+        from headstart.generate import greedy_tokens
+
+        vocab = self.target.cfg.vocab_size
+        out = torch.zeros(slot_t.shape[0], block - 1, vocab)
+        seqs = {s.slot: s for s in self.engine.scheduler.running} if self.engine else {}
+        for n, (slot, position) in enumerate(
+            zip(slot_t.tolist(), position_t.tolist(), strict=True)
+        ):
+            seq = seqs.get(slot)
+            if seq is None:  # padding, or start-up's measurement
+                continue
+            cont = greedy_tokens(self.target, seq.prompt + seq.output, block - 1)
+            cut = (position * 37 + 11) % 97 % block
+            for d, t in enumerate(cont):
+                out[n, d, t if d < cut else (t + 1) % 150] = 1.0
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "auto"])
+def test_engine_with_whole_round_graphs_equals_plain_greedy(target, tokenizer, engines, mode):
+    """Whole device rounds (proposal, window, verdict, rollback and ring in one emulated
+    replay) for several streams at once, with a drafter that is right for every length of
+    prefix: greedy output equals decoding without a drafter, every round length happens, and
+    a penalised stream beside them (judged on the host) decodes as it does alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [greedy] * 4 + [replace(greedy, repetition_penalty=1.3)]
+
+    def run(e):
+        cs = []
+        for i, (ids, p) in enumerate(zip(PROMPTS[:5], params, strict=True)):
+            c = Collector()
+            e.submit(EngineRequest(f"w{i}", ids, p, p.max_tokens, c))
+            cs.append(c)
+        for c in cs:
+            assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+        assert wait_idle(e)
+        return [c.tokens for c in cs]
+
+    plain = emulated(engines, target, tokenizer)
+    expected = run(plain)
+    drafter = PartOracle(DFlashDrafter.load(target.drafter_dir, target))
+    e = emulated(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode), windows=True)
+    drafter.engine = e
+    lengths: list[int] = []
+    real = e.runner.round_graphs.run
+
+    def counted(*a):
+        said = real(*a)
+        lengths.extend(map(len, said))
+        return said
+
+    e.runner.round_graphs.run = counted
+    assert run(e) == expected
+    assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
+    if mode == "chain":  # ("auto" drafts when its measured costs say it pays)
+        assert set(lengths) == set(range(1, e.spec.block + 1))
 
 
 @pytest.mark.parametrize("width", [11, 12, 16, 29])

@@ -765,6 +765,7 @@ def evaluate_acceptance(
     spec_mode: str = "chain",
     strict: bool = True,
     cpu_programs: bool = False,
+    whole_rounds: bool = True,
 ) -> dict:
     """Greedy decode of ``prompts`` with and without the drafter through headstart's Engine.
 
@@ -774,8 +775,10 @@ def evaluate_acceptance(
     decoding is exact, so with ``strict`` any mismatch raises AssertionError; in bf16 near-tie
     argmaxes may legitimately flip (dflash.md 2.4), hence the switch. Generation ignores EOS so
     both runs produce exactly ``max_tokens`` per prompt. ``cpu_programs``: both engines step
-    from compiled CPU programs, as ``serve`` does on a CPU once they are cached."""
-    from headstart.engine.config import EngineConfig, SpecConfig
+    from compiled CPU programs, as ``serve`` does on a CPU once they are cached.
+    ``whole_rounds``: on a GPU, greedy rounds run whole on the device (engine/spec/round.py);
+    False keeps them on the host (proposal, window and verdict apart)."""
+    from headstart.engine.config import EngineConfig, GraphConfig, SpecConfig
     from headstart.engine.engine import Engine
     from headstart.engine.spec.drafter import DFlashDrafter
     from headstart.models.qwen35.model import Qwen35Model
@@ -792,7 +795,13 @@ def evaluate_acceptance(
 
     def make(d: DFlashDrafter | None) -> Engine:
         spec = SpecConfig(draft_block=block, mode=spec_mode)  # used only with a drafter
-        config = EngineConfig(1, context, spec=spec, cpu_programs=cpu_programs)
+        config = EngineConfig(
+            1,
+            context,
+            spec=spec,
+            cpu_programs=cpu_programs,
+            graphs=GraphConfig(rounds=whole_rounds),
+        )
         e = Engine(target, tok, (), config, drafter=d)
         e.start()
         return e

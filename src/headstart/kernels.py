@@ -68,14 +68,14 @@ def _ref_gdn_spans(q, k, v, g, beta, cu_seqlens, slots, fresh, states, cu_seqlen
     return out
 
 
-def _ref_gdn_padded(q, k, v, g, beta, slots, states):
+def _ref_gdn_padded(q, k, v, g, beta, slots, states, initial=None):
     """Per stream, the chunked reference over all its rows (padding rows included: the caller
-    gave them zero decay and zero beta, so they leave the state as it was)."""
+    gave them zero decay and zero beta, so they leave the state as it was), from a zero state
+    or from ``initial[j]``."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for j in range(q.shape[0]):
-        out[j], states[slots[j]] = chunked_gated_delta(
-            q[j], k[j], v[j], g[j], beta[j], torch.zeros_like(states[0])
-        )
+        start = torch.zeros_like(states[0]) if initial is None else initial[j].float()
+        out[j], states[slots[j]] = chunked_gated_delta(q[j], k[j], v[j], g[j], beta[j], start)
     return out
 
 
@@ -132,9 +132,10 @@ class Kernels:
     # (q [N,L,nh,hd], k/v [N,L,nkv,hd]) -> [N,L,nh,hd]: new prompts padded to L rows, causal
     # within each (graph-capturable)
     attn_padded: Callable[..., torch.Tensor] = _ref_attn_padded
-    # (q, k [N,L,Hk,Dk], v [N,L,Hv,Dv], g, beta [N,L,Hv], slots [N], state pool) -> o
-    # [N,L,Hv,Dv] fp32: new streams (zero state) padded to L rows; final states written to
-    # the pool's slots (graph-capturable)
+    # (q, k [N,L,Hk,Dk], v [N,L,Hv,Dv], g, beta [N,L,Hv], slots [N], state pool,
+    # initial=None) -> o [N,L,Hv,Dv] fp32: streams padded to L rows from a zero state (new
+    # prompts) or from ``initial`` [N,Hv,Dk,Dv] (a verify window replayed); final states
+    # written to the pool's slots (graph-capturable)
     gdn_padded: Callable[..., torch.Tensor] = _ref_gdn_padded
     # (a loaded weight, dense=None) -> the form linear() consumes (e.g. a repacked quantized
     # weight; with dense=dtype, one that also keeps an unpacked copy for prefill)

@@ -90,8 +90,10 @@ class GraphConfig:
     ``prefill_tokens`` tokens from graphs (None: when the kernels allow it, on a GPU), several
     prompts in one replay up to ``prefill_rows`` padded rows; ``capture=False`` keeps every
     graph's bookkeeping but runs eagerly (tests on a CPU); ``windows``: with a drafter, also
-    proposals, chain verify windows and rollbacks; ``continuations``: continued prefill chunks
-    of up to ``continuation_tokens`` tokens. ``shard`` (i, n): warm up and capture only every
+    proposals, chain verify windows and rollbacks; ``rounds``: with those, also whole greedy
+    rounds (proposal, window, verdict and commit in one replay: engine/spec/round.py);
+    ``continuations``: continued prefill chunks of up to ``continuation_tokens`` tokens.
+    ``shard`` (i, n): warm up and capture only every
     n-th shape from the i-th, in the order the start-up takes them (a compile-ahead process,
     one of n that share the work; its engine never serves)."""
 
@@ -100,6 +102,7 @@ class GraphConfig:
     prefill_tokens: int = 1024
     prefill_rows: int = 2048
     windows: bool = True
+    rounds: bool = True
     continuations: bool = True
     continuation_tokens: int = 1024
     shard: tuple[int, int] | None = None

@@ -497,6 +497,99 @@ class RollbackGraphs:
         self.graphs[keep].replay()
 
 
+class RoundGraphs:
+    """Whole greedy speculative rounds (:func:`headstart.engine.spec.round.greedy_round`), one
+    graph per stream-count bucket, for full blocks: proposal, verify window, verdict, rollback
+    and ring update in one replay, one read-back. Padding streams run on the scratch slot
+    (the drafter ring's spare slot is the same index) with room 1."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: StatePool,
+        speculator: Any,
+        records: Any,
+        max_streams: int,
+        scratch_slot: int,
+        taps: Sequence[int],
+        vocab: int,
+        capture: bool = True,
+        mempool: object | None = None,
+    ) -> None:
+        from headstart.engine.spec.round import greedy_round
+
+        assert speculator.spare == scratch_slot, "padding rows share one slot index"
+        self.scratch, self.block = scratch_slot, speculator.block
+        self.drafter = speculator.drafter
+        self.pool_tokens = pool.max_tokens
+        dev = model.device
+        b = self.block
+        self.ids = torch.zeros(max_streams * b, dtype=torch.int64, device=dev)
+        # Slots, anchors, starts and rooms by stream, in one buffer: one copy a round.
+        self.inputs = torch.tensor(
+            [[scratch_slot], [0], [1], [1]], dtype=torch.int64, device=dev
+        ).repeat(1, max_streams)
+        self.slots, self.anchors, self.starts, self.rooms = self.inputs
+        if capture and mempool is None:
+            mempool = torch.cuda.graph_pool_handle()
+
+        def forward(n: int) -> ForwardOutput:
+            said = greedy_round(
+                model,
+                pool,
+                speculator.drafter,
+                speculator.pool,
+                records,
+                self.ids[: n * b],
+                self.slots[:n],
+                self.anchors[:n],
+                self.starts[:n],
+                self.rooms[:n],
+                b,
+                vocab,
+                tuple(taps),
+            )
+            return ForwardOutput(said, None, {})
+
+        self.graphs = _capture_each(
+            "speculative rounds",
+            sorted(buckets_for(max_streams), reverse=True),
+            forward,
+            capture,
+            mempool,
+        )
+
+    def covers(self, n: int, starts: Sequence[int]) -> bool:
+        """Whether ``n`` streams' rounds fit a graph: a bucket holds them and every window's
+        rows stay inside the pool."""
+        return n <= max(self.graphs) and all(s + self.block <= self.pool_tokens for s in starts)
+
+    def run(
+        self,
+        slots: Sequence[int],
+        anchors: Sequence[int],
+        starts: Sequence[int],
+        rooms: Sequence[int],
+    ) -> list[list[int]]:
+        """One round per stream; per stream the tokens it emits (1 .. min(block, room))."""
+        n = len(slots)
+        b = min(x for x in self.graphs if x >= n)
+        pad = b - n
+        values = torch.tensor(
+            [
+                [*slots, *[self.scratch] * pad],
+                [*anchors, *[0] * pad],
+                [*starts, *[1] * pad],
+                [*rooms, *[1] * pad],
+            ],
+            dtype=torch.int64,
+        )
+        self.inputs[:, :b].copy_(values, non_blocking=True)
+        self.drafter.forwards += 1
+        said = self.graphs[b].replay().logits[:n].tolist()  # the one wait for the device
+        return [row[: row[-1]] for row in said]
+
+
 def continuation_widths(max_tokens: int, step: int = 128) -> list[int]:
     """The padded widths of continued-chunk graphs: 2, 3, 4, 6, 8, 12, 16, 24, ... up to
     ``2 * step``, then every ``step`` tokens, up to ``max_tokens`` (included): at most half a

@@ -34,7 +34,8 @@ from headstart.engine.scheduler import QueueFull, Scheduler, Work
 from headstart.engine.scheduler import Sequence as Seq
 from headstart.engine.spec.drafter import DFlashDrafter
 from headstart.engine.spec.features import FeatureQueue
-from headstart.engine.spec.proposal import STATS, Speculator
+from headstart.engine.spec.proposal import STATS, DraftJob, Speculator
+from headstart.engine.spec.round import device_greedy
 from headstart.engine.spec.verification import Draft
 from headstart.engine.step_log import StepClock
 from headstart.models.contract import CausalLM
@@ -259,10 +260,17 @@ class Engine:
     def _run_step(self, work: list[Work]) -> None:
         self.steps += 1  # counted before any event of this step is delivered
         began = time.perf_counter()
-        drafts = {}
+        drafts: dict[int, Draft] | None = {}
         if self.spec is not None:  # a draft job for each decoding row of a drafting stream
             jobs = {j: self._live[w.seq.id].draft_job(w, self.context) for j, w in enumerate(work)}
-            drafts = self.spec.drafts({j: job for j, job in jobs.items() if job is not None})
+            drafts = self.spec.drafts(
+                {j: job for j, job in jobs.items() if job is not None},
+                whole=self._whole_rounds_fit(work, jobs),
+            )
+            if drafts is None:  # every stream drafts a full chain, as whole device rounds
+                self._whole_rounds(work, [jobs[j] for j in range(len(work))])
+                self.spec.observe_step(time.perf_counter() - began, True)
+                return
         taps = any(self._live[w.seq.id].features is not None for w in work)  # a drafting stream
         step = Step.of(work, drafts, taps=taps)
         clock = StepClock()
@@ -300,6 +308,38 @@ class Engine:
         if self.spec is not None and all(len(w.tokens) == 1 and w.samples for w in work):
             # A decode step, whole: what a round costs beyond its windows is measured here.
             self.spec.observe_step(time.perf_counter() - began, bool(drafts))
+
+    def _whole_rounds_fit(self, work: list[Work], jobs: dict[int, DraftJob | None]) -> bool:
+        """Whether this step can run as whole device rounds (engine/spec/round.py): every row
+        a drafting stream's decoding row with room for a full block, judged by the argmax of
+        its logits alone, and a round graph that holds them."""
+        block = self.spec.block
+        return (
+            all(job is not None and job.room >= block for job in jobs.values())
+            and all(device_greedy(self._live[w.seq.id].req.params) for w in work)
+            and self.runner.rounds_fit([w.start for w in work])
+        )
+
+    def _whole_rounds(self, work: list[Work], jobs: list[DraftJob]) -> None:
+        """One whole device round per stream: the runner commits each slot and ring; here
+        the tokens are delivered."""
+        said = self.runner.run_rounds(
+            [job.slot for job in jobs],
+            [job.anchor for job in jobs],
+            [job.start for job in jobs],
+            [job.room for job in jobs],
+        )
+        for w, tokens in zip(work, said, strict=True):
+            self.spec.observe_whole(len(tokens))
+            live = self._live.get(w.seq.id)
+            if live is not None:
+                self._per_request(self._settle_whole, live, w.start, tokens)
+
+    def _settle_whole(self, live: Live, start: int, tokens: list[int]) -> None:
+        self.scheduler.accept(live.seq, tokens, start + len(tokens))
+        for token in tokens:
+            if not self._emit(live, token, None, None):
+                return
 
     def _settle_round(
         self, live: Live, start: int, draft: Draft, logits: torch.Tensor, taps: torch.Tensor | None

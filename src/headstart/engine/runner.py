@@ -159,7 +159,7 @@ class ModelRunner:
         self.scratch = self.num_slots
         self.taps: tuple[int, ...] = spec.taps if spec is not None else ()
         self.decode_graphs = self.prompt_graphs = self.continuation_graphs = None
-        self.window_graphs = self.rollback_graphs = None
+        self.window_graphs = self.rollback_graphs = self.round_graphs = None
         # Of the last step: slot -> its chunk, GDN record, and (graphed windows) the padded
         # width and index in the window batch, for rollback / commit_tree.
         self._chunks: dict[int, SeqChunk] = {}
@@ -185,7 +185,9 @@ class ModelRunner:
                 )
         if self.spec is not None and self.spec.block >= 2:
             features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
-            self.spec.measure(self._runnable, features)
+            rg, s = self.round_graphs, self.scratch
+            whole = (lambda: rg.run([s], [0], [1], [1])) if rg is not None else None
+            self.spec.measure(self._runnable, features, whole)
 
     def warm_eager(self, scratch: int) -> None:
         """Run each eager path once on the ``scratch`` slot (slot 0 beside it) so the first
@@ -255,8 +257,9 @@ class ModelRunner:
                 self._capture_rounds(mempool)
 
     def _capture_rounds(self, mempool: object) -> None:
-        """A speculative round's graphs: chain verify windows, their rollbacks, proposals."""
-        from headstart.engine.cuda_graph import RollbackGraphs, WindowGraphs
+        """A speculative round's graphs: chain verify windows, their rollbacks, proposals, and
+        (where the model rolls back from device tensors) whole greedy rounds."""
+        from headstart.engine.cuda_graph import RollbackGraphs, RoundGraphs, WindowGraphs
 
         g, spec, s = self.graph_config, self.spec, self.scratch
         self.window_graphs = WindowGraphs(
@@ -279,6 +282,19 @@ class ModelRunner:
             mempool=mempool,
         )
         spec.capture_graphs(self.num_slots, g.capture, mempool)
+        if g.rounds and hasattr(self.model, "rollback_windows"):
+            self.round_graphs = RoundGraphs(
+                self.model,
+                self.pool,
+                spec,
+                self.window_graphs.records,
+                self.num_slots,
+                s,
+                self.taps,
+                spec.vocab_size,
+                capture=g.capture,
+                mempool=mempool,
+            )
 
     def _runnable(self, chunk: SeqChunk) -> Callable[[], object]:
         """``chunk``'s forward as steps run it, to be timed: when rounds run from graphs (window
@@ -370,6 +386,25 @@ class ModelRunner:
         if want != self._threads_now:
             torch.set_num_threads(want)
             self._threads_now = want
+
+    def rounds_fit(self, starts: Sequence[int]) -> bool:
+        """Whether streams with pending tokens at ``starts`` can take a whole greedy round
+        from one graph replay (:meth:`run_rounds`)."""
+        rg = self.round_graphs
+        return rg is not None and rg.covers(len(starts), starts)
+
+    def run_rounds(
+        self,
+        slots: Sequence[int],
+        anchors: Sequence[int],
+        starts: Sequence[int],
+        rooms: Sequence[int],
+    ) -> list[list[int]]:
+        """A whole greedy round per stream (``engine/spec/round.py``): each stream's pending
+        token ``anchors[j]`` at ``starts[j]`` of ``slots[j]``, at most ``rooms[j]`` tokens out.
+        Returns the tokens each emits; its slot and drafter ring are committed already."""
+        self._chunks, self._records, self._ran_rows = {}, {}, {}
+        return self.round_graphs.run(slots, anchors, starts, rooms)
 
     @lockstep("runner")
     def commit(self, slot: int, path: Sequence[int]) -> None:

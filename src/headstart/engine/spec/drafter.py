@@ -346,6 +346,43 @@ class DFlashDrafter:
         pool.positions[slot, rows] = positions
 
     @torch.no_grad()
+    def add_context_rows(
+        self,
+        pool: DrafterPool,
+        slot_t: torch.Tensor,
+        features: torch.Tensor,
+        start_t: torch.Tensor,
+        count_t: torch.Tensor,
+    ) -> None:
+        """:meth:`add_context` for ``n`` streams at once from device tensors (no host work:
+        what a CUDA graph captures): stream ``j`` writes the first ``count_t[j]`` of its rows
+        ``features[j]`` (``[n, B, m*H]``, ``B`` <= the ring's window) for positions
+        ``start_t[j] ..`` into ring slot ``slot_t[j]``; its other rows leave the ring as it was.
+        """
+        c, w = self.cfg, self.w
+        n, B = features.shape[:2]
+        assert pool.window >= B, "a block's rows must fit the ring"
+        u = _norm(
+            linear(features.reshape(n * B, -1).to(self.dtype), w["fc.weight"]),
+            w["hidden_norm.weight"],
+            c.rms_norm_eps,
+        )
+        positions = start_t[:, None] + torch.arange(B, device=self.device)  # [n, B]
+        rows = positions % pool.window
+        slots = slot_t[:, None].expand(n, B)
+        new = torch.arange(B, device=self.device)[None, :] < count_t[:, None]  # [n, B]
+        for i in range(c.num_layers):
+            p = f"layers.{i}.self_attn."
+            k = linear(u, w[p + "k_proj.weight"]).view(n, B, c.num_kv_heads, c.head_dim)
+            k = self._rope(_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps), positions)
+            v = linear(u, w[p + "v_proj.weight"]).view(n, B, c.num_kv_heads, c.head_dim)
+            for ring, rows_new in ((pool.keys[i], k), (pool.values[i], v)):
+                # ring[slots, :, rows] is [n, B, nkv, hd]: rows not written keep their value.
+                old = ring[slots, :, rows]
+                ring[slots, :, rows] = torch.where(new[..., None, None], rows_new, old)
+        pool.positions[slots, rows] = torch.where(new, positions, pool.positions[slots, rows])
+
+    @torch.no_grad()
     def propose_logits(
         self,
         pool: DrafterPool,

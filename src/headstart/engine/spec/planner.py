@@ -32,15 +32,20 @@ class SpecPlanner:
         decay: float = 0.9,
         draft_cost: float = 0.0,
         recheck: int = 32,
+        round_cost: float | None = None,
     ) -> None:
         """``draft_cost``: one drafter forward (paid by every round, chain or tree);
-        ``costs[1]``: one plain decode step. ``recheck``: while drafting does not pay, draft
-        anyway after this many steps so the acceptance estimates can recover; the wait doubles
-        after each recheck that changes nothing, up to 8x."""
+        ``costs[1]``: one plain decode step; ``round_cost``: a whole device round of a full
+        chain (engine/spec/round.py: drafter, window and commit in one replay), which replaces
+        the full chain's window and drafter costs when the engine has such rounds.
+        ``recheck``: while drafting does not pay, draft anyway after this many steps so the
+        acceptance estimates can recover; the wait doubles after each recheck that changes
+        nothing, up to 8x."""
         self.block = block
         self.costs = costs
         self.tree_cost = tree_cost
         self.draft_cost = draft_cost
+        self.round_cost = round_cost
         self.recheck = recheck
         self.wait = recheck
         self.declined = 0
@@ -60,12 +65,20 @@ class SpecPlanner:
             e += p
         return e
 
+    def _chain_cost(self, depth: int) -> float | None:
+        """A chain round of ``depth`` drafts: its window and the drafter forward, or a whole
+        device round for a full chain (None: not measured)."""
+        if depth == self.block - 1 and self.round_cost is not None:
+            return self.round_cost
+        cost = self.costs.get(depth + 1)
+        return cost + self.draft_cost if cost else None
+
     def _best_chain(self, room: int) -> tuple[int, float]:
         best_depth, best_rate = 1, 0.0
         for depth in range(1, min(self.block, room)):
-            cost = self.costs.get(depth + 1)
+            cost = self._chain_cost(depth)
             if cost:
-                rate = self.expected_chain(depth) / (cost + self.draft_cost + self.overhead)
+                rate = self.expected_chain(depth) / (cost + self.overhead)
                 if rate > best_rate:
                     best_depth, best_rate = depth, rate
         return best_depth, best_rate
@@ -102,7 +115,7 @@ class SpecPlanner:
         if tree:
             cost = self.tree_cost + self.draft_cost
         else:
-            cost = self.costs.get(best_depth + 1, 0.0) + self.draft_cost
+            cost = self._chain_cost(best_depth) or self.draft_cost
         self._modelled = max(self._modelled, cost)  # the step's slowest stream
         return ("tree", self.block - 1) if tree else ("chain", best_depth)
 

@@ -77,13 +77,17 @@ class Speculator:
         self.drafter.forwards = 0
 
     def measure(
-        self, runnable: Callable[[SeqChunk], Callable[[], object]], features: torch.Tensor
+        self,
+        runnable: Callable[[SeqChunk], Callable[[], object]],
+        features: torch.Tensor,
+        whole: Callable[[], object] | None = None,
     ) -> None:
         """Time a plain decode step, verify windows (chains of 2..block rows, a tree of the node
         budget) and one drafter forward (context: ``features``, the taps of a short prompt);
         the planner weighs expected accepted tokens against these costs. ``runnable(chunk)``
         runs ``chunk``'s forward as the engine's steps will (a graph replay or an eager
-        forward) on an idle slot."""
+        forward) on an idle slot; ``whole`` runs a whole device round of a full chain on one
+        (engine/spec/round.py), when the engine has them."""
 
         def timed(fn: Callable[[], object]) -> float:
             best = float("inf")
@@ -112,27 +116,43 @@ class Speculator:
             draft = timed(
                 lambda: DFlashDrafter.propose_logits(self.drafter, dpool, [0], [0], [8], self.block)
             )
+        round_cost = timed(whole) if whole is not None else None
         self.drafter.forwards = before  # measuring is not drafting
-        self.planner = SpecPlanner(self.block, costs, tree, draft_cost=draft)
+        self.pool.reset(self.spare)  # a timed round wrote context rows there
+        self.planner = SpecPlanner(self.block, costs, tree, draft_cost=draft, round_cost=round_cost)
 
     def reset(self, slot: int) -> None:
         self.pool.reset(slot)
 
-    def drafts(self, jobs: Mapping[K, DraftJob]) -> dict[K, Draft]:
+    def drafts(self, jobs: Mapping[K, DraftJob], whole: bool = False) -> dict[K, Draft] | None:
         """Drafts, by key, for the jobs whose stream may emit two tokens or more, when this
         step drafts at all (see :meth:`worth_drafting`); a step that does not draft leaves
-        every queue of features for the next one that does."""
+        every queue of features for the next one that does. ``whole``: the engine can run this
+        step as whole device rounds (engine/spec/round.py); then None when every job drafts a
+        full chain, their queued features already in the rings."""
         jobs = {k: job for k, job in jobs.items() if min(self.block, job.room) >= 2}
         if not jobs or not self.worth_drafting():
             return {}
-        return dict(zip(jobs, self.propose(list(jobs.values())), strict=True))
+        plans = [self.plan(min(self.block, job.room)) for job in jobs.values()]
+        if whole and all(p == ("chain", self.block - 1) for p in plans):
+            for job in jobs.values():
+                self._flush(job)
+            return None
+        return dict(zip(jobs, self.propose(list(jobs.values()), plans), strict=True))
 
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
-        """One drafter forward for all jobs (their queued features first go into the rings)."""
+    def _flush(self, job: DraftJob) -> None:
+        """Hand the job's queued features to its ring."""
+        features, start = job.features.take()
+        if features is not None and features.shape[0]:
+            self.drafter.add_context(self.pool, job.slot, features, start)
+
+    def propose(
+        self, jobs: Sequence[DraftJob], plans: Sequence[tuple[str, int]] | None = None
+    ) -> list[Draft]:
+        """One drafter forward for all jobs (their queued features first go into the rings);
+        ``plans``: each job's :meth:`plan` when already asked."""
         for job in jobs:
-            features, start = job.features.take()
-            if features is not None and features.shape[0]:
-                self.drafter.add_context(self.pool, job.slot, features, start)
+            self._flush(job)
         block = max(min(self.block, job.room) for job in jobs)
         args = ([j.slot for j in jobs], [j.anchor for j in jobs], [j.start for j in jobs])
         if self.graphs is not None and self.graphs.covers(len(jobs), block):
@@ -144,7 +164,7 @@ class Speculator:
         drafts = []
         for k, job in enumerate(jobs):
             b = min(self.block, job.room)
-            mode, depth = self.plan(b)
+            mode, depth = plans[k] if plans is not None else self.plan(b)
             if mode == "tree":
                 budget = min(self.tree_budget, self.context - job.start - 1)
                 drafts.append(
@@ -201,18 +221,25 @@ class Speculator:
         self.observe(draft, verdict)
         return verdict, path
 
+    def observe_whole(self, emitted: int) -> None:
+        """A whole device round (a full chain) that emitted ``emitted`` tokens."""
+        self._count(self.block - 1, emitted - 1, None)
+
     def observe(self, draft: Draft, verdict: Verdict) -> None:
+        self._count(len(draft.tokens), verdict.accepted, draft.parents)
+
+    def _count(self, drafted: int, accepted: int, parents: tuple[int, ...] | None) -> None:
         s = self.stats
         s["rounds"] += 1
-        s["drafted"] += len(draft.tokens)
-        s["accepted"] += verdict.accepted
-        if draft.parents is None:
+        s["drafted"] += drafted
+        s["accepted"] += accepted
+        if parents is None:
             if self.planner is not None:
-                self.planner.observe_chain(len(draft.tokens), verdict.accepted)
+                self.planner.observe_chain(drafted, accepted)
         else:
             s["tree_rounds"] += 1
             if self.planner is not None:
-                self.planner.observe_tree(len(verdict.tokens))
+                self.planner.observe_tree(accepted + 1)
 
 
 def _sync(device: torch.device) -> None:

@@ -350,6 +350,17 @@ class Qwen35Model:
         """:meth:`rollback` of a graphed window, without host work (capturable)."""
         speculative.rollback_window(self, pool, slot, records, window, keep)
 
+    def rollback_windows(
+        self,
+        pool: StatePool,
+        slots: torch.Tensor,
+        records: WindowRecords,
+        keep: torch.Tensor,
+        width: int,
+    ) -> None:
+        """Every window of a graphed batch rolled back to ``keep`` (a device tensor) rows."""
+        speculative.rollback_windows(self, pool, slots, records, keep, width)
+
     def commit_tree(
         self, pool: StatePool, slot: int, start: int, record: GDNRecord, path: Sequence[int]
     ) -> None:

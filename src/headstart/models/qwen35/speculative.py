@@ -5,7 +5,9 @@ need nothing for a chain (rows past the kept ones are never read and are overwri
 GDN state cannot be rewound, so a window runs *recorded*: :class:`GDNRecord` keeps each layer's
 inputs (initial conv tail and state, pre-conv rows, gates), and :func:`rollback` replays the kept
 rows from them. Graphed windows record into the shared :class:`WindowRecords` and roll back with
-:func:`rollback_window` (no host work, so it can be captured). Token trees run through
+:func:`rollback_window` (no host work, so it can be captured); :func:`rollback_windows` rolls
+back a whole batch of them to kept lengths that are themselves device tensors, so that a round
+decided on the device (engine/spec/round.py) needs no host value either. Token trees run through
 :func:`tree_gated_delta` and :func:`attend_tree` (every node continues from its parent), and
 :func:`commit_tree` keeps the accepted path's state and KV rows.
 """
@@ -35,6 +37,7 @@ __all__ = [
     "commit_tree",
     "rollback",
     "rollback_window",
+    "rollback_windows",
     "tree_gated_delta",
 ]
 
@@ -247,4 +250,53 @@ def rollback_window(
             kept,
             pool.recurrent[li],
             cu,
+        )
+
+
+@torch.no_grad()
+def rollback_windows(
+    model: ModelParts,
+    pool: StatePool,
+    slots: torch.Tensor,
+    records: WindowRecords,
+    keep: torch.Tensor,
+    width: int,
+) -> None:
+    """:func:`rollback_window` for the first ``n`` windows of a graphed batch at once, window
+    ``j`` (on ``slots[j]``) keeping its first ``keep[j]`` rows (1 .. ``width``), with ``keep`` a
+    device tensor. The whole window is replayed from the recorded state with no decay and no
+    update on rows past ``keep[j]`` (so they leave the state as it was), and the conv tail is
+    the ``K-1`` inputs ending at the last kept row: no host work, no shape that depends on
+    ``keep``."""
+    cfg = model.cfg
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    n, dev = slots.shape[0], pool.conv.device
+    kept = torch.arange(width, device=dev)[None, :] < keep[:, None]  # [n, W]
+    for i in cfg.linear_layers:
+        li = model.state_index[i]
+        conv_w = model.w[f"layers.{i}.linear_attn.conv1d.weight"]
+        mixed = records.mixed[li, :n, :width]  # [n, W, C]
+        k1 = records.tail.shape[-1]
+        window = torch.cat([records.tail[li, :n].to(mixed.dtype), mixed.transpose(1, 2)], dim=2)
+        y = torch.nn.functional.conv1d(
+            window, conv_w.to(mixed.dtype).unsqueeze(1), groups=window.shape[1]
+        )  # [n, C, W]
+        y = torch.nn.functional.silu(y).transpose(1, 2)
+        # Column K-1+r holds row r: the K-1 columns ending at row keep-1 start at column keep.
+        cols = (keep[:, None] + torch.arange(k1, device=dev))[:, None, :]
+        tail = window.gather(2, cols.expand(n, window.shape[1], k1))
+        pool.conv[li].index_copy_(0, slots, tail.to(pool.conv.dtype))
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        g = torch.where(kept[..., None], records.g[li, :n, :width], 0.0)
+        beta = torch.where(kept[..., None], records.beta[li, :n, :width], 0.0)
+        model.kernels.gdn_padded(
+            q.reshape(n, width, Hk, Dk),
+            k.reshape(n, width, Hk, Dk),
+            v.reshape(n, width, Hv, Dv),
+            g,
+            beta.to(records.beta.dtype),
+            slots,
+            pool.recurrent[li],
+            initial=records.state[li, :n],
         )
