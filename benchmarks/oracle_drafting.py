@@ -206,6 +206,17 @@ class OracleDrafter(DFlashDrafter):
         row[:n] = torch.tensor(known[:n], dtype=torch.int64)
         self.table[slot].copy_(row)
 
+    def add_context_rows(
+        self,
+        pool: DrafterPool,
+        slot_t: torch.Tensor,
+        features: torch.Tensor,
+        start_t: torch.Tensor,
+        count_t: torch.Tensor,
+    ) -> None:
+        """Nothing (a whole device round's context rows): the table row holds the stream's
+        whole record from its first round on (:meth:`add_context`)."""
+
     @torch.no_grad()
     def propose_from(
         self,

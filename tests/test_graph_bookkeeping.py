@@ -409,18 +409,82 @@ def test_engine_with_whole_round_graphs_equals_plain_greedy(target, tokenizer, e
     e = emulated(engines, target, tokenizer, drafter, spec=SpecConfig(mode=mode), windows=True)
     drafter.engine = e
     lengths: list[int] = []
-    real = e.runner.round_graphs.run
+    real = e.runner.round_graphs.collect
 
-    def counted(*a):
-        said = real(*a)
+    def counted():
+        said = real()
         lengths.extend(map(len, said))
         return said
 
-    e.runner.round_graphs.run = counted
+    e.runner.round_graphs.collect = counted
     assert run(e) == expected
     assert e.stats()["free_slots"] == 4 and e.stats()["spec_rounds"] > 0
     if mode == "chain":  # ("auto" drafts when its measured costs say it pays)
         assert set(lengths) == set(range(1, e.spec.block + 1))
+
+
+@pytest.mark.slow
+def test_rounds_launched_ahead_end_and_cache_streams_as_plain_decoding(target, tokenizer, engines):
+    """Whole rounds launched before the last round's tokens are delivered (the device works
+    while the host delivers): streams that end on their length, on a stop token met inside a
+    round, and on an abort sent from their own sink, next to one that runs on, give what plain
+    decoding gives; rounds were launched ahead; and the prompt cache's final snapshots,
+    taken with rounds in flight, serve grown prompts as plain decoding does."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS[:4]
+
+    class AbortAfter(Collector):
+        """Aborts its own request from its sink once it holds ``n`` tokens."""
+
+        def __init__(self, engine, rid, n):
+            super().__init__()
+            self.engine, self.rid, self.n = engine, rid, n
+
+        def __call__(self, ev):
+            super().__call__(ev)
+            if len(self.tokens) == self.n:
+                self.engine.abort(self.rid)
+
+    def run(e, prompts, params, abort_after=None):
+        cs = []
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            aborts = abort_after is not None and i == 0
+            c = AbortAfter(e, f"a{i}", abort_after) if aborts else Collector()
+            e.submit(EngineRequest(f"a{i}", ids, p, p.max_tokens, c))
+            cs.append(c)
+        for c in cs[1 if abort_after is not None else 0 :]:
+            assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+        assert wait_idle(e)
+        return [c.tokens for c in cs]
+
+    cache = CacheConfig(bytes=1 << 24)
+    plain = emulated(engines, target, tokenizer, cache=cache)
+    reference = run(plain, prompts, [greedy] * 4)
+    stop = reference[1][17]  # met inside a round, past the first rounds
+    params = [greedy, replace(greedy, stop_token_ids=(stop,)), greedy, greedy]
+    expected = run(plain, prompts, params)
+    assert len(expected[1]) <= 18 and expected[1][-1] != stop  # (the stop token is not shown)
+    drafter = PartOracle(DFlashDrafter.load(target.drafter_dir, target))
+    e = emulated(engines, target, tokenizer, drafter, spec=SpecConfig(mode="chain"), cache=cache)
+    drafter.engine = e
+    ahead = []
+    real = e._launch_next
+
+    def launch_next(*a):
+        got = real(*a)
+        ahead.append(got is not None)
+        return got
+
+    e._launch_next = launch_next
+    assert run(e, prompts, params) == expected
+    assert any(ahead)
+    aborted = run(e, prompts, params, abort_after=9)
+    assert aborted[1:] == expected[1:] and aborted[0] == expected[0][: len(aborted[0])]
+    assert 9 <= len(aborted[0]) < 40
+    grown = [p + out + [7, 9] for p, out in zip(prompts, expected, strict=True)]
+    hits = e.stats()["cache_hits"]
+    assert run(e, grown, [greedy] * 4) == run(plain, grown, [greedy] * 4)
+    assert e.stats()["cache_hits"] > hits
 
 
 @pytest.mark.parametrize("width", [11, 12, 16, 29])

@@ -551,6 +551,12 @@ class RoundGraphs:
             )
             return ForwardOutput(said, None, {})
 
+        # The verdicts come back through pinned memory, copied as soon as a replay ends, so a
+        # round can be launched and its verdict read later (:meth:`launch`, :meth:`collect`).
+        cuda = dev.type == "cuda"
+        self.verdicts = torch.zeros(max_streams, b + 1, dtype=torch.int64, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.pending: int | None = None  # streams of the round launched and not yet collected
         self.graphs = _capture_each(
             "speculative rounds",
             sorted(buckets_for(max_streams), reverse=True),
@@ -572,6 +578,19 @@ class RoundGraphs:
         rooms: Sequence[int],
     ) -> list[list[int]]:
         """One round per stream; per stream the tokens it emits (1 .. min(block, room))."""
+        self.launch(slots, anchors, starts, rooms)
+        return self.collect()
+
+    def launch(
+        self,
+        slots: Sequence[int],
+        anchors: Sequence[int],
+        starts: Sequence[int],
+        rooms: Sequence[int],
+    ) -> None:
+        """Start one round per stream (as :meth:`run`) without waiting for it; at most one
+        round is pending at a time."""
+        assert self.pending is None, "the last round was not collected"
         n = len(slots)
         b = min(x for x in self.graphs if x >= n)
         pad = b - n
@@ -586,8 +605,18 @@ class RoundGraphs:
         )
         self.inputs[:, :b].copy_(values, non_blocking=True)
         self.drafter.forwards += 1
-        said = self.graphs[b].replay().logits[:n].tolist()  # the one wait for the device
-        return [row[: row[-1]] for row in said]
+        self.verdicts[:b].copy_(self.graphs[b].replay().logits, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.pending = n
+
+    def collect(self) -> list[list[int]]:
+        """The pending round's tokens per stream, once it is done (the one wait for it)."""
+        n, self.pending = self.pending, None
+        assert n is not None, "no round was launched"
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [row[: row[-1]] for row in self.verdicts[:n].tolist()]
 
 
 def continuation_widths(max_tokens: int, step: int = 128) -> list[int]:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,16 @@ log = logging.getLogger("headstart.engine")
 
 #: How often an idle engine looks for finished demotions while some are in flight (seconds).
 IDLE_POLL_S = 0.002
+
+
+@dataclass
+class _Rounds:
+    """Whole device rounds launched: per stream (its request, the anchor's position, the
+    tokens it may still emit), and when the step that launched them began."""
+
+    streams: list[tuple[Live, int, int]]
+    since: float
+
 
 __all__ = ["Engine", "EngineConfig", "EngineRequest", "Failed", "Finish", "Piece", "QueueFull"]
 
@@ -85,6 +95,7 @@ class Engine:
         )
         self.runner.warm_up()
         self._live: dict[str, Live] = {}  # engine thread only
+        self._ahead: _Rounds | None = None  # whole rounds launched, not yet collected
         self._inbox = Inbox(self.num_slots, self.max_queue, self.context)
         self._thread = threading.Thread(target=self._loop, name="headstart-engine", daemon=True)
         self._warmed = threading.Event()  # the engine thread's own warm-up has run
@@ -148,6 +159,9 @@ class Engine:
         finally:
             self._warmed.set()
         while not self._inbox.closed:
+            if self._ahead is not None:  # a step of rounds launched ahead: collect them first
+                self._step_ahead()
+                continue
             self._apply_commands()
             self._admit()
             try:
@@ -168,6 +182,8 @@ class Engine:
             except Exception as e:  # one bad step must not take the engine down
                 log.exception("engine step failed")
                 self._fail_all([lv for w in work if (lv := self._live.get(w.seq.id))], e)
+        if self._ahead is not None:  # settle the slots first (their final snapshots)
+            self._step_ahead(launch=False)
         for live in list(self._live.values()):
             self._end(live, Finish("abort", completion_tokens=live.out.produced))
 
@@ -247,9 +263,23 @@ class Engine:
         """One step over ``work``. Requests that end in it get their final event (and stop
         counting as active) only when the step is over, its snapshots taken: whoever sees a
         request finish sees the cache that its prompt left."""
+        self._in_step(self._run_step, work)
+
+    def _step_ahead(self, launch: bool = True) -> None:
+        """A step of the whole rounds launched ahead: collect and deliver them (launching the
+        next ones first, unless ``launch`` is False or the step could change)."""
+        rounds, self._ahead = self._ahead, None
+        self.steps += 1
+        try:
+            self._in_step(self._collect_rounds, rounds, launch)
+        except Exception as e:  # as for a failed step: its requests fail, the engine goes on
+            log.exception("engine step failed")
+            self._fail_all([lv for lv, _, _ in rounds.streams if lv.req.id in self._live], e)
+
+    def _in_step(self, run: Callable[..., None], *args: object) -> None:
         self._finals = []
         try:
-            self._run_step(work)
+            run(*args)
         finally:
             finals, self._finals = self._finals, None
             for req, final in finals:
@@ -268,8 +298,7 @@ class Engine:
                 whole=self._whole_rounds_fit(work, jobs),
             )
             if drafts is None:  # every stream drafts a full chain, as whole device rounds
-                self._whole_rounds(work, [jobs[j] for j in range(len(work))])
-                self.spec.observe_step(time.perf_counter() - began, True)
+                self._whole_rounds(work, [jobs[j] for j in range(len(work))], began)
                 return
         taps = any(self._live[w.seq.id].features is not None for w in work)  # a drafting stream
         step = Step.of(work, drafts, taps=taps)
@@ -320,20 +349,65 @@ class Engine:
             and self.runner.rounds_fit([w.start for w in work])
         )
 
-    def _whole_rounds(self, work: list[Work], jobs: list[DraftJob]) -> None:
+    def _whole_rounds(self, work: list[Work], jobs: list[DraftJob], began: float) -> None:
         """One whole device round per stream: the runner commits each slot and ring; here
-        the tokens are delivered."""
-        said = self.runner.run_rounds(
+        the tokens are delivered (and the next rounds launched first, when nothing can
+        change the step: see :meth:`_launch_next`)."""
+        self.runner.launch_rounds(
             [job.slot for job in jobs],
             [job.anchor for job in jobs],
             [job.start for job in jobs],
             [job.room for job in jobs],
         )
-        for w, tokens in zip(work, said, strict=True):
+        lives = [self._live[w.seq.id] for w in work]
+        self._collect_rounds(
+            _Rounds([(lv, job.start, job.room) for lv, job in zip(lives, jobs, strict=True)], began)
+        )
+
+    def _collect_rounds(self, rounds: _Rounds, launch: bool = True) -> None:
+        """Wait for the launched rounds; launch the next ones (``launch``) when nothing can
+        change the step, so the device computes them while this thread delivers; deliver."""
+        said = self.runner.collect_rounds()
+        done = time.perf_counter()
+        self._ahead = self._launch_next(rounds, said, done) if launch else None
+        for (live, start, _), tokens in zip(rounds.streams, said, strict=True):
             self.spec.observe_whole(len(tokens))
-            live = self._live.get(w.seq.id)
-            if live is not None:
-                self._per_request(self._settle_whole, live, w.start, tokens)
+            if self._live.get(live.req.id) is live:  # not ended since the launch
+                self._per_request(self._settle_whole, live, start, tokens)
+        # Launched ahead, a round costs the time between two read-backs; else its whole step.
+        end = done if self._ahead is not None else time.perf_counter()
+        self.spec.observe_step(end - rounds.since, True)
+
+    def _launch_next(self, rounds: _Rounds, said: list[list[int]], now: float) -> _Rounds | None:
+        """Launch every stream's next whole round before this one's tokens are delivered, and
+        return it, when the next step would be exactly that: nothing waits to be admitted or
+        commanded, and no stream can end on these tokens (no stop token among them, no stop
+        strings, room left for a full block). Otherwise None: the next step is planned as
+        usual, from a settled state."""
+        block = self.spec.block
+        if self._inbox.pending or self.scheduler.num_waiting:
+            return None
+        streams = []
+        for (live, start, room), tokens in zip(rounds.streams, said, strict=True):
+            out = live.out
+            if (
+                self._live.get(live.req.id) is not live
+                or live.req.params.stop
+                or any(t in out.stop_ids for t in tokens)
+                or room - len(tokens) < block
+            ):
+                return None
+            streams.append((live, start + len(tokens), room - len(tokens)))
+        starts = [start for _, start, _ in streams]
+        if not self.runner.rounds_fit(starts) or not self.spec.whole_again(len(streams)):
+            return None
+        self.runner.launch_rounds(
+            [live.seq.slot for live, _, _ in streams],
+            [tokens[-1] for tokens in said],
+            starts,
+            [room for _, _, room in streams],
+        )
+        return _Rounds(streams, now)
 
     def _settle_whole(self, live: Live, start: int, tokens: list[int]) -> None:
         self.scheduler.accept(live.seq, tokens, start + len(tokens))

@@ -141,6 +141,11 @@ class Inbox:
             commands, self._commands = self._commands, []
         return commands
 
+    @property
+    def pending(self) -> bool:
+        """Whether commands wait to be drained (a glance: one may arrive right after)."""
+        return bool(self._commands)
+
     def ended(self) -> None:
         """One accepted request has ended (or could not start): it no longer counts as active."""
         with self._lock:

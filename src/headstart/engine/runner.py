@@ -11,6 +11,7 @@ runs it, the outputs come back laid out as the eager forward's.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,23 @@ from headstart.parallel.peers import Call, lockstep
 from headstart.parallel.snapshots import SnapshotTwins
 
 log = logging.getLogger("headstart.engine")
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """Python's cycle collector off while graphs are captured, after one collection: a
+    collection inside a capture runs the finalizers of whatever dead objects it finds (an
+    earlier engine's graphs and buffers), and a CUDA free among them invalidates the capture.
+    torch stopped collecting at the start of each capture (it is slow for many captures)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 # Every batch shape the runner can capture; a model's ``kernels.graph_shapes`` may name fewer.
 GRAPH_SHAPES = frozenset({"decode", "prompts", "continuations", "windows"})
@@ -177,7 +195,8 @@ class ModelRunner:
             with sharded(self.graph_config.shard):
                 with _phase("warm-up of the eager paths"):
                     self.warm_eager(self.scratch)
-                self._capture()
+                with _no_collection():
+                    self._capture()
         if self.compiled:
             with _phase("CPU decode steps compiled"):
                 self.cpu_programs = DecodePrograms(
@@ -393,18 +412,23 @@ class ModelRunner:
         rg = self.round_graphs
         return rg is not None and rg.covers(len(starts), starts)
 
-    def run_rounds(
+    def launch_rounds(
         self,
         slots: Sequence[int],
         anchors: Sequence[int],
         starts: Sequence[int],
         rooms: Sequence[int],
-    ) -> list[list[int]]:
-        """A whole greedy round per stream (``engine/spec/round.py``): each stream's pending
-        token ``anchors[j]`` at ``starts[j]`` of ``slots[j]``, at most ``rooms[j]`` tokens out.
-        Returns the tokens each emits; its slot and drafter ring are committed already."""
+    ) -> None:
+        """Start a whole greedy round per stream (``engine/spec/round.py``): each stream's
+        pending token ``anchors[j]`` at ``starts[j]`` of ``slots[j]``, at most ``rooms[j]``
+        tokens out; it commits each slot and drafter ring itself. Work queued after it (on the
+        device's stream) sees the committed state; :meth:`collect_rounds` gives its tokens."""
         self._chunks, self._records, self._ran_rows = {}, {}, {}
-        return self.round_graphs.run(slots, anchors, starts, rooms)
+        self.round_graphs.launch(slots, anchors, starts, rooms)
+
+    def collect_rounds(self) -> list[list[int]]:
+        """The tokens each stream of the launched rounds emits, once they are done."""
+        return self.round_graphs.collect()
 
     @lockstep("runner")
     def commit(self, slot: int, path: Sequence[int]) -> None:

@@ -208,9 +208,9 @@ def drafter_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain RMSNorm (the drafter's; no +1)."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    """Plain RMSNorm (the drafter's; no +1), in float32. torch's own: one kernel where it is
+    fused (CUDA), not the six of the written-out form; a drafter forward is launch-bound."""
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
 def _block_mask(
@@ -240,6 +240,23 @@ def _block_mask(
     return allowed, valid[:, 0] | block_cols[:, 0]
 
 
+def _fuse_projections(weights: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """Each layer's q/k/v projections as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
+    (rows stacked in that order; the parts are views of them): one matmul where there were
+    three and two, as a drafter forward is launch-bound. Weights without them pass as they
+    are."""
+    w = dict(weights)
+    for i in range(layers):
+        p = f"layers.{i}."
+        parts = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        if all(k in w for k in parts):
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat([w.pop(k) for k in parts])
+        parts = [p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]
+        if all(k in w for k in parts):
+            w[p + "mlp.gate_up_proj.weight"] = torch.cat([w.pop(k) for k in parts])
+    return w
+
+
 @dataclass
 class DrafterPool:
     """Per slot: the newest ``window`` context keys/values (post-RoPE) of every drafter layer."""
@@ -261,7 +278,7 @@ class DFlashDrafter:
         self, cfg: DrafterConfig, weights: dict[str, torch.Tensor], target: CausalLM
     ) -> None:
         self.cfg = cfg
-        self.w = weights
+        self.w = _fuse_projections(weights, cfg.num_layers)
         self.target = target
         self.device = target.device
         self.dtype = target.dtype
@@ -310,14 +327,30 @@ class DFlashDrafter:
             torch.full((num_slots, window), -1, dtype=torch.int64, device=self.device),
         )
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE over the whole head (the drafter's own, not the target's)."""
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at ``positions`` ``[...]``, as ``[..., 1, head_dim]`` (a heads
+        axis to broadcast over): computed once per forward, shared by every layer's q and k."""
         freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        while cos.dim() < x.dim():
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate-half RoPE over the whole head (the drafter's own, not the target's) of
+        ``x`` ``[..., heads, head_dim]``, with :meth:`_rotation`'s cos and sin."""
+        cos, sin = rotation
         return x * cos + rotate_half(x) * sin
+
+    def _context_kv(
+        self, u: torch.Tensor, i: int, rotation: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s context keys (normed, rotated) and values ``[..., nkv, hd]`` of the
+        fused context rows ``u`` ``[..., H]``: the k and v rows of its qkv projection."""
+        c, p = self.cfg, f"layers.{i}.self_attn."
+        q_rows = c.num_heads * c.head_dim
+        kv = linear(u, self.w[p + "qkv_proj.weight"][q_rows:])
+        k, v = kv.view(*u.shape[:-1], 2 * c.num_kv_heads, c.head_dim).chunk(2, dim=-2)
+        return self._rope(_norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps), rotation), v
 
     @torch.no_grad()
     def add_context(self, pool: DrafterPool, slot: int, features: torch.Tensor, start: int) -> None:
@@ -336,11 +369,9 @@ class DFlashDrafter:
         )
         positions = torch.arange(start, start + n, device=self.device)
         rows = positions % window
+        rotation = self._rotation(positions)
         for i in range(c.num_layers):
-            p = f"layers.{i}.self_attn."
-            k = linear(u, w[p + "k_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
-            k = self._rope(_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps), positions)
-            v = linear(u, w[p + "v_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
+            k, v = self._context_kv(u, i, rotation)
             pool.keys[i, slot][:, rows] = k.transpose(0, 1)
             pool.values[i, slot][:, rows] = v.transpose(0, 1)
         pool.positions[slot, rows] = positions
@@ -366,16 +397,14 @@ class DFlashDrafter:
             linear(features.reshape(n * B, -1).to(self.dtype), w["fc.weight"]),
             w["hidden_norm.weight"],
             c.rms_norm_eps,
-        )
+        ).view(n, B, -1)
         positions = start_t[:, None] + torch.arange(B, device=self.device)  # [n, B]
         rows = positions % pool.window
         slots = slot_t[:, None].expand(n, B)
         new = torch.arange(B, device=self.device)[None, :] < count_t[:, None]  # [n, B]
+        rotation = self._rotation(positions)
         for i in range(c.num_layers):
-            p = f"layers.{i}.self_attn."
-            k = linear(u, w[p + "k_proj.weight"]).view(n, B, c.num_kv_heads, c.head_dim)
-            k = self._rope(_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps), positions)
-            v = linear(u, w[p + "v_proj.weight"]).view(n, B, c.num_kv_heads, c.head_dim)
+            k, v = self._context_kv(u, i, rotation)
             for ring, rows_new in ((pool.keys[i], k), (pool.values[i], v)):
                 # ring[slots, :, rows] is [n, B, nkv, hd]: rows not written keep their value.
                 old = ring[slots, :, rows]
@@ -423,30 +452,32 @@ class DFlashDrafter:
         pos = position_t[:, None] + torch.arange(B, device=dev)
         ctx_pos = pool.positions[slot_t]  # [n, W]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        rotation = self._rotation(pos)
+        masks: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(c.num_layers):
             p = f"layers.{i}."
             a = _norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = linear(a, w[p + "self_attn.q_proj.weight"]).view(n, B, nh, hd)
-            q = self._rope(_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), pos)
-            kb = linear(a, w[p + "self_attn.k_proj.weight"]).view(n, B, nkv, hd)
-            kb = self._rope(_norm(kb, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps), pos)
-            vb = linear(a, w[p + "self_attn.v_proj.weight"]).view(n, B, nkv, hd)
+            qkv = linear(a, w[p + "self_attn.qkv_proj.weight"]).view(n, B, nh + 2 * nkv, hd)
+            q, kb, vb = qkv.split([nh, nkv, nkv], dim=2)
+            q = self._rope(_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), rotation)
+            kb = self._rope(_norm(kb, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps), rotation)
             keys = torch.cat([pool.keys[i][slot_t], kb.transpose(1, 2)], dim=2)  # [n,nkv,W+B,hd]
             values = torch.cat([pool.values[i][slot_t], vb.transpose(1, 2)], dim=2)
-            allowed, readable = _block_mask(ctx_pos, pos, c.causal[i], c.sliding_window[i])
+            kind = (c.causal[i], c.sliding_window[i])
+            if kind not in masks:  # layers of one kind share their mask
+                allowed, readable = _block_mask(ctx_pos, pos, *kind)
+                masks[kind] = (~allowed.repeat(1, nh // nkv, 1)[:, None], ~readable)
+            hidden, unread = masks[kind]  # [n, 1, g*B, W+B], [n, W+B]
             qh = q.permute(0, 2, 1, 3).reshape(n, nkv, (nh // nkv) * B, hd)
             scores = (qh @ keys.transpose(2, 3)).float() * hd**-0.5  # [n, nkv, g*B, W+B]
-            mask = allowed.repeat(1, nh // nkv, 1)[:, None]  # [n, 1, g*B, W+B]
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
             # Empty ring rows may hold anything (NaN included): zero them, 0 * NaN is NaN.
-            values = values.masked_fill(~readable[:, None, :, None], 0)
+            values = values.masked_fill(unread[:, None, :, None], 0)
             o = (probs.to(values.dtype) @ values).view(n, nh, B, hd).permute(0, 2, 1, 3)
             x = x + linear(o.reshape(n, B, nh * hd), w[p + "self_attn.o_proj.weight"])
             h = _norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            x = x + linear(
-                F.silu(linear(h, w[p + "mlp.gate_proj.weight"]))
-                * linear(h, w[p + "mlp.up_proj.weight"]),
-                w[p + "mlp.down_proj.weight"],
-            )
+            gate_up = linear(h.view(n * B, -1), w[p + "mlp.gate_up_proj.weight"])
+            mid = self.target.kernels.silu_mul(gate_up)  # the target's (fused on a GPU)
+            x = x + linear(mid, w[p + "mlp.down_proj.weight"]).view(n, B, -1)
         z = _norm(x[:, 1:], w["norm.weight"], c.rms_norm_eps)
         return self.target.lm_head(z.reshape(n * (B - 1), -1)).view(n, B - 1, -1)

@@ -140,6 +140,16 @@ class Speculator:
             return None
         return dict(zip(jobs, self.propose(list(jobs.values()), plans), strict=True))
 
+    def whole_again(self, streams: int) -> bool:
+        """Whether ``streams`` streams that drafted whole rounds last step (full chains, their
+        features in the rings) draft them again now: always in "chain" mode; in "auto" as the
+        planner says for this step (asked as :meth:`drafts` would)."""
+        if self.mode == "chain":
+            return True
+        if self.mode != "auto" or not self.worth_drafting():
+            return False
+        return all(self.plan(self.block) == ("chain", self.block - 1) for _ in range(streams))
+
     def _flush(self, job: DraftJob) -> None:
         """Hand the job's queued features to its ring."""
         features, start = job.features.take()
