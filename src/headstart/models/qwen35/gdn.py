@@ -202,6 +202,7 @@ class GatedDeltaNet:
             self._record_windows(r, wd, records)
         kept = torch.zeros(n, dtype=torch.bool, device=r.mixed.device)  # no window is fresh
         p = f"layers.{r.i}.linear_attn."
+        outs = []
         for t in range(W):
             col = wd.columns[t]
             y = m.kernels.conv_step_rows(r.mixed, col, r.conv_w, r.tails, wd.slots, kept)
@@ -216,17 +217,22 @@ class GatedDeltaNet:
                 kept,
                 r.states,
             )
-            r.core[col] = o.to(r.core.dtype)
+            outs.append(o)
+        # Written once, not step by step: a window graph is launch-bound (W copies fewer).
+        r.core[wd.columns.reshape(-1)] = torch.stack(outs).flatten(0, 1).to(r.core.dtype)
 
     def _record_windows(self, r: _Rows, wd, records: dict[int, GDNRecord]) -> None:
         """What a rollback replays, per window: into the shared buffers (graphs), kept as
         views, or as gathered copies."""
         n, W = wd.rows.shape
         flat = wd.rows.reshape(-1)
-        tail0, state0 = r.tails[wd.slots], r.states[wd.slots]  # gathers: copies
-        mixed_w, g_w, beta_w = (t[flat].view(n, W, -1) for t in (r.mixed, r.g, r.beta))
+        sources = ((r.tails, wd.slots), (r.states, wd.slots), (r.mixed, flat), (r.g, flat))
+        sources += ((r.beta, flat),)
         buf = wd.records
-        if buf is not None:
+        if buf is None:  # gathers: copies
+            tail0, state0, mixed_w, g_w, beta_w = (t[i] for t, i in sources)
+            mixed_w, g_w, beta_w = (t.view(n, W, -1) for t in (mixed_w, g_w, beta_w))
+        else:
             li = self.m.state_index[r.i]
             parts = (
                 buf.tail[li, :n],
@@ -235,8 +241,11 @@ class GatedDeltaNet:
                 buf.g[li, :n, :W],
                 buf.beta[li, :n, :W],
             )
-            for dst, src in zip(parts, (tail0, state0, mixed_w, g_w, beta_w), strict=True):
-                dst.copy_(src)
+            for dst, (src, index) in zip(parts, sources, strict=True):
+                if dst.is_contiguous():  # gathered straight into the buffer: one copy
+                    torch.index_select(src, 0, index, out=dst.view(-1, *src.shape[1:]))
+                else:
+                    dst.copy_(src[index].view(dst.shape))
             tail0, state0, mixed_w, g_w, beta_w = parts
         for j in range(n):
             records[j].layers[r.i] = (tail0[j], state0[j], mixed_w[j], g_w[j], beta_w[j])
