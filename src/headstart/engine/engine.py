@@ -295,7 +295,7 @@ class Engine:
             jobs = {j: self._live[w.seq.id].draft_job(w, self.context) for j, w in enumerate(work)}
             drafts = self.spec.drafts(
                 {j: job for j, job in jobs.items() if job is not None},
-                whole=self._whole_rounds_fit(work, jobs),
+                whole=lambda: self._whole_rounds_fit(work, jobs),
             )
             if drafts is None:  # every stream drafts a full chain, as whole device rounds
                 self._whole_rounds(work, [jobs[j] for j in range(len(work))], began)
@@ -340,11 +340,11 @@ class Engine:
 
     def _whole_rounds_fit(self, work: list[Work], jobs: dict[int, DraftJob | None]) -> bool:
         """Whether this step can run as whole device rounds (engine/spec/round.py): every row
-        a drafting stream's decoding row with room for a full block, judged by the argmax of
-        its logits alone, and a round graph that holds them."""
-        block = self.spec.block
+        a drafting stream's decoding row with room for two tokens or more (a round emits at
+        most its room), judged by the argmax of its logits alone, and a round graph that
+        holds them."""
         return (
-            all(job is not None and job.room >= block for job in jobs.values())
+            all(job is not None and job.room >= 2 for job in jobs.values())
             and all(device_greedy(self._live[w.seq.id].req.params) for w in work)
             and self.runner.rounds_fit([w.start for w in work])
         )
@@ -370,8 +370,8 @@ class Engine:
         said = self.runner.collect_rounds()
         done = time.perf_counter()
         self._ahead = self._launch_next(rounds, said, done) if launch else None
-        for (live, start, _), tokens in zip(rounds.streams, said, strict=True):
-            self.spec.observe_whole(len(tokens))
+        for (live, start, room), tokens in zip(rounds.streams, said, strict=True):
+            self.spec.observe_whole(len(tokens), room)
             if self._live.get(live.req.id) is live:  # not ended since the launch
                 self._per_request(self._settle_whole, live, start, tokens)
         # Launched ahead, a round costs the time between two read-backs; else its whole step.
@@ -382,9 +382,8 @@ class Engine:
         """Launch every stream's next whole round before this one's tokens are delivered, and
         return it, when the next step would be exactly that: nothing waits to be admitted or
         commanded, and no stream can end on these tokens (no stop token among them, no stop
-        strings, room left for a full block). Otherwise None: the next step is planned as
-        usual, from a settled state."""
-        block = self.spec.block
+        strings, room left for two more). Otherwise None: the next step is planned as usual,
+        from a settled state."""
         if self._inbox.pending or self.scheduler.num_waiting:
             return None
         streams = []
@@ -394,7 +393,7 @@ class Engine:
                 self._live.get(live.req.id) is not live
                 or live.req.params.stop
                 or any(t in out.stop_ids for t in tokens)
-                or room - len(tokens) < block
+                or room - len(tokens) < 2
             ):
                 return None
             streams.append((live, start + len(tokens), room - len(tokens)))

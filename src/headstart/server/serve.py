@@ -255,6 +255,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "decode steps instead of 6.6)",
     )
     p.add_argument(
+        "--round-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with window graphs, run a greedy stream's whole round (proposal, window, "
+        "verdict, rollback) as one CUDA graph replay, the next launched before this one's "
+        "tokens are delivered (the default model on an H200: 1.22 ms a round instead of "
+        "several replays and read-backs)",
+    )
+    p.add_argument(
         "--continuation-graphs",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -817,6 +826,7 @@ def _serve_loaded(
             prefill_tokens=args.prefill_graph_tokens,
             prefill_rows=args.prefill_graph_rows or max(budget, args.prefill_graph_tokens),
             windows=args.window_graphs,
+            rounds=args.round_graphs,
             continuations=args.continuation_graphs,
             continuation_tokens=args.continuation_graph_tokens,
             shard=getattr(args, "warm_shard", None),

@@ -124,31 +124,36 @@ class Speculator:
     def reset(self, slot: int) -> None:
         self.pool.reset(slot)
 
-    def drafts(self, jobs: Mapping[K, DraftJob], whole: bool = False) -> dict[K, Draft] | None:
+    def drafts(
+        self, jobs: Mapping[K, DraftJob], whole: Callable[[], bool] | None = None
+    ) -> dict[K, Draft] | None:
         """Drafts, by key, for the jobs whose stream may emit two tokens or more, when this
         step drafts at all (see :meth:`worth_drafting`); a step that does not draft leaves
-        every queue of features for the next one that does. ``whole``: the engine can run this
-        step as whole device rounds (engine/spec/round.py); then None when every job drafts a
-        full chain, their queued features already in the rings."""
+        every queue of features for the next one that does. ``whole()``: whether the engine can
+        run this step as whole device rounds (engine/spec/round.py), asked only when the step
+        drafts; then None when every job drafts a chain (as a full block, cut at its room),
+        their queued features already in the rings."""
         jobs = {k: job for k, job in jobs.items() if min(self.block, job.room) >= 2}
         if not jobs or not self.worth_drafting():
             return {}
         plans = [self.plan(min(self.block, job.room)) for job in jobs.values()]
-        if whole and all(p == ("chain", self.block - 1) for p in plans):
+        # A whole round drafts a full block and emits at most the stream's room: every chain
+        # takes one (rows past a shorter chain cost nothing more in one replay).
+        if whole is not None and all(mode == "chain" for mode, _ in plans) and whole():
             for job in jobs.values():
                 self._flush(job)
             return None
         return dict(zip(jobs, self.propose(list(jobs.values()), plans), strict=True))
 
     def whole_again(self, streams: int) -> bool:
-        """Whether ``streams`` streams that drafted whole rounds last step (full chains, their
-        features in the rings) draft them again now: always in "chain" mode; in "auto" as the
+        """Whether ``streams`` streams that drafted whole rounds last step (their features in
+        the rings) draft them again now: always in "chain" mode; in "auto" as the
         planner says for this step (asked as :meth:`drafts` would)."""
         if self.mode == "chain":
             return True
         if self.mode != "auto" or not self.worth_drafting():
             return False
-        return all(self.plan(self.block) == ("chain", self.block - 1) for _ in range(streams))
+        return all(self.plan(self.block)[0] == "chain" for _ in range(streams))
 
     def _flush(self, job: DraftJob) -> None:
         """Hand the job's queued features to its ring."""
@@ -231,9 +236,10 @@ class Speculator:
         self.observe(draft, verdict)
         return verdict, path
 
-    def observe_whole(self, emitted: int) -> None:
-        """A whole device round (a full chain) that emitted ``emitted`` tokens."""
-        self._count(self.block - 1, emitted - 1, None)
+    def observe_whole(self, emitted: int, room: int) -> None:
+        """A whole device round that emitted ``emitted`` tokens of a stream's ``room``: counted
+        as the chain it stands for, of the drafts that room could take."""
+        self._count(min(self.block, room) - 1, emitted - 1, None)
 
     def observe(self, draft: Draft, verdict: Verdict) -> None:
         self._count(len(draft.tokens), verdict.accepted, draft.parents)
