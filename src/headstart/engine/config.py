@@ -93,9 +93,9 @@ class GraphConfig:
     proposals, chain verify windows and rollbacks; ``rounds``: with those, also whole greedy
     rounds (proposal, window, verdict and commit in one replay: engine/spec/round.py);
     ``continuations``: continued prefill chunks of up to ``continuation_tokens`` tokens.
-    ``shard`` (i, n): warm up and capture only every
-    n-th shape from the i-th, in the order the start-up takes them (a compile-ahead process,
-    one of n that share the work; its engine never serves)."""
+    ``shard`` (i, n): warm up and capture only every n-th shape from the i-th, in the order
+    the start-up takes them (a compile-ahead process, one of n that share the work; its engine
+    never serves)."""
 
     enabled: bool | None = None
     capture: bool = True

@@ -297,7 +297,7 @@ class Engine:
                 {j: job for j, job in jobs.items() if job is not None},
                 whole=lambda: self._whole_rounds_fit(work, jobs),
             )
-            if drafts is None:  # every stream drafts a full chain, as whole device rounds
+            if drafts is None:  # every stream drafts a chain, as whole device rounds
                 self._whole_rounds(work, [jobs[j] for j in range(len(work))], began)
                 return
         taps = any(self._live[w.seq.id].features is not None for w in work)  # a drafting stream
