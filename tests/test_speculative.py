@@ -349,6 +349,26 @@ def test_planner_drafts_only_while_rounds_beat_plain_steps():
     assert all(p.worth_drafting() for _ in range(5))
 
 
+def test_planner_weighs_a_full_chain_at_the_whole_round_cost():
+    """With whole device rounds measured (a full chain of 3 drafts for 1.5, against host rounds
+    of a window of 2 to 4 rows at 2.6 to 3.0 plus the drafter's 0.5), the full chain is weighed
+    at the round's cost: at 3 expected tokens a round it beats a plain step of 1.0 and every
+    host chain; its modelled cost is the round's. Without the round cost the same acceptance
+    does not pay."""
+    from headstart.engine.spec.planner import SpecPlanner
+
+    costs = {1: 1.0, 2: 2.6, 3: 2.8, 4: 3.0}
+    whole = SpecPlanner(4, costs, None, draft_cost=0.5, recheck=1000, round_cost=1.5)
+    host = SpecPlanner(4, costs, None, draft_cost=0.5, recheck=1000)
+    for p in (whole, host):
+        for _ in range(60):
+            p.observe_chain(3, 2)  # two of three drafts accepted, every round
+    assert abs(whole.expected_chain(3) - 3.0) < 0.01
+    assert whole.worth_drafting() and whole.choose(4) == ("chain", 3)
+    assert whole._modelled == 1.5
+    assert not host.worth_drafting()
+
+
 def test_planner_counts_what_a_round_costs_beyond_its_windows():
     """Windows and the drafter measured cheap (a two-draft round modelled at 1.3 against a plain
     step of 1.0, three tokens a round): drafting pays on paper. When drafting steps take 4.0 on
