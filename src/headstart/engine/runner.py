@@ -408,7 +408,7 @@ class ModelRunner:
 
     def rounds_fit(self, starts: Sequence[int]) -> bool:
         """Whether streams with pending tokens at ``starts`` can take a whole greedy round
-        from one graph replay (:meth:`run_rounds`)."""
+        from one graph replay (:meth:`launch_rounds`)."""
         rg = self.round_graphs
         return rg is not None and rg.covers(len(starts), starts)
 

@@ -35,9 +35,9 @@ class SpecPlanner:
         round_cost: float | None = None,
     ) -> None:
         """``draft_cost``: one drafter forward (paid by every round, chain or tree);
-        ``costs[1]``: one plain decode step; ``round_cost``: a whole device round of a full
-        chain (engine/spec/round.py: drafter, window and commit in one replay), which replaces
-        the full chain's window and drafter costs when the engine has such rounds.
+        ``costs[1]``: one plain decode step; ``round_cost``: a whole device round
+        (engine/spec/round.py: drafter, window and commit in one replay, always a full block),
+        which replaces every chain's window and drafter costs when the engine has such rounds.
         ``recheck``: while drafting does not pay, draft anyway after this many steps so the
         acceptance estimates can recover; the wait doubles after each recheck that changes
         nothing, up to 8x."""
@@ -67,8 +67,8 @@ class SpecPlanner:
 
     def _chain_cost(self, depth: int) -> float | None:
         """A chain round of ``depth`` drafts: its window and the drafter forward, or a whole
-        device round for a full chain (None: not measured)."""
-        if depth == self.block - 1 and self.round_cost is not None:
+        device round, which drafts a full block whatever the depth (None: not measured)."""
+        if self.round_cost is not None:
             return self.round_cost
         cost = self.costs.get(depth + 1)
         return cost + self.draft_cost if cost else None
@@ -79,7 +79,7 @@ class SpecPlanner:
             cost = self._chain_cost(depth)
             if cost:
                 rate = self.expected_chain(depth) / (cost + self.overhead)
-                if rate > best_rate:
+                if rate >= best_rate:  # on a tie the deeper chain (whole rounds: same cost)
                     best_depth, best_rate = depth, rate
         return best_depth, best_rate
 

@@ -21,7 +21,7 @@ import torch
 
 from headstart.models.qwen35.config import ModelConfig
 from headstart.models.qwen35.parts import ModelParts
-from headstart.ops.conv.reference import causal_conv, causal_conv_step
+from headstart.ops.conv.reference import causal_conv, causal_conv_step, causal_conv_upto_each
 from headstart.ops.gated_delta.reference import (
     chunked_gated_delta,
     gated_delta_step,
@@ -271,21 +271,16 @@ def rollback_windows(
     cfg = model.cfg
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    n, dev = slots.shape[0], pool.conv.device
-    kept = torch.arange(width, device=dev)[None, :] < keep[:, None]  # [n, W]
+    n = slots.shape[0]
+    kept = torch.arange(width, device=keep.device)[None, :] < keep[:, None]  # [n, W]
     for i in cfg.linear_layers:
         li = model.state_index[i]
-        conv_w = model.w[f"layers.{i}.linear_attn.conv1d.weight"]
-        mixed = records.mixed[li, :n, :width]  # [n, W, C]
-        k1 = records.tail.shape[-1]
-        window = torch.cat([records.tail[li, :n].to(mixed.dtype), mixed.transpose(1, 2)], dim=2)
-        y = torch.nn.functional.conv1d(
-            window, conv_w.to(mixed.dtype).unsqueeze(1), groups=window.shape[1]
-        )  # [n, C, W]
-        y = torch.nn.functional.silu(y).transpose(1, 2)
-        # Column K-1+r holds row r: the K-1 columns ending at row keep-1 start at column keep.
-        cols = (keep[:, None] + torch.arange(k1, device=dev))[:, None, :]
-        tail = window.gather(2, cols.expand(n, window.shape[1], k1))
+        y, tail = causal_conv_upto_each(
+            records.mixed[li, :n, :width],
+            records.tail[li, :n],
+            model.w[f"layers.{i}.linear_attn.conv1d.weight"],
+            keep,
+        )
         pool.conv[li].index_copy_(0, slots, tail.to(pool.conv.dtype))
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         g = torch.where(kept[..., None], records.g[li, :n, :width], 0.0)
@@ -295,7 +290,7 @@ def rollback_windows(
             k.reshape(n, width, Hk, Dk),
             v.reshape(n, width, Hv, Dv),
             g,
-            beta.to(records.beta.dtype),
+            beta,
             slots,
             pool.recurrent[li],
             initial=records.state[li, :n],

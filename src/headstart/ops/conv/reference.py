@@ -31,12 +31,23 @@ def causal_conv_upto(
     ``length`` (a [1] tensor, >= 1) of x's. Tensor ops only (graph-capturable). Returns
     (silu(conv) [T, C], the tail [C, K-1] ending at the last real row). Padding rows come out
     as garbage; the real rows never see them (the convolution is causal)."""
-    k1 = tail.shape[1]
-    window = torch.cat([tail.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
-    y = F.conv1d(window.unsqueeze(0), weight.to(x.dtype).unsqueeze(1), groups=x.shape[1])[0]
+    y, new_tail = causal_conv_upto_each(x[None], tail[None], weight, length)
+    return y[0], new_tail[0]
+
+
+def causal_conv_upto_each(
+    x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv_upto` of ``n`` sequences at once, each from its own tail: x [n, T, C],
+    tails [n, C, K-1], lengths [n] (each >= 1). Returns (silu(conv) [n, T, C], the tails
+    [n, C, K-1] ending at each sequence's last real row)."""
+    n, k1 = x.shape[0], tails.shape[-1]
+    window = torch.cat([tails.to(x.dtype), x.transpose(1, 2)], dim=2)  # [n, C, K-1+T]
+    y = F.conv1d(window, weight.to(x.dtype).unsqueeze(1), groups=x.shape[2])
     # Column K-1+i holds row i, so the K-1 columns ending at row length-1 start at `length`.
-    new_tail = window.index_select(1, length + torch.arange(k1, device=x.device))
-    return F.silu(y).transpose(0, 1), new_tail
+    cols = (lengths[:, None] + torch.arange(k1, device=x.device))[:, None, :]
+    new_tails = window.gather(2, cols.expand(n, window.shape[1], k1))
+    return F.silu(y).transpose(1, 2), new_tails
 
 
 def conv_spans_plan(lengths: list[int], k1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
