@@ -225,6 +225,7 @@ class OracleDrafter(DFlashDrafter):
         anchor_t: torch.Tensor,
         position_t: torch.Tensor,
         block: int,
+        rows: int | None = None,
     ) -> torch.Tensor:
         """Logits ``[n, block - 1, target vocab]``, -inf but 0 at each draft (see the class);
         device ops only, as draft graphs capture this."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import tiny
 import torch
-from engine_helpers import Collector
+from engine_helpers import Collector, PartOracle
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.config import EngineConfig, SchedulingConfig
@@ -238,6 +238,57 @@ def test_compiled_windows_equal_the_eager_forward(ckpt, request):
     assert progs.run_window(tuple(range(9)), 0, 0) is None  # wider than every window
 
 
+@pytest.mark.parametrize("ckpt", ["q4_tied", "f32_untied"])
+def test_compiled_verify_windows_equal_the_eager_window_and_its_rollback(ckpt, request):
+    """A chain verify window of one stream from a compiled verify program (its padding rows
+    past the window), committed to each kept length: every row's logits and taps as the eager
+    recorded window gives them, and the slot's state (conv tails, recurrent states, keys and
+    values of the kept rows) as the eager window rolled back to that length leaves it; the
+    fixed-size state is untouched until the commit, and a new step forgets an uncommitted
+    window."""
+    model = Qwen35Model.load(request.getfixturevalue(ckpt))
+    pool, lengths = _prefilled(model, 2)
+    taps = TAPS[ckpt]
+    progs = DecodePrograms(model, pool, 1, scratch_slot=2, widths=(), taps=taps, verify=(4,))
+    assert progs.complete and sorted(progs.verifiers) == [4]
+    start = {k: t.clone() for k, t in pool.tensors.items()}
+    per_token = {g.name for g in pool.groups if g.per_token}
+    for slot, n, keep in [(0, 4, 1), (0, 4, 3), (1, 4, 4), (1, 2, 2), (0, 3, 1), (1, 3, 2)]:
+        at = lengths[slot]
+        tokens = tuple(range(30 + n, 30 + 2 * n))
+        for k, t in pool.tensors.items():
+            t.copy_(start[k])
+        ref = model.forward_ex(
+            ForwardBatch.build([SeqChunk(slot, at, tokens, n, record=True)]), pool, taps
+        )
+        if keep < n:
+            model.rollback(pool, slot, ref.records[slot], keep)
+        after = {k: t[:, slot].clone() for k, t in pool.tensors.items()}
+        for k, t in pool.tensors.items():
+            t.copy_(start[k])
+        got = progs.run_verify(tokens, at, slot)
+        case = (slot, n, keep)
+        assert got is not None and got.logits.shape == ref.logits.shape == (n, model.cfg.vocab_size)
+        assert rel_err(got.logits, ref.logits) < 1e-5, case
+        if taps:
+            assert got.taps.shape == ref.taps.shape and rel_err(got.taps, ref.taps) < 1e-5, case
+        for k in set(start) - per_token:  # nothing committed yet
+            assert torch.equal(pool[k], start[k]), (case, k)
+        assert progs.verified(slot) and not progs.verified(1 - slot)
+        progs.commit(slot, keep)
+        assert not progs.verified(slot)
+        for k, t in pool.tensors.items():
+            mine, want = t[:, slot], after[k]
+            if k in per_token:  # the kept rows (the others are never read)
+                mine, want = mine[:, :, : at + keep], want[:, :, : at + keep]
+            assert rel_err(mine, want) < 1e-5, (case, k)
+    progs.run_verify((1, 2), lengths[0], 0)
+    progs.forget()
+    assert not progs.verified(0)
+    assert progs.run_verify((1, 2, 3), pool.max_tokens - 3, 0) is None  # 4 rows would pass it
+    assert progs.run_verify(tuple(range(5)), 0, 0) is None  # wider than every program
+
+
 def test_the_engine_decodes_from_compiled_programs_as_eagerly(q4_tied, engines):
     """Greedy tokens of three requests on two slots, with compiled decode steps and without."""
     model = Qwen35Model.load(q4_tied)
@@ -338,7 +389,8 @@ def test_cpu_decode_attention_matches_the_reference(path, hd, monkeypatch):
 def test_a_drafting_engine_steps_from_compiled_programs(f32_untied, tmp_path, engines):
     """With a drafter the compiled programs return the tapped features too, so a drafting
     stream's plain steps and prompt chunks run compiled (before, any step that wanted taps ran
-    eagerly); greedy tokens with drafts equal those without, compiled or eager."""
+    eagerly), and its verify windows run from verify programs; greedy tokens with drafts
+    equal those without, compiled or eager."""
     from transformers import Qwen3_5TextConfig
 
     from headstart.engine.config import SpecConfig
@@ -346,32 +398,38 @@ def test_a_drafting_engine_steps_from_compiled_programs(f32_untied, tmp_path, en
 
     model = Qwen35Model.load(f32_untied)
     shape = Qwen3_5TextConfig.from_pretrained(f32_untied)
-    drafter_dir = tiny.save_drafter(tmp_path / "d", shape, taps=[0, 2], block=4)
+    drafter_dir = tiny.save_drafter(tmp_path / "d", shape, taps=[0, 2], block=5)
     tokenizer = tiny.small_tokenizer(model.cfg.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    prompts = [[3, 9, 27, 8, 1], [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[3, 9, 27, 8, 1], [5, 6, 7], [11, 2, 4, 9]]
 
     def tokens(compiled: bool, drafter: bool) -> list[list[int]]:
         config = EngineConfig(
             1, 48, cpu_programs=compiled, spec=SpecConfig(mode="chain" if drafter else "auto")
         )
-        d = DFlashDrafter.load(drafter_dir, model) if drafter else None
+        # Right for every length of prefix: rounds keep every length of window.
+        d = PartOracle(DFlashDrafter.load(drafter_dir, model), salt=5) if drafter else None
         engine = engines(model, tokenizer, (), config, drafter=d)
+        if d is not None:
+            d.engine = engine
         programs = engine.runner.cpu_programs
         if compiled:
             assert programs is not None and programs.taps == ((0, 2) if drafter else ())
-            ran = []
-            run, run_window = programs.run, programs.run_window
+            assert sorted(programs.verifiers) == ([4, 5] if drafter else [])
+            ran, kept = [], []
+            run, run_window, commit = programs.run, programs.run_window, programs.commit
             programs.run = lambda *a: ran.append("decode") or run(*a)
             programs.run_window = lambda *a: ran.append("window") or run_window(*a)
+            programs.commit = lambda slot, keep: kept.append(keep) or commit(slot, keep)
         out = []
         for i, ids in enumerate(prompts):
             c = Collector()
-            engine.submit(EngineRequest(f"r{i}", ids, params, 10, c))
+            engine.submit(EngineRequest(f"r{i}", ids, params, 30, c))
             assert c.done.wait(120) and isinstance(c.events[-1], Finish)
             out.append([e.token_id for e in c.events if isinstance(e, Piece)])
-        if compiled and drafter:
-            assert "window" in ran and engine.stats()["spec_rounds"] > 0
+        if compiled and drafter:  # verify windows from programs, of every kept length
+            assert "window" in ran and set(kept) == {1, 2, 3, 4, 5}
+            assert engine.stats()["spec_rounds"] == len(kept)
         return out
 
     plain = tokens(False, False)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import tiny
 import torch
-from engine_helpers import Collector
+from engine_helpers import Collector, PartOracle
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.config import (
@@ -353,35 +353,6 @@ def test_ring_rows_from_device_counts_equal_adding_them_one_stream_at_a_time(tar
     )
     for name in ("keys", "values", "positions"):
         torch.testing.assert_close(getattr(rings[1], name), getattr(rings[0], name))
-
-
-class PartOracle(DFlashDrafter):
-    """Proposes the target's greedy continuation, cut short: from a depth drawn from the
-    anchor's position (0 .. block - 1) on, the drafts are wrong, so rounds accept every
-    length. Overrides the device form (``propose_from``), which whole rounds run; only with
-    graphs emulated."""
-
-    def __init__(self, real: DFlashDrafter, engine=None):
-        self.__dict__.update(real.__dict__)
-        self.engine = engine
-
-    def propose_from(self, pool, slot_t, anchor_t, position_t, block):
-        from headstart.generate import greedy_tokens
-
-        vocab = self.target.cfg.vocab_size
-        out = torch.zeros(slot_t.shape[0], block - 1, vocab)
-        seqs = {s.slot: s for s in self.engine.scheduler.running} if self.engine else {}
-        for n, (slot, position) in enumerate(
-            zip(slot_t.tolist(), position_t.tolist(), strict=True)
-        ):
-            seq = seqs.get(slot)
-            if seq is None:  # padding, or start-up's measurement
-                continue
-            cont = greedy_tokens(self.target, seq.prompt + seq.output, block - 1)
-            cut = (position * 37 + 11) % 97 % block
-            for d, t in enumerate(cont):
-                out[n, d, t if d < cut else (t + 1) % 150] = 1.0
-        return out
 
 
 @pytest.mark.slow

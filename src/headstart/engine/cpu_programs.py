@@ -25,6 +25,12 @@ prompt, a chat prompt's tail after its snapshot boundary, a short new turn) runs
 program of the same function at a width of several rows (``decode_step.py``), its last rows
 padding past the chunk's end. Eager, a chunk pays the forward's fixed dispatch: a chat
 prompt's 4-token tail cost 6.5 ms after 17.8 ms for its first 63 tokens (BENCHMARKS.md).
+
+Verify windows: with a drafter, a speculative chain window of one stream (the pending token
+and its drafts) runs from a program that returns every row's logits and the state after
+each row (``decode_step.py``'s ``every_row``), and writes no fixed-size state: committing the
+accepted rows (:meth:`DecodePrograms.commit`) copies the state after the last of them, where
+the eager window records its inputs and replays the kept rows (several milliseconds here).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ __all__ = [
     "DecodePrograms",
     "cache_key",
     "offered",
+    "verify_widths",
     "warm",
     "warm_in_background",
 ]
@@ -61,6 +68,13 @@ log = logging.getLogger("headstart.engine")
 #: costs start-up time (loaded from inductor's cache: 1.9 s at 4 rows, 4.2 at 16, 7.6 s for 32
 #: and 64 together here), so there are few.
 WINDOW_WIDTHS = (4, 8, 16, 32, 64)
+
+
+def verify_widths(block: int) -> tuple[int, ...]:
+    """The verify programs for a drafter of ``block``: a full block's window, and one of 4 rows
+    for the shorter chains the planner picks where window rows are dear (a CPU's: every row
+    costs about a quarter of a decode step, BENCHMARKS.md); each costs start-up time."""
+    return tuple(sorted({w for w in (min(4, block), block) if w >= 2}))
 
 
 def offered(model: CausalLM) -> bool:
@@ -78,7 +92,7 @@ class DecodePrograms:
     windows (:data:`WINDOW_WIDTHS`), all compiled when it is made (see the module docstring);
     a program that fails to compile and those after it stay eager. With ``taps`` (a drafter's
     target layers) every program also returns its rows' tapped features, so that a drafting
-    stream's steps run compiled too."""
+    stream's steps run compiled too; ``verify``: the widths of one-stream verify windows."""
 
     def __init__(
         self,
@@ -88,6 +102,7 @@ class DecodePrograms:
         scratch_slot: int,
         widths: Sequence[int] = WINDOW_WIDTHS,
         taps: Sequence[int] = (),
+        verify: Sequence[int] = (),
     ) -> None:
         from headstart.ops import native
 
@@ -98,18 +113,25 @@ class DecodePrograms:
         self.step, self.weights = model.decode_program(taps=self.taps)
         self.ready: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {}
         self.windows: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {}
-        shapes = [(b, 1) for b in buckets_for(max_streams)]
-        shapes += [(1, w) for w in widths if w < pool.max_tokens]
+        self.verifiers: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {}
+        # Of the verify window run last, per slot: the fixed-size state after each of its rows
+        # (by group, [layers, width, ...]), until commit() keeps one of them.
+        self._rows: dict[int, list[torch.Tensor]] = {}
+        shapes = [(b, 1, False) for b in buckets_for(max_streams)]
+        shapes += [(1, w, False) for w in widths if w < pool.max_tokens]
+        shapes += [(1, w, True) for w in sorted(set(verify)) if 2 <= w < pool.max_tokens]
         self.complete = False  # every program compiled
         with progress("compiling CPU decode steps", len(shapes)) as tick:
-            for n, width in shapes:
+            for n, width, every_row in shapes:
                 started = time.monotonic()
                 try:
-                    program = self._compile(n, width)
+                    program = self._compile(n, width, every_row)
                 except Exception:  # eager steps instead: slower, never wrong
                     log.exception("compiling the CPU step of %d x %d rows failed", n, width)
                     return
-                if width == 1:
+                if every_row:
+                    self.verifiers[width] = program
+                elif width == 1:
                     self.ready[n] = program
                 else:
                     self.windows[width] = program
@@ -130,7 +152,9 @@ class DecodePrograms:
     def _groups(self) -> list[torch.Tensor]:
         return [self.pool[g.name] for g in self.pool.groups]
 
-    def _compile(self, n: int, width: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def _compile(
+        self, n: int, width: int, every_row: bool = False
+    ) -> Callable[..., tuple[torch.Tensor, ...]]:
         from torch._guards import TracingContext, tracing
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
@@ -142,7 +166,10 @@ class DecodePrograms:
         # here (2 cores), not faster.
         inductor_config.compile_threads = 1
         inputs = self._inputs(n, width)
-        step = self.step if width == 1 else self.model.decode_program(width, self.taps)[0]
+        if width == 1:
+            step = self.step
+        else:
+            step = self.model.decode_program(width, self.taps, every_row)[0]
         # Fake tensors: tracing computes nothing and writes nothing into the pool.
         traced = make_fx(step, tracing_mode="fake")(*inputs)
         # A tracing context with a shape environment, as Dynamo would give: inductor's graph
@@ -192,6 +219,43 @@ class DecodePrograms:
         self._write_back(sl[:1], out[1 : 1 + len(self.fixed)])
         return ForwardOutput(out[0], out[-1][: len(tokens)] if self.taps else None, {})
 
+    def verify_width(self, tokens: int) -> int | None:
+        """The narrowest compiled verify window of at least ``tokens`` rows (None: none)."""
+        return min((w for w in self.verifiers if w >= tokens), default=None)
+
+    def run_verify(self, tokens: Sequence[int], start: int, slot: int) -> ForwardOutput | None:
+        """A chain verify window, ``tokens`` at ``start..`` of ``slot``, from a compiled
+        verify program: every row's logits (and taps), keys and values written, the slot's
+        fixed-size state left as it was until :meth:`commit`. None when no program is ready
+        for it or its padding would run past the slot's rows."""
+        w = self.verify_width(len(tokens))
+        if w is None or start + w > self.pool.max_tokens:
+            return None
+        n = len(tokens)
+        ids = torch.tensor([*tokens, *(0,) * (w - n)], dtype=torch.int64)
+        pos = torch.arange(start, start + w, dtype=torch.int64)
+        sl = torch.full((w,), slot, dtype=torch.int64)
+        fresh = torch.tensor([start == 0])
+        lengths = torch.tensor([n], dtype=torch.int64)
+        out = self.verifiers[w](ids, pos, sl, fresh, lengths, *self._groups(), *self.weights)
+        self._rows[slot] = [rows[:, 0] for rows in out[1 : 1 + len(self.fixed)]]
+        return ForwardOutput(out[0][:n], out[-1][:n] if self.taps else None, {})
+
+    def forget(self) -> None:
+        """Drop what uncommitted verify windows left (a new step begins: none awaits)."""
+        self._rows.clear()
+
+    def verified(self, slot: int) -> bool:
+        """Whether ``slot``'s last window ran from a verify program and awaits its commit."""
+        return slot in self._rows
+
+    def commit(self, slot: int, keep: int) -> None:
+        """Give ``slot`` the state after the first ``keep`` rows of its verify window (the
+        anchor and the accepted drafts)."""
+        rows = self._rows.pop(slot)
+        for name, after in zip(self.fixed, rows, strict=True):
+            self.pool[name][:, slot] = after[:, keep - 1]
+
     def _write_back(self, slots: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
         for name, new in zip(self.fixed, rows, strict=True):
             self.pool[name][:, slots] = new
@@ -223,7 +287,8 @@ def marker(key: str) -> Path:
 
 def cache_key(load_args: dict[str, str], slots: int, context: int) -> str:
     """What a model's compiled steps depend on: how it was loaded (``load_args``: the model's
-    folder and loading options, and ``taps``, the drafter's target layers, as
+    folder and loading options, ``taps``, the drafter's target layers, and ``verify``, its
+    verify windows' widths, as
     :func:`warm_in_background` passes them on), its config, the pool's shape, torch and the
     sources above."""
     root = Path(__file__).resolve().parent.parent

@@ -27,12 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, required=True)
     ap.add_argument("--marker", type=Path, required=True, help="the file to leave when done")
     ap.add_argument("--taps", default="", help="a drafter's target layers, e.g. 2,4,6")
+    ap.add_argument("--verify", default="", help="its verify windows' widths, e.g. 4,8")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     loaded = load(args.model, "cpu", args.dtype, args.kernels, args.load_format)
     pool = loaded.model.new_state_pool(args.slots + 1, args.context)  # + the scratch slot
     taps = tuple(int(t) for t in args.taps.split(",") if t)
-    programs = DecodePrograms(loaded.model, pool, args.slots, args.slots, taps=taps)
+    verify = tuple(int(w) for w in args.verify.split(",") if w)
+    programs = DecodePrograms(loaded.model, pool, args.slots, args.slots, taps=taps, verify=verify)
     if not programs.complete:
         return 1
     args.marker.parent.mkdir(parents=True, exist_ok=True)

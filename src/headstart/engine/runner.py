@@ -23,7 +23,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.engine.config import EngineConfig
-from headstart.engine.cpu_programs import DecodePrograms, offered
+from headstart.engine.cpu_programs import DecodePrograms, offered, verify_widths
 from headstart.engine.scheduler import Work
 from headstart.engine.spec.proposal import Speculator
 from headstart.engine.spec.verification import Draft
@@ -200,7 +200,12 @@ class ModelRunner:
         if self.compiled:
             with _phase("CPU decode steps compiled"):
                 self.cpu_programs = DecodePrograms(
-                    self.model, self.pool, self.num_slots, self.scratch, taps=self.taps
+                    self.model,
+                    self.pool,
+                    self.num_slots,
+                    self.scratch,
+                    taps=self.taps,
+                    verify=verify_widths(self.spec.block) if self.spec is not None else (),
                 )
         if self.spec is not None and self.spec.block >= 2:
             features = self._forward([SeqChunk(0, 0, (0,) * 8, 1)]).taps
@@ -321,6 +326,18 @@ class ModelRunner:
         is an eager forward on ``chunk.slot`` (on every rank of a tensor-parallel group)."""
         if self.peers is not None:
             return lambda: self._forward([chunk])
+        progs = self.cpu_programs
+        if progs is not None and chunk.parents is None:
+            n = len(chunk.tokens)
+            if n == 1 and progs.bucket(1) is not None:
+                return lambda: progs.run(list(chunk.tokens), [chunk.start], [chunk.slot])
+            if n > 1 and progs.verify_width(n) is not None:
+
+                def verify() -> None:
+                    progs.run_verify(chunk.tokens, chunk.start, chunk.slot)
+                    progs.forget()  # measured, not committed
+
+                return verify
         wg = self.window_graphs
         if wg is not None and chunk.parents is None:
             if len(chunk.tokens) == 1:
@@ -339,12 +356,18 @@ class ModelRunner:
         one eager forward. Outputs are laid out as :class:`Step` says; views of graph outputs
         are valid until the next run."""
         self._chunks, self._records, self._ran_rows = {}, {}, {}
+        if self.cpu_programs is not None:
+            self.cpu_programs.forget()
         chunks = step.chunks
         if self.threads is not None:
             self._size_threads(chunks)
         plan = self._graph_plan(chunks)
         # The programs return the taps too when the engine has a drafter (compiled with them).
-        compiled = self._compiled_decode(chunks) or self._compiled_window(chunks)
+        compiled = (
+            self._compiled_decode(chunks)
+            or self._compiled_window(chunks)
+            or self._compiled_verify(chunks)
+        )
         if compiled is not None:
             out = compiled
         elif plan is not None:
@@ -387,6 +410,10 @@ class ModelRunner:
             for w in sorted(programs.windows):
                 self._size_threads([SeqChunk(0, 0, (0,) * w, 1)])
                 programs.run_window((0,) * w, 0, 0)
+            for w in sorted(programs.verifiers):  # at position 1: nothing is committed
+                self._size_threads([SeqChunk(0, 1, (0,) * w, w, record=True)])
+                programs.run_verify((0,) * w, 1, 0)
+            programs.forget()
         self._size_threads([SeqChunk(0, 1, (0,), 1)])
         if programs is not None:  # decode rows at position 1 of slots no stream holds yet
             for b in sorted(b for b in programs.ready if b <= self.num_slots):
@@ -444,6 +471,10 @@ class ModelRunner:
     def rollback(self, slot: int, keep: int) -> None:
         """After the last step: keep the first ``keep`` rows of ``slot``'s chain window in its
         state (the GDN state is replayed over them; KV rows past them are never read)."""
+        progs = self.cpu_programs
+        if progs is not None and progs.verified(slot):  # the state after each row is kept
+            progs.commit(slot, keep)
+            return
         ran = self._ran_rows.get(slot)
         if ran is not None:  # a graphed window: roll back from the shared records
             width, index = ran
@@ -490,6 +521,17 @@ class ModelRunner:
         if out is not None and not c.logit_rows:
             out = ForwardOutput(out.logits[:0], None, {})
         return out
+
+    def _compiled_verify(self, chunks: Sequence[SeqChunk]) -> ForwardOutput | None:
+        """A step of one stream's chain verify window, from a compiled CPU verify program
+        (None: not such a step, or no program ready for it); :meth:`rollback` then commits."""
+        progs = self.cpu_programs
+        if progs is None or len(chunks) != 1:
+            return None
+        (c,) = chunks
+        if not c.record or c.parents is not None or c.logit_rows != len(c.tokens):
+            return None
+        return progs.run_verify(c.tokens, c.start, c.slot)
 
     def _graph_plan(self, chunks: Sequence[SeqChunk]) -> _GraphPlan | None:
         """How the whole step replays graphs (chunks by index), or None when it cannot."""

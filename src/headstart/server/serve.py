@@ -657,6 +657,7 @@ def _cpu_programs(
     parallel: int,
     context: int,
     taps: tuple[int, ...] = (),
+    verify: tuple[int, ...] = (),
 ) -> tuple[bool, subprocess.Popen | None]:
     """Whether to compile the CPU decode steps at start-up (engine/cpu_programs.py): when
     they were compiled here before (seconds from inductor's cache). Else, the first time, the
@@ -674,6 +675,7 @@ def _cpu_programs(
         "kernels": args.kernels,
         "load-format": args.load_format,
         "taps": ",".join(map(str, taps)),  # the drafter's: its steps return its features
+        "verify": ",".join(map(str, verify)),  # the widths of its verify windows
     }
     key = cpu_programs.cache_key(load_args, parallel, context)
     if cpu_programs.warm(key):
@@ -801,7 +803,12 @@ def _serve_loaded(
         raise HeadstartError("--max-batched-tokens must be >= 1")
     log.info("step budget: %d tokens", budget)
     taps = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
-    compile_now, warming = _cpu_programs(args, loaded, parallel, context, taps)
+    verify = ()
+    if drafter is not None:
+        from headstart.engine.cpu_programs import verify_widths
+
+        verify = verify_widths(args.draft_block or drafter.cfg.block_size)
+    compile_now, warming = _cpu_programs(args, loaded, parallel, context, taps, verify)
     interval = budget if args.prompt_cache_interval is None else args.prompt_cache_interval
     config = EngineConfig(
         parallel,

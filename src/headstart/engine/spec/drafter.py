@@ -424,12 +424,17 @@ class DFlashDrafter:
         ``positions[j]``, context already in the ring)."""
         self.forwards += 1
         dev = self.device
+        # Before the ring wraps, a stream at position p has context only in rows 0..p-1: the
+        # rows past every stream's are left out (read and masked, they cost most of a short
+        # context's forward on a CPU), in steps of 64 rows.
+        rows = min(pool.window, -(-max(positions, default=1) // 64) * 64)
         return self.propose_from(
             pool,
             torch.tensor(list(slots), device=dev),
             torch.tensor(list(anchors), device=dev),
             torch.tensor(list(positions), device=dev),
             block,
+            rows,
         )
 
     @torch.no_grad()
@@ -440,9 +445,11 @@ class DFlashDrafter:
         anchor_t: torch.Tensor,
         position_t: torch.Tensor,
         block: int,
+        rows: int | None = None,
     ) -> torch.Tensor:
         """:meth:`propose_logits` from device tensors, with no host work: what a CUDA graph
-        captures (engine/cuda_graph.py DraftGraphs). Not counted in ``forwards``."""
+        captures (engine/cuda_graph.py DraftGraphs). Not counted in ``forwards``. ``rows``:
+        read only the ring's first rows (every stream's context lies in them)."""
         c, w = self.cfg, self.w
         n, B = slot_t.shape[0], block
         dev = self.device
@@ -450,7 +457,8 @@ class DFlashDrafter:
         ids[:, 0] = anchor_t
         x = self.target.embed(ids.view(-1)).view(n, B, -1)
         pos = position_t[:, None] + torch.arange(B, device=dev)
-        ctx_pos = pool.positions[slot_t]  # [n, W]
+        ring = slice(None, rows)
+        ctx_pos = pool.positions[slot_t, ring]  # [n, W]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         rotation = self._rotation(pos)
         masks: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -461,8 +469,8 @@ class DFlashDrafter:
             q, kb, vb = qkv.split([nh, nkv, nkv], dim=2)
             q = self._rope(_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), rotation)
             kb = self._rope(_norm(kb, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps), rotation)
-            keys = torch.cat([pool.keys[i][slot_t], kb.transpose(1, 2)], dim=2)  # [n,nkv,W+B,hd]
-            values = torch.cat([pool.values[i][slot_t], vb.transpose(1, 2)], dim=2)
+            keys = torch.cat([pool.keys[i][slot_t, :, ring], kb.transpose(1, 2)], dim=2)
+            values = torch.cat([pool.values[i][slot_t, :, ring], vb.transpose(1, 2)], dim=2)
             kind = (c.causal[i], c.sliding_window[i])
             if kind not in masks:  # layers of one kind share their mask
                 allowed, readable = _block_mask(ctx_pos, pos, *kind)

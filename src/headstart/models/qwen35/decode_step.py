@@ -17,6 +17,13 @@ any row attends, so a row sees the window's rows before it); the convolution run
 window, and the recurrence runs as one chunk (the chunked form) with padding rows' decay
 and write strength zeroed, so they leave the state as it was. Padding rows write keys and
 values past the stream's real rows, which later rows overwrite before anything reads them.
+
+With ``every_row`` the window is a speculative *verify* window: every row's logits are
+returned, and instead of the state after the last real row, the conv tail and recurrent state
+after *each* row, so that committing the accepted rows is a copy of one row's state (no
+replay). The recurrence then runs in its step form row by row (the decode step's own
+arithmetic, so a window row computes what a decode row would), which at a verify window's few
+rows is also cheaper here than the chunked form's triangular solve.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def decode_step(
     values: torch.Tensor,
     width: int = 1,
     taps: tuple[int, ...] = (),
+    every_row: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``width`` rows per stream (one: a decode row), stream after stream: token ``ids[r]`` at
     ``positions[r]`` of ``slots[r]`` for row ``r``; stream ``i``'s real rows are its first
@@ -57,7 +65,11 @@ def decode_step(
     returns (logits of each stream's last real row [streams, vocab], the slots' new conv tails
     [linear layers, streams, C, K-1] and recurrent states [linear layers, streams, Hv, Dk,
     Dv]), and with ``taps`` the residual stream after each of those layers for every row,
-    concatenated ``[rows, len(taps) * hidden]``, as ``forward_ex`` gives the drafter)."""
+    concatenated ``[rows, len(taps) * hidden]``, as ``forward_ex`` gives the drafter).
+
+    ``every_row`` (a verify window, ``width`` > 1): every row's logits ``[rows, vocab]``, and
+    the state after each row: conv tails ``[linear layers, streams, width, C, K-1]`` and
+    recurrent states ``[linear layers, streams, width, Hv, Dk, Dv]`` (``lengths`` ignored)."""
     cfg, w = m.cfg, m.w
     eps, n = cfg.rms_norm_eps, ids.shape[0]
     streams = n // width
@@ -92,6 +104,8 @@ def decode_step(
             tail = torch.where(fresh[:, None, None], 0.0, conv[layer][stream_slots])
             if width == 1:
                 y, tail = causal_conv_step(mixed, tail, w[a + "conv1d.weight"])
+            elif every_row:
+                y, tail = _conv_rows(mixed, tail, w[a + "conv1d.weight"], width)
             else:
                 y, tail = _conv_window(mixed, tail, w[a + "conv1d.weight"], lengths, width)
             tails.append(tail.to(conv.dtype))
@@ -101,6 +115,8 @@ def decode_step(
             q3, k3, v3 = qr.reshape(n, Hk, Dk), kr.reshape(n, Hk, Dk), vr.reshape(n, Hv, Dv)
             if width == 1:
                 o, state = gated_delta_step(q3, k3, v3, g, beta, state)
+            elif every_row:
+                o, state = _delta_rows(q3, k3, v3, g, beta, state, width)
             else:
                 o, state = _delta_window(q3, k3, v3, g, beta, state, lengths, width)
             states.append(state)
@@ -112,7 +128,7 @@ def decode_step(
     x = x + pending
     if cfg.num_hidden_layers - 1 in taps:
         tapped.append(x)
-    if width > 1:  # each stream's last real row
+    if width > 1 and not every_row:  # each stream's last real row
         x = x.index_select(0, torch.arange(streams) * width + lengths - 1)
     logits = m.lm_head(pointwise.rms_norm(x, w["norm.weight"], eps))
     out = (logits, torch.stack(tails), torch.stack(states))
@@ -160,3 +176,37 @@ def _delta_window(
         states.append(s)
     state = torch.stack(states)
     return torch.stack(out).flatten(0, 1), state
+
+
+def _conv_rows(
+    x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal conv over each stream's whole window: x [streams * width, C] continuing
+    tails [streams, C, K-1]. Returns (silu(conv) [streams * width, C], the tail after each
+    row [streams, width, C, K-1])."""
+    C, k1 = x.shape[1], weight.shape[1] - 1
+    window = torch.cat([tails.to(x.dtype), x.view(-1, width, C).transpose(1, 2)], dim=2)
+    y = (window.unfold(2, k1 + 1, 1) * weight.to(x.dtype)[:, None, :]).sum(-1)  # [s, C, width]
+    after = window[:, :, 1:].unfold(2, k1, 1).transpose(1, 2)  # row r: columns r+1 .. r+K-1
+    return F.silu(y).transpose(1, 2).reshape(-1, C), after
+
+
+def _delta_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over each stream's window one row at a time (the decode step's
+    :func:`gated_delta_step` for all streams at once). Returns (outputs [streams * width, Hv,
+    Dv], the state after each row [streams, width, Hv, Dk, Dv])."""
+    q, k, v, g, beta = (t.view(-1, width, *t.shape[1:]) for t in (q, k, v, g, beta))
+    out, states = [], []
+    for r in range(width):
+        o, state = gated_delta_step(q[:, r], k[:, r], v[:, r], g[:, r], beta[:, r], state)
+        out.append(o)
+        states.append(state)
+    return torch.stack(out, dim=1).flatten(0, 1), torch.stack(states, dim=1)

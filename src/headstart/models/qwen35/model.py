@@ -276,7 +276,7 @@ class Qwen35Model:
         return ForwardOutput(self.lm_head(h), torch.cat(tapped, dim=-1) if taps else None, records)
 
     def decode_program(
-        self, width: int = 1, taps: tuple[int, ...] = ()
+        self, width: int = 1, taps: tuple[int, ...] = (), every_row: bool = False
     ) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
         """The decode step as a pure function of its tensors, to trace (``decode_step.py``):
         ``(step, weights)`` where ``step(ids, positions, slots, fresh, lengths, *groups,
@@ -287,7 +287,9 @@ class Qwen35Model:
         order: conv tails and recurrent states, ``[layers, streams, ...]``, and with ``taps``
         every row's tapped residual stream as :meth:`forward_ex` gives it) for the caller to
         write back. The weights are arguments, not constants of the trace, so a compiled step
-        depends only on shapes (a compiler's cache then serves a restart)."""
+        depends only on shapes (a compiler's cache then serves a restart). ``every_row``: a
+        speculative verify window, every row's logits and the state after each row
+        (``decode_step.py``)."""
         weights: list[torch.Tensor] = []
         index: dict[int, int] = {}  # each tensor once: a compiler given one tensor twice errs
 
@@ -309,8 +311,9 @@ class Qwen35Model:
             model.head = w.pop("head")
             model.w, model.rotary = w, Rotary(flat[rotary])
             return decode_step(
-                model, ids, positions, slots, fresh, lengths, *pool, width=width, taps=taps
-            )
+                model, ids, positions, slots, fresh, lengths, *pool,
+                width=width, taps=taps, every_row=every_row,
+            )  # fmt: skip
 
         return step, weights
 
