@@ -766,6 +766,7 @@ def evaluate_acceptance(
     strict: bool = True,
     cpu_programs: bool = False,
     whole_rounds: bool = True,
+    threads=None,
 ) -> dict:
     """Greedy decode of ``prompts`` with and without the drafter through headstart's Engine.
 
@@ -777,7 +778,10 @@ def evaluate_acceptance(
     both runs produce exactly ``max_tokens`` per prompt. ``cpu_programs``: both engines step
     from compiled CPU programs, as ``serve`` does on a CPU once they are cached.
     ``whole_rounds``: on a GPU, greedy rounds run whole on the device (engine/spec/round.py);
-    False keeps them on the host (proposal, window and verdict apart)."""
+    False keeps them on the host (proposal, window and verdict apart). ``threads``: an
+    ``engine.config.ThreadConfig`` for the engines' forwards on a CPU (``serve`` sets one:
+    decode steps on every core but one); None leaves torch's setting as it is, which on the
+    engine's own thread can make steps several times slower than served ones."""
     from headstart.engine.config import EngineConfig, GraphConfig, SpecConfig
     from headstart.engine.engine import Engine
     from headstart.engine.spec.drafter import DFlashDrafter
@@ -801,6 +805,7 @@ def evaluate_acceptance(
             spec=spec,
             cpu_programs=cpu_programs,
             graphs=GraphConfig(rounds=whole_rounds),
+            threads=threads,
         )
         e = Engine(target, tok, (), config, drafter=d)
         e.start()
