@@ -135,20 +135,28 @@ def decode_step(
     return (*out, torch.cat(tapped, dim=-1)) if taps else out
 
 
-def _conv_window(
-    x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor, width: int
+def _conv_columns(
+    x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal conv over each stream's window: x [streams * width, C] continuing tails
-    [streams, C, K-1]. Returns (silu(conv) [streams * width, C], the tails ending at each
-    stream's last real row)."""
+    [streams, C, K-1]. Returns (silu(conv) [streams * width, C], the window's columns
+    [streams, C, K-1 + width]: the tails, then the rows)."""
     C, k1 = x.shape[1], weight.shape[1] - 1
     window = torch.cat([tails.to(x.dtype), x.view(-1, width, C).transpose(1, 2)], dim=2)
     # The taps as one fused multiply-sum: a depthwise conv1d call cost more than the rest of
     # a layer here (oneDNN's primitive for a handful of columns).
     y = (window.unfold(2, k1 + 1, 1) * weight.to(x.dtype)[:, None, :]).sum(-1)  # [s, C, width]
+    return F.silu(y).transpose(1, 2).reshape(-1, C), window
+
+
+def _conv_window(
+    x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_conv_columns`, and the tails ending at each stream's last real row."""
+    y, window = _conv_columns(x, tails, weight, width)
+    C, k1 = window.shape[1], weight.shape[1] - 1
     at = lengths[:, None] + torch.arange(k1)  # window columns lengths .. lengths + K-2
-    new = window.gather(2, at[:, None, :].expand(-1, C, k1))
-    return F.silu(y).transpose(1, 2).reshape(-1, C), new
+    return y, window.gather(2, at[:, None, :].expand(-1, C, k1))
 
 
 def _delta_window(
@@ -181,14 +189,10 @@ def _delta_window(
 def _conv_rows(
     x: torch.Tensor, tails: torch.Tensor, weight: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal conv over each stream's whole window: x [streams * width, C] continuing
-    tails [streams, C, K-1]. Returns (silu(conv) [streams * width, C], the tail after each
-    row [streams, width, C, K-1])."""
-    C, k1 = x.shape[1], weight.shape[1] - 1
-    window = torch.cat([tails.to(x.dtype), x.view(-1, width, C).transpose(1, 2)], dim=2)
-    y = (window.unfold(2, k1 + 1, 1) * weight.to(x.dtype)[:, None, :]).sum(-1)  # [s, C, width]
-    after = window[:, :, 1:].unfold(2, k1, 1).transpose(1, 2)  # row r: columns r+1 .. r+K-1
-    return F.silu(y).transpose(1, 2).reshape(-1, C), after
+    """:func:`_conv_columns`, and the tail after each row [streams, width, C, K-1]."""
+    y, window = _conv_columns(x, tails, weight, width)
+    k1 = weight.shape[1] - 1
+    return y, window[:, :, 1:].unfold(2, k1, 1).transpose(1, 2)  # row r: columns r+1 ..
 
 
 def _delta_rows(
