@@ -73,7 +73,7 @@ WINDOW_WIDTHS = (4, 8, 16, 32, 64)
 def verify_widths(block: int) -> tuple[int, ...]:
     """The verify programs for a drafter of ``block``: a full block's window, and one of 4 rows
     for the shorter chains the planner picks where window rows are dear (a CPU's: every row
-    costs about a quarter of a decode step, BENCHMARKS.md); each costs start-up time."""
+    costs about half a decode step, BENCHMARKS.md); each costs start-up time."""
     return tuple(sorted({w for w in (min(4, block), block) if w >= 2}))
 
 
@@ -210,14 +210,21 @@ class DecodePrograms:
         w = self.width(len(tokens))
         if w is None or start + w > self.pool.max_tokens:
             return None
-        ids = torch.tensor([*tokens, *(0,) * (w - len(tokens))], dtype=torch.int64)
-        pos = torch.arange(start, start + w, dtype=torch.int64)
-        sl = torch.full((w,), slot, dtype=torch.int64)
+        out = self.windows[w](*self._window_inputs(tokens, start, slot, w))
+        self._write_back(torch.tensor([slot]), out[1 : 1 + len(self.fixed)])
+        return ForwardOutput(out[0], out[-1][: len(tokens)] if self.taps else None, {})
+
+    def _window_inputs(
+        self, tokens: Sequence[int], start: int, slot: int, width: int
+    ) -> list[torch.Tensor]:
+        """A one-stream window program's arguments: ``tokens`` at ``start..`` of ``slot``,
+        padded to ``width`` rows, then the pool's groups and the weights."""
+        ids = torch.tensor([*tokens, *(0,) * (width - len(tokens))], dtype=torch.int64)
+        pos = torch.arange(start, start + width, dtype=torch.int64)
+        sl = torch.full((width,), slot, dtype=torch.int64)
         fresh = torch.tensor([start == 0])
         lengths = torch.tensor([len(tokens)], dtype=torch.int64)
-        out = self.windows[w](ids, pos, sl, fresh, lengths, *self._groups(), *self.weights)
-        self._write_back(sl[:1], out[1 : 1 + len(self.fixed)])
-        return ForwardOutput(out[0], out[-1][: len(tokens)] if self.taps else None, {})
+        return [ids, pos, sl, fresh, lengths, *self._groups(), *self.weights]
 
     def verify_width(self, tokens: int) -> int | None:
         """The narrowest compiled verify window of at least ``tokens`` rows (None: none)."""
@@ -232,12 +239,7 @@ class DecodePrograms:
         if w is None or start + w > self.pool.max_tokens:
             return None
         n = len(tokens)
-        ids = torch.tensor([*tokens, *(0,) * (w - n)], dtype=torch.int64)
-        pos = torch.arange(start, start + w, dtype=torch.int64)
-        sl = torch.full((w,), slot, dtype=torch.int64)
-        fresh = torch.tensor([start == 0])
-        lengths = torch.tensor([n], dtype=torch.int64)
-        out = self.verifiers[w](ids, pos, sl, fresh, lengths, *self._groups(), *self.weights)
+        out = self.verifiers[w](*self._window_inputs(tokens, start, slot, w))
         self._rows[slot] = [rows[:, 0] for rows in out[1 : 1 + len(self.fixed)]]
         return ForwardOutput(out[0][:n], out[-1][:n] if self.taps else None, {})
 
