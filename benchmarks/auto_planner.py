@@ -3,13 +3,15 @@ greedy, the default model and its drafter, the 16 prompts of ``python -m trainin
 (first 64 tokens of held-out rows), 64 new tokens each, one stream, through
 ``training.drafter.evaluate_acceptance``.
 
-    PYTHONPATH=. python benchmarks/auto_planner.py [--modes auto,chain] [--runs 3] [--eager]
+    PYTHONPATH=. python benchmarks/auto_planner.py [--modes auto,chain] [--runs 3] [--pairs 1]
+        [--eager]
 
 As served: compiled CPU programs (decode steps, prompt windows and verify windows, from
 inductor's cache after the first run) and serve's thread counts (decode steps on every core
 but one, prompt chunks on all). ``--eager`` instead: eager forwards on ``--threads`` threads
 (how the figures before session 24 were taken). Prints each run's times and speed-up per mode,
-then per mode the best plain time over its best drafting time.
+then per mode the best plain time over its best drafting time. ``--pairs N``: each run keeps
+both engines and times them in turn N times (plain, drafting, ...), reporting medians.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager forwards, torch's threads")
     ap.add_argument("--threads", type=int, default=2, help="with --eager")
     ap.add_argument("--rows", type=int, default=256, help="evaluation_rows' count to pick from")
+    ap.add_argument(
+        "--pairs", type=int, default=1, help="plain and drafting in turn this many times a run"
+    )
     a = ap.parse_args()
 
     from headstart.engine.config import ThreadConfig
@@ -64,6 +69,7 @@ def main() -> None:
                 64,
                 device=a.device,
                 spec_mode=mode,
+                pairs=a.pairs,
                 **served,
             )
             runs.setdefault(mode, []).append(r)

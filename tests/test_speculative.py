@@ -335,10 +335,12 @@ def test_seeded_sampling_with_drafter_is_reproducible(target, tokenizer, engines
 def test_planner_drafts_only_while_rounds_beat_plain_steps():
     """Costs: a plain step 1.0, windows a little more, the drafter 0.1. With the optimistic
     start drafting pays; once nothing is accepted it does not, and the planner declines except
-    for rechecks after 4, then 8 steps; when drafts are accepted again, it drafts every step."""
+    for rechecks after 4, then 8 steps (the doubling alone: no recheck budget); when drafts are
+    accepted again, it drafts every step."""
     from headstart.engine.spec.planner import SpecPlanner
 
-    p = SpecPlanner(4, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, None, draft_cost=0.1, recheck=4)
+    costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    p = SpecPlanner(4, costs, None, draft_cost=0.1, recheck=4, recheck_budget=0)
     assert p.worth_drafting()
     for _ in range(30):
         p.observe_chain(3, 0)
@@ -347,6 +349,46 @@ def test_planner_drafts_only_while_rounds_beat_plain_steps():
     for _ in range(30):
         p.observe_chain(3, 3)
     assert all(p.worth_drafting() for _ in range(5))
+
+
+@pytest.mark.parametrize("round_cost", [None, 6.0])
+def test_planner_rechecks_within_its_budget_of_decode_time(round_cost):
+    """Rounds far from paying (a CPU's: windows of 2 to 8 rows at 1.5 to 4.5 plain steps, the
+    drafter 2, a round's extra 1.5; about 2.5 tokens a round): over 20,000 declined steps the
+    rechecks' expected loss (each round's cost beyond the plain steps of its expected tokens)
+    stays within the 1% budget, and a recheck still comes (the first after the budget's wait,
+    not the 32 steps of the doubling). A zero budget rechecks as the doubling says."""
+    from headstart.engine.spec.planner import SpecPlanner
+
+    costs = {1: 1.0, **{r: 1.5 + 0.5 * (r - 2) for r in range(2, 9)}}
+
+    def run(budget: float) -> tuple[list[int], float]:
+        p = SpecPlanner(
+            8, costs, None, draft_cost=2.0, recheck_budget=budget, round_cost=round_cost
+        )
+        for _ in range(40):
+            p.observe_chain(7, 1)  # one or two drafts accepted, alternately
+            p.observe_chain(7, 2)
+        p.overhead = 1.5
+        rechecks, lost = [], 0.0
+        for i in range(20_000):
+            if p.worth_drafting():
+                depth = p.choose(8)[1]
+                loss = p._chain_cost(depth) + p.overhead - p.expected_chain(depth) * 1.0
+                assert loss > 0
+                rechecks.append(i)
+                lost += loss
+                p.observe_step(p._modelled + p.overhead, drafted=True)
+            else:
+                p.observe_step(1.0, drafted=False)
+        return rechecks, lost
+
+    rechecks, lost = run(0.01)
+    assert rechecks and rechecks[0] > 32
+    assert lost <= 0.01 * 20_000
+    doubling, lost_doubling = run(0.0)
+    assert doubling[0] == 31 and len(doubling) > len(rechecks)
+    assert lost_doubling > 0.01 * 20_000  # the doubling alone spends more than the budget
 
 
 def test_planner_weighs_a_full_chain_at_the_whole_round_cost():

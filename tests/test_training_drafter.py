@@ -255,8 +255,10 @@ def test_trained_drafter_is_accepted_by_the_engine(target, tmp_path):
         max_tokens=24,
         tokenizer=Tokenizer.from_dir(default_model_dir()),
         device="cpu",
+        pairs=2,
     )
     assert result["mismatches"] == 0 and result["rounds"] > 0
     assert result["tokens"] == 24 * len(prompts)
+    assert len(result["pair_speedups"]) == 2  # plain and drafting twice, in turn
     # Measured 5.75 of a possible 6 (an untrained drafter: 1.01); 2 leaves room for numerics.
     assert result["mean_accepted_length"] > 2.0, result

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -767,6 +768,7 @@ def evaluate_acceptance(
     cpu_programs: bool = False,
     whole_rounds: bool = True,
     threads=None,
+    pairs: int = 1,
 ) -> dict:
     """Greedy decode of ``prompts`` with and without the drafter through headstart's Engine.
 
@@ -781,7 +783,11 @@ def evaluate_acceptance(
     False keeps them on the host (proposal, window and verdict apart). ``threads``: an
     ``engine.config.ThreadConfig`` for the engines' forwards on a CPU (``serve`` sets one:
     decode steps on every core but one); None leaves torch's setting as it is, which on the
-    engine's own thread can make steps several times slower than served ones."""
+    engine's own thread can make steps several times slower than served ones. ``pairs``: both
+    engines are kept and the prompts run on each in turn this many times (plain, drafting,
+    plain, ...); ``plain_s``, ``spec_s`` and ``speedup`` are then medians over the pairs
+    (``pair_speedups``: each pair's), which a machine's drift between two single runs (on a
+    2-core VM, about 10%) moves much less; the drafting counts are the first pass's."""
     from headstart.engine.config import EngineConfig, GraphConfig, SpecConfig
     from headstart.engine.engine import Engine
     from headstart.engine.spec.drafter import DFlashDrafter
@@ -811,18 +817,24 @@ def evaluate_acceptance(
         e.start()
         return e
 
+    plain_times, spec_times, mismatches = [], [], []
     plain_engine = make(None)
     try:
-        plain, plain_s = _run_engine(plain_engine, prompts, params)
+        spec_engine = make(drafter)
+        try:
+            for n in range(pairs):
+                plain, plain_s = _run_engine(plain_engine, prompts, params)
+                spec, spec_s = _run_engine(spec_engine, prompts, params)
+                plain_times.append(plain_s)
+                spec_times.append(spec_s)
+                pairs_of = enumerate(zip(plain, spec, strict=True))
+                mismatches += [i for i, (a, b) in pairs_of if a != b and i not in mismatches]
+                if n == 0:
+                    stats = spec_engine.stats()
+        finally:
+            spec_engine.stop()
     finally:
         plain_engine.stop()
-    spec_engine = make(drafter)
-    try:
-        spec, spec_s = _run_engine(spec_engine, prompts, params)
-        stats = spec_engine.stats()
-    finally:
-        spec_engine.stop()
-    mismatches = [i for i, (a, b) in enumerate(zip(plain, spec, strict=True)) if a != b]
     if strict and mismatches:
         i = mismatches[0]
         raise AssertionError(
@@ -830,6 +842,8 @@ def evaluate_acceptance(
             f"prompt {i}: plain {plain[i]} vs speculative {spec[i]}"
         )
     rounds = stats["spec_rounds"]
+    plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
+    ratios = [a / b for a, b in zip(plain_times, spec_times, strict=True)]
     return {
         "mean_accepted_length": stats["spec_accepted"] / rounds + 1 if rounds else 0.0,
         "rounds": rounds,
@@ -838,7 +852,8 @@ def evaluate_acceptance(
         "tokens": sum(len(t) for t in spec),
         "plain_s": plain_s,
         "spec_s": spec_s,
-        "speedup": plain_s / spec_s if spec_s > 0 else float("nan"),
+        "speedup": statistics.median(ratios) if pairs > 1 else ratios[0],
+        "pair_speedups": ratios,
         "mismatches": len(mismatches),
         "block": block,
         "spec_mode": spec_mode,

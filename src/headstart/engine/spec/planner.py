@@ -6,6 +6,8 @@ against measured window costs; :class:`~headstart.engine.spec.proposal.Speculato
 
 from __future__ import annotations
 
+import math
+
 
 class SpecPlanner:
     """Chooses, per round, a chain of some depth or a tree, from measured window costs.
@@ -33,6 +35,7 @@ class SpecPlanner:
         draft_cost: float = 0.0,
         recheck: int = 32,
         round_cost: float | None = None,
+        recheck_budget: float = 0.01,
     ) -> None:
         """``draft_cost``: one drafter forward (paid by every round, chain or tree);
         ``costs[1]``: one plain decode step; ``round_cost``: a whole device round
@@ -40,13 +43,19 @@ class SpecPlanner:
         which replaces every chain's window and drafter costs when the engine has such rounds.
         ``recheck``: while drafting does not pay, draft anyway after this many steps so the
         acceptance estimates can recover; the wait doubles after each recheck that changes
-        nothing, up to 8x."""
+        nothing, up to 8x. ``recheck_budget``: and at least as long as keeps a recheck's
+        expected loss (its round's cost beyond the plain steps that would emit its expected
+        tokens) within this fraction of the plain steps' time between rechecks; on a device
+        where drafting is far from paying (a CPU: a round costs several plain steps and
+        emits about three tokens) the doubling alone spent about 3% of decode time on
+        rechecks. 0: the doubling alone."""
         self.block = block
         self.costs = costs
         self.tree_cost = tree_cost
         self.draft_cost = draft_cost
         self.round_cost = round_cost
         self.recheck = recheck
+        self.recheck_budget = recheck_budget
         self.wait = recheck
         self.declined = 0
         self.explore = explore
@@ -75,10 +84,13 @@ class SpecPlanner:
 
     def _best_chain(self, room: int) -> tuple[int, float]:
         best_depth, best_rate = 1, 0.0
+        expected, p = 1.0, 1.0  # expected_chain(depth), kept as depth grows (asked every step)
         for depth in range(1, min(self.block, room)):
+            p *= self.alpha[depth - 1]
+            expected += p
             cost = self._chain_cost(depth)
             if cost:
-                rate = self.expected_chain(depth) / (cost + self.overhead)
+                rate = expected / (cost + self.overhead)
                 if rate >= best_rate:  # on a tie the deeper chain (whole rounds: same cost)
                     best_depth, best_rate = depth, rate
         return best_depth, best_rate
@@ -98,10 +110,21 @@ class SpecPlanner:
             self.declined, self.wait = 0, self.recheck
             return True
         self.declined += 1
-        if self.declined < self.wait:
+        if self.declined < self._recheck_wait(step):
             return False
         self.declined, self.wait = 0, min(2 * self.wait, 8 * self.recheck)
         return True
+
+    def _recheck_wait(self, step: float) -> int:
+        """Declined steps before the next recheck (see ``recheck_budget``)."""
+        if not self.recheck_budget:
+            return self.wait
+        depth = self._best_chain(self.block)[0]
+        cost = self._chain_cost(depth)
+        if not cost:
+            return self.wait
+        loss = cost + self.overhead - self.expected_chain(depth) * step
+        return max(self.wait, math.ceil(loss / (self.recheck_budget * step)))
 
     def choose(self, room: int) -> tuple[str, int]:
         """("chain", drafts) or ("tree", depth); room caps tokens this round."""
