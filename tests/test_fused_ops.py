@@ -154,6 +154,81 @@ def test_gdn_decode_gates_reads_rows_and_updates_states(with_norm, monkeypatch):
     assert torch.equal(states[1], want_states[1])
 
 
+@pytest.mark.parametrize("W", [2, 5])
+def test_conv_window_equals_one_row_steps_and_keeps_each_rows_tail(W):
+    """A verify window's conv (W rows of each stream in one launch) against the same kernel's
+    W one-row steps: bit for bit, and the tail after each row (``row_tails``) is the tail each
+    step leaves; both against the reference."""
+    n, C, K = 3, 40, 4
+    mixed = rand(n * W + 2, C, seed=30)
+    weight = rand(C, K, seed=31, scale=0.5)
+    rows = torch.randperm(n * W + 2, generator=torch.Generator().manual_seed(32))[: n * W]
+    rows = rows.to(DEV)
+    slots = torch.tensor([3, 0, 2], device=DEV)
+    kept = torch.zeros(n, dtype=torch.bool, device=DEV)
+    pools = [rand(4, C, K - 1, seed=33) for _ in range(3)]
+    row_tails = [torch.empty(n, W, C, K - 1, dtype=BF, device=DEV) for _ in range(2)]
+    got = gpu_fused.conv_step_rows(
+        mixed, rows, weight, pools[0], slots, kept, width=W, row_tails=row_tails[0]
+    )
+    steps = []
+    for t in range(W):
+        at = rows.view(n, W)[:, t].contiguous()
+        steps.append(gpu_fused.conv_step_rows(mixed, at, weight, pools[1], slots, kept))
+        row_tails[1][:, t] = pools[1][slots]
+    assert torch.equal(got, torch.stack(steps, 1).flatten(0, 1))
+    assert torch.equal(pools[0], pools[1]) and torch.equal(row_tails[0], row_tails[1])
+    want = pointwise.conv_step_rows(mixed, rows, weight, pools[2], slots, kept, width=W)
+    close(got, want)
+    close(pools[0], pools[2])
+
+
+@pytest.mark.parametrize("with_norm", [None, "in kernel", "separate"])
+def test_gdn_window_equals_one_row_steps_and_keeps_each_rows_state(with_norm, monkeypatch):
+    """A verify window's GDN (W rows of each stream in one launch, the state held between
+    rows) against the same kernel's W one-row steps: bit for bit, outputs, final states and the
+    state after each row (``row_states``); and against the reference."""
+    if with_norm == "separate":
+        monkeypatch.setattr(gpu_gdn, "norm_fold_limit", lambda device: 0)
+    n, W, Hk, Hv, D = 2, 4, 2, 4, 16
+    T = n * W + 1
+    q, k = rand(n * W, Hk, D, seed=40), rand(n * W, Hk, D, seed=41)
+    v = rand(n * W, Hv, D, seed=42)
+    a, b = rand(T, Hv, seed=43, scale=4), rand(T, Hv, seed=44, scale=2)
+    A_log = rand(Hv, seed=45, dtype=torch.float32)
+    dt_bias = rand(Hv, seed=46, dtype=torch.float32)
+    rows = torch.tensor([8, 0, 2, 1, 3, 5, 4, 7], device=DEV)
+    slots = torch.tensor([2, 0], device=DEV)
+    kept = torch.zeros(n, dtype=torch.bool, device=DEV)
+    states = [rand(3, Hv, D, D, seed=47, dtype=torch.float32) for _ in range(3)]
+    row_states = [torch.empty(n, W, Hv, D, D, device=DEV) for _ in range(2)]
+    proj = rand(T, Hv * D + 3, seed=48, scale=2)
+    norm = (
+        (proj[:, 3:].view(T, Hv, D), rand(D, seed=49, dtype=torch.float32), 1e-6)
+        if with_norm
+        else None
+    )
+    common = (a, b, rows, A_log, dt_bias, slots, kept, states[0])
+    got = gdn_decode_gates(q, k, v, *common, norm=norm, width=W, row_states=row_states[0])
+    steps = []
+    for t in range(W):
+        step = [x.view(n, W, *x.shape[1:])[:, t] for x in (q, k, v)]
+        at = rows.view(n, W)[:, t].contiguous()
+        steps.append(
+            gdn_decode_gates(*step, a, b, at, A_log, dt_bias, slots, kept, states[1], norm=norm)
+        )
+        row_states[1][:, t] = states[1][slots]
+    assert torch.equal(got, torch.stack(steps, 1).flatten(0, 1))
+    assert torch.equal(states[0], states[1]) and torch.equal(row_states[0], row_states[1])
+    want = _ref_gdn_decode_gates(
+        q, k, v, a, b, rows, A_log, dt_bias, slots, kept, states[2], norm=norm, width=W
+    )
+    # Under the interpreter, beta's rounding toward zero compounds over the window's rows.
+    close(got, want, tol=1.6e-2 if EXACT else 8e-2)
+    tol = 1e-4 if EXACT else 1.6e-2
+    torch.testing.assert_close(states[0], states[2], rtol=tol, atol=tol)
+
+
 def test_attn_decode_inputs_writes_kv_and_returns_q():
     nh, nkv, hd, rd = 4, 2, 32, 8
     T = 4

@@ -293,41 +293,53 @@ def test_window_graphs_at_the_context_edge(target, tokenizer, engines):
 
 
 def test_rolling_back_a_window_batch_by_device_lengths_equals_each_rollback(target):
-    """Three graphed windows rolled back at once to kept lengths held in a device tensor (the
-    whole window replayed, rows past the kept ones without decay or update) against each
-    window's own recorded rollback: every kept length 1 .. W, the same state; padding rows on
-    a scratch slot leave the other slots alone."""
+    """Three graphed windows rolled back at once to kept lengths held in a device tensor
+    against each window's own recorded rollback: every kept length 1 .. W, the same state;
+    padding rows on a scratch slot leave the other slots alone. Both forms of the records:
+    inputs (the whole window replayed, rows past the kept ones without decay or update) and
+    the state after each row (the kept row's copied), which give the same states."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(5, 150, (n,), generator=gen).tolist() for n in (4, 11, 7)]
     W = 5
     for keeps in ((1, 3, 5), (2, 5, 4), (5, 1, 1)):
-        pools = [target.new_state_pool(5, 64) for _ in range(2)]
-        for pool in pools:
-            target.forward(
-                ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]), pool
-            )
         windows = [torch.randint(5, 150, (W,), generator=gen).tolist() for _ in prompts]
         starts = torch.tensor([len(p) for p in prompts] + [1])
         slots = torch.tensor([0, 1, 2, 4])  # the last: a padding window on the scratch slot
         ids = torch.tensor(functools.reduce(operator.iadd, windows, []) + [0] * W)
-        records = target.new_window_records(4, W)
-        outs = [
-            target.forward_ex(ForwardBatch.windows_of(ids, slots, starts, W, records), pool)
-            for pool in pools
-        ]
-        for j, keep in enumerate(keeps):
-            if keep < W:
-                target.rollback(pools[0], j, outs[0].records[j], keep)
-        before = pools[1].recurrent[:, 3].clone()
-        target.rollback_windows(pools[1], slots, records, torch.tensor([*keeps, 1]), W)
+        by_form = {}
+        for row_states in (False, True):
+            pools = [target.new_state_pool(5, 64) for _ in range(2)]
+            for pool in pools:
+                target.forward(
+                    ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]), pool
+                )
+            records = target.new_window_records(4, W, row_states=row_states)
+            assert (records.row_state is not None) == row_states
+            outs = [
+                target.forward_ex(ForwardBatch.windows_of(ids, slots, starts, W, records), pool)
+                for pool in pools
+            ]
+            for j, keep in enumerate(keeps):
+                if keep < W:
+                    target.rollback(pools[0], j, outs[0].records[j], keep)
+            before = pools[1].recurrent[:, 3].clone()
+            target.rollback_windows(pools[1], slots, records, torch.tensor([*keeps, 1]), W)
+            for name in ("recurrent", "conv"):
+                torch.testing.assert_close(
+                    getattr(pools[1], name)[:, :3],
+                    getattr(pools[0], name)[:, :3],
+                    atol=1e-5,
+                    rtol=1e-4,
+                )
+            assert torch.equal(pools[1].recurrent[:, 3], before)
+            by_form[row_states] = pools[1]
         for name in ("recurrent", "conv"):
             torch.testing.assert_close(
-                getattr(pools[1], name)[:, :3],
-                getattr(pools[0], name)[:, :3],
+                getattr(by_form[True], name)[:, :3],
+                getattr(by_form[False], name)[:, :3],
                 atol=1e-5,
                 rtol=1e-4,
             )
-        assert torch.equal(pools[1].recurrent[:, 3], before)
 
 
 def test_ring_rows_from_device_counts_equal_adding_them_one_stream_at_a_time(target):

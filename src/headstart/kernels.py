@@ -45,7 +45,23 @@ from headstart.ops.pointwise import reference as pointwise
 log = logging.getLogger("headstart.kernels")
 
 
-def _ref_gdn_decode_gates(q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states, norm=None):
+def _ref_gdn_decode_gates(
+    q, k, v, a, b, rows, A_log, dt_bias, slots, fresh, states, norm=None, width=1, row_states=None
+):
+    if width > 1 or row_states is not None:  # a window: that many one-row steps
+        n = slots.shape[0]
+        kept = torch.zeros(n, dtype=torch.bool, device=fresh.device)
+        outs = []
+        for t in range(width):
+            at = rows.view(n, width)[:, t]
+            step = [x.unflatten(0, (n, width))[:, t] for x in (q, k, v)]
+            start = fresh if t == 0 else kept
+            outs.append(
+                _ref_gdn_decode_gates(*step, a, b, at, A_log, dt_bias, slots, start, states, norm)
+            )
+            if row_states is not None:
+                row_states[:, t] = states[slots]
+        return torch.stack(outs, 1).flatten(0, 1)
     g, beta = pointwise.gdn_gates(a[rows], b[rows], A_log, dt_bias)
     state = torch.where(fresh[:, None, None, None], 0.0, states[slots])
     o, states[slots] = gated_delta_step(q, k, v, g, beta, state)
@@ -117,7 +133,10 @@ class Kernels:
     # One GDN step per stream, gates computed from the raw projections: (q [n,Hk,Dk], k,
     # v [n,Hv,Dv], a [T,Hv], b [T,Hv], rows [n], A_log, dt_bias, slots [n], fresh [n] bool,
     # state pool [slots,Hv,Dk,Dv] fp32 updated in place, norm=None) -> o [n,Hv,Dv]; with
-    # norm=(z [T,Hv,Dv], weight, eps), o after pointwise.gated_rms_norm with z at the same rows
+    # norm=(z [T,Hv,Dv], weight, eps), o after pointwise.gated_rms_norm with z at the same rows;
+    # width=W > 1: W rows per stream, stream after stream (q/k/v [n*W, ...], rows [n*W]), as W
+    # one-row steps in one call (a verify window), o [n*W,Hv,Dv]; row_states [n,W,Hv,Dk,Dv]
+    # fp32: the state after each row, written there (conv_step_rows: the same with row_tails)
     gdn_decode_gates: Callable[..., torch.Tensor]
     # (q, k, v, g, beta packed [T, ...], cu_seqlens [N+1], slots [N], fresh [N], state pool,
     #  cu_seqlens on the host) -> o [T,Hv,Dv]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headstart.batch import ForwardBatch
+from headstart.batch import ForwardBatch, WindowRows
 from headstart.models.qwen35.parts import ModelParts
 from headstart.models.qwen35.speculative import GDNRecord, tree_gated_delta
 from headstart.ops.conv.reference import conv_spans_plan
@@ -25,6 +25,12 @@ from headstart.ops.linear import linear
 from headstart.state import StatePool
 
 __all__ = ["GatedDeltaNet"]
+
+
+def _copied_back(wd: WindowRows) -> bool:
+    """Whether these windows' rollback copies a kept row's state (the records hold the state
+    after each row) rather than replaying the kept rows."""
+    return wd.records is not None and wd.records.row_state is not None
 
 
 def _conv_plan(batch: ForwardBatch, k1: int) -> tuple[torch.Tensor, ...]:
@@ -82,8 +88,11 @@ class GatedDeltaNet:
         norm = (z.view(T, Hv, Dv), m.w[p + "norm.weight"], cfg.rms_norm_eps)
         d = batch.decode
         only_decode = d is not None and batch.all_decode is d
+        # Verify windows (a batch of nothing else) run as one-row steps, gates computed in
+        # the step kernels; tensors of them only for the records a replayed rollback reads.
+        windows = batch.windows if batch.windows is not None and not batch.windows.span else None
         g = beta = None
-        if not only_decode:  # other rows' paths take the gates as tensors
+        if not only_decode and (windows is None or not _copied_back(windows)):
             g, beta = m.kernels.gdn_gates(a, b, m.w[p + "A_log"], m.w[p + "dt_bias"])
         layer = m.state_index[i]
         rows = _Rows(
@@ -96,17 +105,20 @@ class GatedDeltaNet:
             pool.conv[layer],
             pool.recurrent[layer],
             m.w[p + "conv1d.weight"],
-            None if only_decode else torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device),
+            None
+            if only_decode or windows is not None
+            else torch.empty(T, Hv, Dv, dtype=x.dtype, device=x.device),
         )
         if d is not None:
             o = self._decode(rows, batch, norm if only_decode else None)
             if only_decode:  # the rows in order, output norm applied: straight to out_proj
                 return linear(o.to(x.dtype).view(T, -1), m.w[p + "out_proj.weight"])
             rows.core[d.rows] = o.to(x.dtype)
-        if batch.windows is not None and batch.windows.span:
+        if windows is not None:  # the rows in order, output norm applied: straight to out_proj
+            o = self._windows(rows, windows, records, norm)
+            return linear(o.to(x.dtype).view(T, -1), m.w[p + "out_proj.weight"])
+        if batch.windows is not None:
             self._window_span(rows, batch)
-        elif batch.windows is not None:
-            self._windows(rows, batch, records)
         if batch.padded is not None:
             self._padded(rows, batch)
         if batch.multi is not None:
@@ -193,33 +205,48 @@ class GatedDeltaNet:
         )
         r.core.copy_(o.reshape(n * L, Hv, Dv))
 
-    def _windows(self, r: _Rows, batch: ForwardBatch, records: dict[int, GDNRecord] | None) -> None:
-        """Verify windows as W batched one-row steps (graph-capturable), with the decode
-        step's own kernels, so that a window equals one-row steps."""
-        m, wd = self.m, batch.windows
+    def _windows(
+        self, r: _Rows, wd: WindowRows, records: dict[int, GDNRecord] | None, norm
+    ) -> torch.Tensor:
+        """Verify windows as W one-row steps of every stream in one launch each for the conv
+        and the rule (graph-capturable), the decode step's own kernels looping over the rows,
+        so that a window equals one-row steps. Returns the normed output of every row in
+        order (a window batch holds its rows stream after stream, ``ForwardBatch.windows_of``).
+        Recorded for rollback: when the shared records keep the state after each row
+        (:class:`WindowRecords` ``row_state``), the kernels write them there; else the inputs a
+        replay needs."""
+        m = self.m
         n, W = wd.rows.shape
-        if records is not None:
-            self._record_windows(r, wd, records)
-        kept = torch.zeros(n, dtype=torch.bool, device=r.mixed.device)  # no window is fresh
+        li = m.state_index[r.i]
         p = f"layers.{r.i}.linear_attn."
-        outs = []
-        for t in range(W):
-            col = wd.columns[t]
-            y = m.kernels.conv_step_rows(r.mixed, col, r.conv_w, r.tails, wd.slots, kept)
-            o = m.kernels.gdn_decode_gates(
-                *self._qkv(y),
-                r.a,
-                r.b,
-                col,
-                m.w[p + "A_log"],
-                m.w[p + "dt_bias"],
-                wd.slots,
-                kept,
-                r.states,
-            )
-            outs.append(o)
-        # Written once, not step by step: a window graph is launch-bound (W copies fewer).
-        r.core[wd.columns.reshape(-1)] = torch.stack(outs).flatten(0, 1).to(r.core.dtype)
+        copied = _copied_back(wd)
+        if records is not None and not copied:
+            self._record_windows(r, wd, records)
+        row_tails = wd.records.row_tail[li, :n] if copied else None
+        row_states = wd.records.row_state[li, :n] if copied else None
+        kept = torch.zeros(n, dtype=torch.bool, device=r.mixed.device)  # no window is fresh
+        rows = wd.rows.reshape(-1)
+        y = m.kernels.conv_step_rows(
+            r.mixed, rows, r.conv_w, r.tails, wd.slots, kept, width=W, row_tails=row_tails
+        )
+        o = m.kernels.gdn_decode_gates(
+            *self._qkv(y),
+            r.a,
+            r.b,
+            rows,
+            m.w[p + "A_log"],
+            m.w[p + "dt_bias"],
+            wd.slots,
+            kept,
+            r.states,
+            norm=norm,
+            width=W,
+            row_states=row_states,
+        )
+        if copied and records is not None:
+            for j in range(n):
+                records[j].rows[r.i] = (row_states[j], row_tails[j])
+        return o
 
     def _record_windows(self, r: _Rows, wd, records: dict[int, GDNRecord]) -> None:
         """What a rollback replays, per window: into the shared buffers (graphs), kept as

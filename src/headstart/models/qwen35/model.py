@@ -334,9 +334,11 @@ class Qwen35Model:
         )
 
     # -- speculative decoding (see speculative.py) --------------------------------------------
-    def new_window_records(self, streams: int, width: int) -> WindowRecords:
+    def new_window_records(
+        self, streams: int, width: int, row_states: bool | None = None
+    ) -> WindowRecords:
         """Shared buffers for graphed verify windows of up to ``streams`` x ``width`` rows."""
-        return WindowRecords.allocate(self.cfg, streams, width, self.dtype, self.device)
+        return WindowRecords.allocate(self.cfg, streams, width, self.dtype, self.device, row_states)
 
     def rollback(self, pool: StatePool, slot: int, record: GDNRecord, keep: int) -> None:
         """Set the slot's state to what it was after the first ``keep`` recorded rows."""

@@ -4,10 +4,12 @@ After a verify window the slot must hold the state after the last accepted row. 
 need nothing for a chain (rows past the kept ones are never read and are overwritten next); the
 GDN state cannot be rewound, so a window runs *recorded*: :class:`GDNRecord` keeps each layer's
 inputs (initial conv tail and state, pre-conv rows, gates), and :func:`rollback` replays the kept
-rows from them. Graphed windows record into the shared :class:`WindowRecords` and roll back with
-:func:`rollback_window` (no host work, so it can be captured); :func:`rollback_windows` rolls
-back a whole batch of them to kept lengths that are themselves device tensors, so that a round
-decided on the device (engine/spec/round.py) needs no host value either. Token trees run through
+rows from them, or, where the records hold the state after each row (graphed windows of a
+model whose row states fit, :class:`WindowRecords`), copies the kept row's. Graphed windows
+record into the shared :class:`WindowRecords` and roll back with :func:`rollback_window` (no
+host work, so it can be captured); :func:`rollback_windows` rolls back a whole batch of them to
+kept lengths that are themselves device tensors, so that a round decided on the device
+(engine/spec/round.py) needs no host value either. Token trees run through
 :func:`tree_gated_delta` and :func:`attend_tree` (every node continues from its parent), and
 :func:`commit_tree` keeps the accepted path's state and KV rows.
 """
@@ -49,6 +51,9 @@ class GDNRecord:
     layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     # Tree windows instead: per layer, every node's (state [N,Hv,Dk,Dv], tail [N,C,K-1]).
     tree: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Windows whose records keep the state after each row instead: per layer, (states
+    # [W,Hv,Dk,Dv], tails [W,C,K-1]) after each row; a rollback copies the kept row's.
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def ancestry(parents: Sequence[int]) -> torch.Tensor:
@@ -113,19 +118,42 @@ def tree_gated_delta(
     return out, states, tails
 
 
+# The most bytes :meth:`WindowRecords.allocate` spends on the state after each window row; past
+# it, windows record their inputs and a rollback replays the kept rows. The default model's
+# records for 16 streams of 8 rows take 50 MB; 2B's 2.4 GB, 27B's 19 GB (so those replay).
+ROW_STATES_BUDGET = 512 << 20
+
+
 @dataclass
 class WindowRecords:
-    """Where graphed verify windows leave what a rollback replays (see :func:`rollback`):
-    per GDN layer and window (stream index), the conv tail and recurrent state before the window
-    and the window's pre-conv rows, log decays and betas. Allocated once and shared by every
-    window graph: per-graph outputs of this size would multiply the state pool's memory by the
-    number of graphs."""
+    """Where graphed verify windows leave what a rollback needs, in one of two forms, allocated
+    once and shared by every window graph (per-graph outputs of this size would multiply the
+    state pool's memory by the number of graphs):
 
-    tail: torch.Tensor  # [linear layers, n, conv_dim, K-1]
-    state: torch.Tensor  # [linear layers, n, Hv, Dk, Dv] fp32
-    mixed: torch.Tensor  # [linear layers, n, W, conv_dim]
-    g: torch.Tensor  # [linear layers, n, W, Hv] fp32
-    beta: torch.Tensor  # [linear layers, n, W, Hv]
+    - *row states*: per GDN layer and window (stream index), the recurrent state and conv tail
+      after each window row, written by the window's own step kernels; a rollback copies the
+      kept row's (a few copies for all layers, against a replay's tens of kernels a layer).
+    - *inputs* (when row states would not fit :data:`ROW_STATES_BUDGET`): the conv tail and
+      recurrent state before the window and the window's pre-conv rows, log decays and betas;
+      a rollback replays the kept rows (see :func:`rollback`).
+
+    The fields of the other form are None."""
+
+    tail: torch.Tensor | None  # [linear layers, n, conv_dim, K-1]
+    state: torch.Tensor | None  # [linear layers, n, Hv, Dk, Dv] fp32
+    mixed: torch.Tensor | None  # [linear layers, n, W, conv_dim]
+    g: torch.Tensor | None  # [linear layers, n, W, Hv] fp32
+    beta: torch.Tensor | None  # [linear layers, n, W, Hv]
+    row_state: torch.Tensor | None = None  # [linear layers, n, W, Hv, Dk, Dv] fp32
+    row_tail: torch.Tensor | None = None  # [linear layers, n, W, conv_dim, K-1]
+
+    @staticmethod
+    def row_bytes(cfg: ModelConfig, streams: int, width: int, dtype: torch.dtype) -> int:
+        """Bytes of the row-states form."""
+        per_row = cfg.linear_num_value_heads * cfg.linear_key_head_dim
+        per_row *= cfg.linear_value_head_dim * 4
+        per_row += cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+        return len(cfg.linear_layers) * streams * width * per_row
 
     @classmethod
     def allocate(
@@ -135,25 +163,45 @@ class WindowRecords:
         width: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        row_states: bool | None = None,
     ) -> WindowRecords:
+        """``row_states``: which form (None: row states while they fit the budget)."""
         L, Hv = len(cfg.linear_layers), cfg.linear_num_value_heads
+        Dk, Dv, K1 = (
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim - 1,
+        )
+        if row_states is None:
+            row_states = cls.row_bytes(cfg, streams, width, dtype) <= ROW_STATES_BUDGET
+        if row_states:
+            return cls(
+                None,
+                None,
+                None,
+                None,
+                None,
+                row_state=torch.zeros(
+                    L, streams, width, Hv, Dk, Dv, dtype=torch.float32, device=device
+                ),
+                row_tail=torch.zeros(
+                    L, streams, width, cfg.conv_dim, K1, dtype=dtype, device=device
+                ),
+            )
         return cls(
-            tail=torch.zeros(
-                L, streams, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device
-            ),
-            state=torch.zeros(
-                L,
-                streams,
-                Hv,
-                cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim,
-                dtype=torch.float32,
-                device=device,
-            ),
+            tail=torch.zeros(L, streams, cfg.conv_dim, K1, dtype=dtype, device=device),
+            state=torch.zeros(L, streams, Hv, Dk, Dv, dtype=torch.float32, device=device),
             mixed=torch.zeros(L, streams, width, cfg.conv_dim, dtype=dtype, device=device),
             g=torch.zeros(L, streams, width, Hv, dtype=torch.float32, device=device),
             beta=torch.zeros(L, streams, width, Hv, dtype=dtype, device=device),
         )
+
+
+def _copy_rows(pool: StatePool, slots: torch.Tensor, records: WindowRecords, windows, rows) -> None:
+    """Every GDN layer of ``slots[j]`` set to the state after row ``rows[j]`` of window
+    ``windows[j]`` (index tensors or ints) of row-state records: two gathers, two copies."""
+    for dst, src in ((pool.recurrent, records.row_state), (pool.conv, records.row_tail)):
+        dst.index_copy_(1, slots, src[:, windows, rows].to(dst.dtype))
 
 
 @torch.no_grad()
@@ -186,6 +234,10 @@ def rollback(model: ModelParts, pool: StatePool, slot: int, record: GDNRecord, k
 
     Attention KV rows need nothing: rows past the kept ones are simply never read (the next
     chunk starts at their position and overwrites them)."""
+    for i, (states, tails) in record.rows.items():  # row states: copy the kept row's
+        layer = model.state_index[i]
+        pool.recurrent[layer, slot] = states[keep - 1]
+        pool.conv[layer, slot] = tails[keep - 1]
     cfg = model.cfg
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -216,7 +268,11 @@ def rollback_window(
 ) -> None:
     """:func:`rollback` for a window recorded into shared buffers by a graphed window batch
     (``records``, window index ``window`` [1]), with ``slot`` [1] a tensor: no host work,
-    so it can be captured. Replays the kept rows through the kernels' span recurrence."""
+    so it can be captured. Replays the kept rows through the kernels' span recurrence, or with
+    row-state records copies the kept row's state."""
+    if records.row_state is not None:
+        _copy_rows(pool, slot, records, window, keep - 1)
+        return
     cfg = model.cfg
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -267,7 +323,11 @@ def rollback_windows(
     device tensor. The whole window is replayed from the recorded state with no decay and no
     update on rows past ``keep[j]`` (so they leave the state as it was), and the conv tail is
     the ``K-1`` inputs ending at the last kept row: no host work, no shape that depends on
-    ``keep``."""
+    ``keep``. With row-state records, each window's kept row's state is copied instead."""
+    if records.row_state is not None:
+        n = slots.shape[0]
+        _copy_rows(pool, slots, records, torch.arange(n, device=keep.device), keep - 1)
+        return
     cfg = model.cfg
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

@@ -64,6 +64,7 @@ if HAVE_TRITON:
         dt_bias_ptr,
         z_ptr,
         norm_w_ptr,
+        row_state_ptr,
         stride_qn,
         stride_qh,
         stride_kn,
@@ -84,6 +85,8 @@ if HAVE_TRITON:
         BV: tl.constexpr,
         RAW_GATES: tl.constexpr,
         NORM: tl.constexpr,
+        W: tl.constexpr = 1,
+        ROW_STATES: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         pdl_wait(PDL)  # every input but A_log, dt_bias and the norm weight is written before
@@ -95,47 +98,56 @@ if HAVE_TRITON:
         dk = tl.arange(0, DK)
         dv = pv * BV + tl.arange(0, BV)
 
-        q = tl.load(q_ptr + i_n * stride_qn + i_hk * stride_qh + dk).to(tl.float32)
-        k = tl.load(k_ptr + i_n * stride_kn + i_hk * stride_kh + dk).to(tl.float32)
-        v = tl.load(v_ptr + i_n * stride_vn + i_hv * stride_vh + dv).to(tl.float32)
-        if RAW_GATES:
-            # g and beta from the raw projections a, b at the stream's packed row, as
-            # pointwise.gdn_gates computes them (beta rounded to b's dtype, as a tensor of it is).
-            row = tl.load(rows_ptr + i_n).to(tl.int64)
-            a = tl.load(g_ptr + row * stride_gn + i_hv).to(tl.float32) + tl.load(dt_bias_ptr + i_hv)
-            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold 20
-            g = -tl.exp(tl.load(a_log_ptr + i_hv)) * softplus
-            b = tl.load(beta_ptr + row * stride_bn + i_hv)
-            beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-        else:
-            g = tl.load(g_ptr + i_n * stride_gn + i_hv).to(tl.float32)
-            beta = tl.load(beta_ptr + i_n * stride_bn + i_hv).to(tl.float32)
-        # Same normalisation as the reference (rsqrt of sum of squares + 1e-6; q also * Dk^-0.5).
-        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK**-0.5))
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-
         slot = tl.load(slot_ptr + i_n).to(tl.int64)
         keep = tl.load(fresh_ptr + i_n) == 0
         s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
         # A fresh stream's slot is not read at all (it may hold anything, NaN included).
         S = tl.load(s_ptrs, mask=(dk[:, None] < DK) & keep, other=0.0)
-        S = S * tl.exp(g)
-        kv = tl.sum(S * k[:, None], 0)  # [BV] = S^T k
-        delta = (v - kv) * beta
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], 0)
-        tl.store(s_ptrs, S)
         ODT: tl.constexpr = o_ptr.dtype.element_ty
-        if NORM:
-            # The gated output norm (pointwise.gated_rms_norm) over the whole head (BV == DV),
-            # rounding where it rounds: o, the normalised o, the weighted o, the gated result.
-            o = o.to(ODT).to(tl.float32)
-            o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(ODT).to(tl.float32)
-            w = tl.load(norm_w_ptr + dv).to(ODT).to(tl.float32)
-            o = (w * o).to(ODT).to(tl.float32)
-            z = tl.load(z_ptr + row * stride_zn + i_hv * DV + dv).to(tl.float32)
-            o = o * (z * tl.sigmoid(z))
-        tl.store(o_ptr + i_n * stride_on + i_hv * stride_oh + dv, o.to(ODT))
+        # W rows of the stream (a verify window; 1: a decode step), each the same step.
+        for t in tl.static_range(W):
+            r = i_n * W + t
+            q = tl.load(q_ptr + r * stride_qn + i_hk * stride_qh + dk).to(tl.float32)
+            k = tl.load(k_ptr + r * stride_kn + i_hk * stride_kh + dk).to(tl.float32)
+            v = tl.load(v_ptr + r * stride_vn + i_hv * stride_vh + dv).to(tl.float32)
+            if RAW_GATES:
+                # g and beta from the raw projections a, b at the row's packed row, as
+                # pointwise.gdn_gates computes them (beta rounded to b's dtype, as a tensor of
+                # it is).
+                row = tl.load(rows_ptr + r).to(tl.int64)
+                a = tl.load(g_ptr + row * stride_gn + i_hv).to(tl.float32)
+                a = a + tl.load(dt_bias_ptr + i_hv)
+                softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold 20
+                g = -tl.exp(tl.load(a_log_ptr + i_hv)) * softplus
+                b = tl.load(beta_ptr + row * stride_bn + i_hv)
+                beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+            else:
+                g = tl.load(g_ptr + r * stride_gn + i_hv).to(tl.float32)
+                beta = tl.load(beta_ptr + r * stride_bn + i_hv).to(tl.float32)
+            # Same normalisation as the reference (rsqrt of sum of squares + 1e-6; q also *
+            # Dk^-0.5).
+            q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK**-0.5))
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+            S = S * tl.exp(g)
+            kv = tl.sum(S * k[:, None], 0)  # [BV] = S^T k
+            delta = (v - kv) * beta
+            S = S + k[:, None] * delta[None, :]
+            o = tl.sum(S * q[:, None], 0)
+            if ROW_STATES:  # the state after this row: [n, W, Hv, Dk, Dv]
+                rs = row_state_ptr + (r * HV + i_hv) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+                tl.store(rs, S)
+            if NORM:
+                # The gated output norm (pointwise.gated_rms_norm) over the whole head (BV ==
+                # DV), rounding where it rounds: o, the normalised o, the weighted o, the gated
+                # result.
+                o = o.to(ODT).to(tl.float32)
+                o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(ODT).to(tl.float32)
+                w = tl.load(norm_w_ptr + dv).to(ODT).to(tl.float32)
+                o = (w * o).to(ODT).to(tl.float32)
+                z = tl.load(z_ptr + row * stride_zn + i_hv * DV + dv).to(tl.float32)
+                o = o * (z * tl.sigmoid(z))
+            tl.store(o_ptr + r * stride_on + i_hv * stride_oh + dv, o.to(ODT))
+        tl.store(s_ptrs, S)
 
 
 def norm_fold_limit(device: torch.device) -> int:
@@ -158,21 +170,34 @@ def gdn_decode(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    width: int = 1,
+    row_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One GDN step for n streams; updates ``state_pool[slots]`` in place.
 
     q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool;
     state_pool: [slots, Hv, Dk, Dv] fp32 (``[Hv, Dk, Dv]`` contiguous). Slots must be distinct.
     Returns o: [n, Hv, Dv] in ``out_dtype`` (default v's dtype).
+
+    ``width`` > 1: that many rows per stream, stream after stream (q, k, v, g, beta and
+    ``rows`` with ``n * width`` rows; a verify window), as one-row steps in one launch, the
+    state kept in registers between them; o [n * width, Hv, Dv]. ``row_states`` (contiguous
+    [n, width, Hv, Dk, Dv] fp32): the state after each row, written there.
     """
-    n, Hk, Dk = q.shape
+    n = slots.shape[0]
+    Hk, Dk = q.shape[1], q.shape[2]
     Hv, Dv = v.shape[1], v.shape[2]
-    o = torch.empty(n, Hv, Dv, dtype=out_dtype or v.dtype, device=v.device)
+    o = torch.empty(n * width, Hv, Dv, dtype=out_dtype or v.dtype, device=v.device)
     if n == 0:
         return o
     if state_pool.dtype != torch.float32 or state_pool[0].stride() != (Dk * Dv, Dv, 1):
         raise ValueError("state_pool must be fp32 with contiguous [Hv, Dk, Dv] per slot")
+    if row_states is not None and (
+        row_states.dtype != torch.float32 or not row_states.is_contiguous()
+    ):
+        raise ValueError("row_states must be contiguous fp32 [n, width, Hv, Dk, Dv]")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    rows = rows.contiguous() if rows is not None else None
     g = g if g.stride(-1) == 1 else g.contiguous()
     beta = beta if beta.stride(-1) == 1 else beta.contiguous()
     if norm is not None and n * Hv > norm_fold_limit(v.device):
@@ -182,7 +207,23 @@ def gdn_decode(
         from headstart.ops.pointwise.triton import gated_rms_norm
 
         z, norm_w, eps = norm
-        o = gdn_decode(q, k, v, g, beta, slots, fresh, state_pool, out_dtype, rows, A_log, dt_bias)
+        o = gdn_decode(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            slots,
+            fresh,
+            state_pool,
+            out_dtype,
+            rows,
+            A_log,
+            dt_bias,
+            None,
+            width,
+            row_states,
+        )
         return gated_rms_norm(o, z, norm_w, eps, gate_rows=rows).view(o.shape)
     # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head); the
     # output norm needs whole heads.
@@ -213,6 +254,7 @@ def gdn_decode(
         dt_bias if raw else g,
         z,
         norm_w,
+        state_pool if row_states is None else row_states,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -233,6 +275,8 @@ def gdn_decode(
         BV=BV,
         RAW_GATES=raw,
         NORM=norm is not None,
+        W=width,
+        ROW_STATES=row_states is not None,
         num_warps=8 if norm is not None else 4,
         **pdl_options(v.device),
     )
@@ -252,11 +296,27 @@ def gdn_decode_gates(
     fresh: torch.Tensor,
     state_pool: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    width: int = 1,
+    row_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`gdn_decode` with the gates computed in the kernel from the raw projections a, b
-    ``[T, Hv]`` at packed rows ``rows [n]`` (``pointwise.gdn_gates``): no gate kernels, no
-    gathers. ``norm = (z [T, Hv, Dv], weight [Dv], eps)``: the output goes through
-    ``pointwise.gated_rms_norm`` with ``z`` at the same rows, in the same kernel."""
+    ``[T, Hv]`` at packed rows ``rows [n]`` (``[n * width]`` for a window; see
+    :func:`gdn_decode`) (``pointwise.gdn_gates``): no gate kernels, no gathers. ``norm = (z
+    [T, Hv, Dv], weight [Dv], eps)``: the output goes through ``pointwise.gated_rms_norm`` with
+    ``z`` at the same rows, in the same kernel."""
     return gdn_decode(
-        q, k, v, a, b, slots, fresh, state_pool, rows=rows, A_log=A_log, dt_bias=dt_bias, norm=norm
+        q,
+        k,
+        v,
+        a,
+        b,
+        slots,
+        fresh,
+        state_pool,
+        rows=rows,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        norm=norm,
+        width=width,
+        row_states=row_states,
     )

@@ -79,10 +79,27 @@ def conv_step_rows(
     tails: torch.Tensor,
     slots: torch.Tensor,
     fresh: torch.Tensor,
+    width: int = 1,
+    row_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GDN conv for one new row of each of n streams: row ``rows[i]`` of ``mixed [T, C]``
     continues the tail ``tails[slots[i]]`` (``[slots, C, K-1]``, updated in place; zeros when
-    ``fresh[i]``, whatever the slot held). Returns ``silu(conv)`` [n, C]."""
+    ``fresh[i]``, whatever the slot held). Returns ``silu(conv)`` [n, C].
+
+    ``width`` > 1: ``width`` rows per stream, stream after stream (``rows`` [n * width]: stream
+    ``i``'s rows are ``rows[i * width ..]``, in order; a verify window), computed as that many
+    one-row steps; returns [n * width, C] in the same order, the tail after the last row in
+    the pool, and with ``row_tails`` [n, width, C, K-1] the tail after each row there."""
+    if width > 1 or row_tails is not None:
+        n = slots.shape[0]
+        kept = torch.zeros(n, dtype=torch.bool, device=fresh.device)
+        ys = []
+        for t in range(width):
+            at = rows.view(n, width)[:, t]
+            ys.append(conv_step_rows(mixed, at, weight, tails, slots, fresh if t == 0 else kept))
+            if row_tails is not None:
+                row_tails[:, t] = tails[slots]
+        return torch.stack(ys, 1).flatten(0, 1)
     tail = torch.where(fresh[:, None, None], 0.0, tails[slots])
     y, tails[slots] = causal_conv_step(mixed[rows], tail, weight)
     return y

@@ -188,6 +188,7 @@ if HAVE_TRITON:
         slot_ptr,
         fresh_ptr,
         y_ptr,
+        row_tail_ptr,
         C,
         stride_x,
         stride_slot,
@@ -195,39 +196,70 @@ if HAVE_TRITON:
         K: tl.constexpr,
         KP: tl.constexpr,
         BC: tl.constexpr,
+        W: tl.constexpr = 1,
+        ROW_TAILS: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         pdl_wait(PDL)  # every input is written by an earlier kernel
-        i = tl.program_id(0)
+        i = tl.program_id(0)  # stream; its rows are rows[i * W ..], in order
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         j = tl.arange(0, KP)
         cm = c < C
-        row = tl.load(rows_ptr + i).to(tl.int64)
         slot = tl.load(slot_ptr + i).to(tl.int64)
         keep = tl.load(fresh_ptr + i) == 0
-        x = tl.load(x_ptr + row * stride_x + c, mask=cm, other=0.0)
         t_ptrs = tail_ptr + slot * stride_slot + c[:, None] * (K - 1)
-        # window [BC, KP]: columns 0..K-2 the tail (zeros for a fresh stream: never read), K-1 x.
-        win = tl.load(
-            t_ptrs + j[None, :], mask=cm[:, None] & (j[None, :] < K - 1) & keep, other=0.0
-        )
-        win = tl.where(j[None, :] == K - 1, x[:, None], win)
         w = tl.load(
             w_ptr + c[:, None] * K + j[None, :], mask=cm[:, None] & (j[None, :] < K), other=0.0
         )
-        DT: tl.constexpr = x.dtype
-        acc = _round(tl.sum(win.to(tl.float32) * w.to(tl.float32), 1), DT)
-        tl.store(y_ptr + i * stride_y + c, (acc * tl.sigmoid(acc)).to(DT), mask=cm)
-        # New tail: the window shifted left by one (column j <- column j + 1).
-        nxt = tl.load(
-            t_ptrs + j[None, :] + 1, mask=cm[:, None] & (j[None, :] < K - 2) & keep, other=0.0
-        )
-        nxt = tl.where(j[None, :] == K - 2, x[:, None], nxt)
+        DT: tl.constexpr = y_ptr.dtype.element_ty
+        for t in tl.static_range(W):
+            # Row t's window [BC, KP]: column j holds input t - (K-1) + j, one of this call's
+            # rows when that is >= 0, else column t + j of the tail the stream came with (zeros
+            # for a fresh stream: never read). The same tile, product and sum at any W, so a
+            # window row computes exactly what a one-row step computes.
+            y_row = _conv_window(
+                x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 1), K, W
+            )
+            acc = _round(tl.sum(y_row.to(tl.float32) * w.to(tl.float32), 1), DT)
+            tl.store(y_ptr + (i * W + t) * stride_y + c, (acc * tl.sigmoid(acc)).to(DT), mask=cm)
+            if ROW_TAILS:  # the tail after row t: inputs t - (K-2) .. t
+                after = _conv_window(
+                    x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 2), K, W
+                )
+                r_ptrs = row_tail_ptr + ((i * W + t) * C + c[:, None]) * (K - 1) + j[None, :]
+                tl.store(
+                    r_ptrs,
+                    after.to(row_tail_ptr.dtype.element_ty),
+                    mask=cm[:, None] & (j[None, :] < K - 1),
+                )
+        # The new tail: inputs W - (K-1) + 1 .. W - 1 (every load above came from the old one).
+        nxt = _conv_window(x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, W - (K - 1), K, W)
         tl.store(
             t_ptrs + j[None, :],
             nxt.to(tail_ptr.dtype.element_ty),
             mask=cm[:, None] & (j[None, :] < K - 1),
         )
+
+    @triton.jit
+    def _conv_window(x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, first, K, W):
+        """[BC, KP]: column j is input ``first + j`` of stream i (j < K): its row of x when
+        that is >= 0, else column ``first + j + K - 1`` of the stream's old tail."""
+        src = first + j  # [KP]
+        from_x = (src >= 0) & (j < K)
+        # Addresses clamped into their buffers even where masked (Triton's CPU interpreter
+        # dereferences them).
+        row = tl.load(rows_ptr + i * W + tl.maximum(src, 0), mask=from_x, other=0).to(tl.int64)
+        x = tl.load(
+            x_ptr + row[None, :] * stride_x + c[:, None],
+            mask=cm[:, None] & from_x[None, :],
+            other=0.0,
+        )
+        old = tl.load(
+            t_ptrs + tl.where(src < 0, src + K - 1, 0)[None, :],
+            mask=cm[:, None] & (src < 0)[None, :] & keep,
+            other=0.0,
+        )
+        return tl.where(from_x[None, :], x, old)
 
     @triton.jit
     def _attn_inputs_kernel(
@@ -445,13 +477,17 @@ def conv_step_rows(
     tails: torch.Tensor,
     slots: torch.Tensor,
     fresh: torch.Tensor,
+    width: int = 1,
+    row_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    mixed = _rows(mixed)
-    n = rows.shape[0]
+    mixed, rows = _rows(mixed), rows.contiguous()
+    n = slots.shape[0]
     C, K = weight.shape
     if tails.stride(2) != 1 or tails.stride(1) != K - 1 or weight.stride() != (K, 1):
         raise ValueError("conv tails need contiguous [C, K-1] per slot and weight [C, K]")
-    y = torch.empty(n, C, dtype=mixed.dtype, device=mixed.device)
+    if row_tails is not None and not row_tails.is_contiguous():
+        raise ValueError("row_tails must be contiguous [n, width, C, K-1]")
+    y = torch.empty(n * width, C, dtype=mixed.dtype, device=mixed.device)
     if n:
         BC = 256
         _conv_step_kernel[(n, triton.cdiv(C, BC))](
@@ -462,6 +498,7 @@ def conv_step_rows(
             slots,
             fresh.view(torch.uint8),
             y,
+            tails if row_tails is None else row_tails,
             C,
             mixed.stride(0),
             tails.stride(0),
@@ -469,6 +506,8 @@ def conv_step_rows(
             K=K,
             KP=triton.next_power_of_2(K),
             BC=BC,
+            W=width,
+            ROW_TAILS=row_tails is not None,
             num_warps=4,
             **pdl_options(y.device),
         )
