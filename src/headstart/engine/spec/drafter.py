@@ -27,7 +27,6 @@ from headstart.checkpoint import safetensors_files
 from headstart.errors import CheckpointError, ConfigError
 from headstart.models.contract import CausalLM
 from headstart.ops.linear import linear
-from headstart.ops.pointwise.reference import rotate_half
 
 
 @dataclass(frozen=True)
@@ -328,18 +327,25 @@ class DFlashDrafter:
         )
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin at ``positions`` ``[...]``, as ``[..., 1, head_dim]`` (a heads
-        axis to broadcast over): computed once per forward, shared by every layer's q and k."""
+        """RoPE's cos and signed sin at ``positions`` ``[...]``, as ``[..., 1, head_dim]`` (a
+        heads axis to broadcast over): computed once per forward, shared by every layer's q and
+        k. The sin's first half is negated, so that :meth:`_rope` needs no negation."""
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        sin = emb.sin()
+        sin[..., : freqs.shape[-1]] *= -1
+        return emb.cos().to(self.dtype), sin.to(self.dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate-half RoPE over the whole head (the drafter's own, not the target's) of
-        ``x`` ``[..., heads, head_dim]``, with :meth:`_rotation`'s cos and sin."""
-        cos, sin = rotation
-        return x * cos + rotate_half(x) * sin
+        ``x`` ``[..., heads, head_dim]``, with :meth:`_rotation`'s cos and signed sin:
+        ``x cos + rotate_half(x) sin``, with rotate_half's halves swapped by a flip and its
+        sign in the sin (three kernels, not five: a proposal is launch-bound)."""
+        cos, signed_sin = rotation
+        halves = x.unflatten(-1, (2, x.shape[-1] // 2))
+        swapped = halves.flip(-2).flatten(-2)
+        return torch.addcmul(x * cos, swapped, signed_sin)
 
     def _context_kv(
         self, u: torch.Tensor, i: int, rotation: tuple[torch.Tensor, torch.Tensor]
@@ -474,14 +480,16 @@ class DFlashDrafter:
             kind = (c.causal[i], c.sliding_window[i])
             if kind not in masks:  # layers of one kind share their mask
                 allowed, readable = _block_mask(ctx_pos, pos, *kind)
-                masks[kind] = (~allowed.repeat(1, nh // nkv, 1)[:, None], ~readable)
-            hidden, unread = masks[kind]  # [n, 1, g*B, W+B], [n, W+B]
+                masks[kind] = (allowed.repeat(1, nh // nkv, 1)[:, None], ~readable)
+            seen, unread = masks[kind]  # [n, 1, g*B, W+B], [n, W+B]
+            # Each KV head's query heads stacked along the rows: plain attention per KV head.
             qh = q.permute(0, 2, 1, 3).reshape(n, nkv, (nh // nkv) * B, hd)
-            scores = (qh @ keys.transpose(2, 3)).float() * hd**-0.5  # [n, nkv, g*B, W+B]
-            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
             # Empty ring rows may hold anything (NaN included): zero them, 0 * NaN is NaN.
             values = values.masked_fill(unread[:, None, :, None], 0)
-            o = (probs.to(values.dtype) @ values).view(n, nh, B, hd).permute(0, 2, 1, 3)
+            # One fused kernel on a GPU instead of the seven of the written-out form (the
+            # proposal is launch-bound); every row sees at least its own block row.
+            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seen, scale=hd**-0.5)
+            o = o.view(n, nh, B, hd).permute(0, 2, 1, 3)
             x = x + linear(o.reshape(n, B, nh * hd), w[p + "self_attn.o_proj.weight"])
             h = _norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate_up = linear(h.view(n * B, -1), w[p + "mlp.gate_up_proj.weight"])
