@@ -218,13 +218,13 @@ if HAVE_TRITON:
             # for a fresh stream: never read). The same tile, product and sum at any W, so a
             # window row computes exactly what a one-row step computes.
             y_row = _conv_window(
-                x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 1), K, W
+                x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 1), K, K, W
             )
             acc = _round(tl.sum(y_row.to(tl.float32) * w.to(tl.float32), 1), DT)
             tl.store(y_ptr + (i * W + t) * stride_y + c, (acc * tl.sigmoid(acc)).to(DT), mask=cm)
             if ROW_TAILS:  # the tail after row t: inputs t - (K-2) .. t
                 after = _conv_window(
-                    x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 2), K, W
+                    x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 2), K - 1, K, W
                 )
                 r_ptrs = row_tail_ptr + ((i * W + t) * C + c[:, None]) * (K - 1) + j[None, :]
                 tl.store(
@@ -233,7 +233,9 @@ if HAVE_TRITON:
                     mask=cm[:, None] & (j[None, :] < K - 1),
                 )
         # The new tail: inputs W - (K-1) + 1 .. W - 1 (every load above came from the old one).
-        nxt = _conv_window(x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, W - (K - 1), K, W)
+        nxt = _conv_window(
+            x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, W - (K - 1), K - 1, K, W
+        )
         tl.store(
             t_ptrs + j[None, :],
             nxt.to(tail_ptr.dtype.element_ty),
@@ -241,11 +243,12 @@ if HAVE_TRITON:
         )
 
     @triton.jit
-    def _conv_window(x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, first, K, W):
-        """[BC, KP]: column j is input ``first + j`` of stream i (j < K): its row of x when
-        that is >= 0, else column ``first + j + K - 1`` of the stream's old tail."""
+    def _conv_window(x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, first, COLS, K, W):
+        """[BC, KP]: column j < COLS is input ``first + j`` of stream i: its row of x when
+        that is >= 0, else column ``first + j + K - 1`` of the stream's old tail; the other
+        columns are zero (a tail has K-1 columns: its next input is not this call's)."""
         src = first + j  # [KP]
-        from_x = (src >= 0) & (j < K)
+        from_x = (src >= 0) & (j < COLS)
         # Addresses clamped into their buffers even where masked (Triton's CPU interpreter
         # dereferences them).
         row = tl.load(rows_ptr + i * W + tl.maximum(src, 0), mask=from_x, other=0).to(tl.int64)
@@ -256,7 +259,7 @@ if HAVE_TRITON:
         )
         old = tl.load(
             t_ptrs + tl.where(src < 0, src + K - 1, 0)[None, :],
-            mask=cm[:, None] & (src < 0)[None, :] & keep,
+            mask=cm[:, None] & ((src < 0) & (j < COLS))[None, :] & keep,
             other=0.0,
         )
         return tl.where(from_x[None, :], x, old)
