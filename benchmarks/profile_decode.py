@@ -93,6 +93,25 @@ def profile(
     return lines
 
 
+def kernels_per_call(fn, reps: int = 5) -> dict[str, list[float]]:
+    """{kernel name: [us per call, launches per call]} over ``reps`` calls of ``fn`` (copies
+    and memsets left out), after one call outside the profile."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name:
+            if ev.name.startswith(("Memcpy", "Memset")):
+                continue
+            by_name[ev.name][0] += ev.device_time_total / reps
+            by_name[ev.name][1] += 1 / reps
+    return by_name
+
+
 def profile_streams(
     model, cfg, graphs, streams: list[int], bandwidth: float, label: str
 ) -> list[str]:
@@ -104,23 +123,7 @@ def profile_streams(
 
         wall = cuda_time(step, reps=20)
         floor = decode_floor_bytes(cfg, model.w, n, 101) / bandwidth
-        reps = 5
-        step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                step()
-            torch.cuda.synchronize()
-        by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-        for ev in prof.events():
-            if (
-                ev.device_type == torch.autograd.DeviceType.CUDA
-                and ev.name
-                and not ev.name.startswith("Memcpy")
-                and not ev.name.startswith("Memset")
-            ):
-                by_name[ev.name][0] += ev.device_time_total / reps
-                by_name[ev.name][1] += 1 / reps
+        by_name = kernels_per_call(step)
         total = sum(v[0] for v in by_name.values())
         count = sum(v[1] for v in by_name.values())
         cats: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])

@@ -12,7 +12,6 @@ small every kernel is a few microseconds, so launches are what a round costs.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
@@ -21,24 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def kernels_per_call(fn, reps: int = 5) -> dict[str, list[float]]:
-    """{kernel name: [us per call, launches per call]} over ``reps`` calls of ``fn``."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name:
-            if ev.name.startswith(("Memcpy", "Memset")):
-                continue
-            by_name[ev.name][0] += ev.device_time_total / reps
-            by_name[ev.name][1] += 1 / reps
-    return by_name
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def wall_ms(fn, reps: int = 200) -> float:
@@ -57,6 +39,8 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "src/headstart/default_model"))
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
+
+    from profile_decode import kernels_per_call
 
     from headstart.engine.config import EngineConfig, SpecConfig
     from headstart.engine.engine import Engine
