@@ -167,7 +167,9 @@ def test_conv_window_equals_one_row_steps_and_keeps_each_rows_tail(W):
     slots = torch.tensor([3, 0, 2], device=DEV)
     kept = torch.zeros(n, dtype=torch.bool, device=DEV)
     pools = [rand(4, C, K - 1, seed=33) for _ in range(3)]
-    row_tails = [torch.empty(n, W, C, K - 1, dtype=BF, device=DEV) for _ in range(2)]
+    # The first as windows get it: a slice of records as wide as the widest window.
+    row_tails = [torch.zeros(n, W + 2, C, K - 1, dtype=BF, device=DEV)[:, :W]]
+    row_tails.append(torch.empty(n, W, C, K - 1, dtype=BF, device=DEV))
     got = gpu_fused.conv_step_rows(
         mixed, rows, weight, pools[0], slots, kept, width=W, row_tails=row_tails[0]
     )
@@ -201,7 +203,8 @@ def test_gdn_window_equals_one_row_steps_and_keeps_each_rows_state(with_norm, mo
     slots = torch.tensor([2, 0], device=DEV)
     kept = torch.zeros(n, dtype=torch.bool, device=DEV)
     states = [rand(3, Hv, D, D, seed=47, dtype=torch.float32) for _ in range(3)]
-    row_states = [torch.empty(n, W, Hv, D, D, device=DEV) for _ in range(2)]
+    row_states = [torch.zeros(n, W + 3, Hv, D, D, device=DEV)[:, :W]]  # as in wider records
+    row_states.append(torch.empty(n, W, Hv, D, D, device=DEV))
     proj = rand(T, Hv * D + 3, seed=48, scale=2)
     norm = (
         (proj[:, 3:].view(T, Hv, D), rand(D, seed=49, dtype=torch.float32), 1e-6)

@@ -6,6 +6,7 @@ the graphs would capture, eagerly; the capture itself is checked on the GPU
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from dataclasses import replace
 
@@ -297,7 +298,8 @@ def test_rolling_back_a_window_batch_by_device_lengths_equals_each_rollback(targ
     against each window's own recorded rollback: every kept length 1 .. W, the same state;
     padding rows on a scratch slot leave the other slots alone. Both forms of the records:
     inputs (the whole window replayed, rows past the kept ones without decay or update) and
-    the state after each row (the kept row's copied), which give the same states."""
+    the state after each row (the kept row's copied), which give the same states; records
+    wider than the windows, as the window graphs share them."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(5, 150, (n,), generator=gen).tolist() for n in (4, 11, 7)]
     W = 5
@@ -308,12 +310,13 @@ def test_rolling_back_a_window_batch_by_device_lengths_equals_each_rollback(targ
         ids = torch.tensor(functools.reduce(operator.iadd, windows, []) + [0] * W)
         by_form = {}
         for row_states in (False, True):
-            pools = [target.new_state_pool(5, 64) for _ in range(2)]
+            pools = [target.new_state_pool(5, 64) for _ in range(3)]
             for pool in pools:
                 target.forward(
                     ForwardBatch.build([SeqChunk(s, 0, p) for s, p in enumerate(prompts)]), pool
                 )
-            records = target.new_window_records(4, W, row_states=row_states)
+            # As wide as the widest window graph, wider than these windows.
+            records = target.new_window_records(4, W + 2, row_states=row_states)
             assert (records.row_state is not None) == row_states
             outs = [
                 target.forward_ex(ForwardBatch.windows_of(ids, slots, starts, W, records), pool)
@@ -322,11 +325,14 @@ def test_rolling_back_a_window_batch_by_device_lengths_equals_each_rollback(targ
             for j, keep in enumerate(keeps):
                 if keep < W:
                     target.rollback(pools[0], j, outs[0].records[j], keep)
+                    # The host-length form the rollback graphs capture, window by window.
+                    window = torch.tensor([j])
+                    target.rollback_window(pools[2], slots[j : j + 1], records, window, keep)
             before = pools[1].recurrent[:, 3].clone()
             target.rollback_windows(pools[1], slots, records, torch.tensor([*keeps, 1]), W)
-            for name in ("recurrent", "conv"):
+            for name, other in itertools.product(("recurrent", "conv"), (1, 2)):
                 torch.testing.assert_close(
-                    getattr(pools[1], name)[:, :3],
+                    getattr(pools[other], name)[:, :3],
                     getattr(pools[0], name)[:, :3],
                     atol=1e-5,
                     rtol=1e-4,

@@ -222,8 +222,9 @@ class GatedDeltaNet:
         copied = _copied_back(wd)
         if records is not None and not copied:
             self._record_windows(r, wd, records)
-        row_tails = wd.records.row_tail[li, :n] if copied else None
-        row_states = wd.records.row_state[li, :n] if copied else None
+        # The records are as wide as the widest window graph: this window's rows are a slice.
+        row_tails = wd.records.row_tail[li, :n, :W] if copied else None
+        row_states = wd.records.row_state[li, :n, :W] if copied else None
         kept = torch.zeros(n, dtype=torch.bool, device=r.mixed.device)  # no window is fresh
         rows = wd.rows.reshape(-1)
         y = m.kernels.conv_step_rows(

@@ -77,6 +77,8 @@ if HAVE_TRITON:
         stride_oh,
         stride_slot,
         stride_zn,
+        stride_rs_n,
+        stride_rs_t,
         eps,
         HV: tl.constexpr,
         R: tl.constexpr,
@@ -133,8 +135,9 @@ if HAVE_TRITON:
             delta = (v - kv) * beta
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], 0)
-            if ROW_STATES:  # the state after this row: [n, W, Hv, Dk, Dv]
-                rs = row_state_ptr + (r * HV + i_hv) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+            if ROW_STATES:  # the state after this row: [n, W, Hv, Dk, Dv], [Hv, Dk, Dv] dense
+                rs = row_state_ptr + i_n * stride_rs_n + t * stride_rs_t + i_hv * (DK * DV)
+                rs += dk[:, None] * DV + dv[None, :]
                 tl.store(rs, S)
             if NORM:
                 # The gated output norm (pointwise.gated_rms_norm) over the whole head (BV ==
@@ -181,8 +184,9 @@ def gdn_decode(
 
     ``width`` > 1: that many rows per stream, stream after stream (q, k, v, g, beta and
     ``rows`` with ``n * width`` rows; a verify window), as one-row steps in one launch, the
-    state kept in registers between them; o [n * width, Hv, Dv]. ``row_states`` (contiguous
-    [n, width, Hv, Dk, Dv] fp32): the state after each row, written there.
+    state kept in registers between them; o [n * width, Hv, Dv]. ``row_states`` ([n, width, Hv,
+    Dk, Dv] fp32, each row's ``[Hv, Dk, Dv]`` dense; e.g. a slice of wider records): the state
+    after each row, written there.
     """
     n = slots.shape[0]
     Hk, Dk = q.shape[1], q.shape[2]
@@ -193,9 +197,9 @@ def gdn_decode(
     if state_pool.dtype != torch.float32 or state_pool[0].stride() != (Dk * Dv, Dv, 1):
         raise ValueError("state_pool must be fp32 with contiguous [Hv, Dk, Dv] per slot")
     if row_states is not None and (
-        row_states.dtype != torch.float32 or not row_states.is_contiguous()
+        row_states.dtype != torch.float32 or row_states[0, 0].stride() != (Dk * Dv, Dv, 1)
     ):
-        raise ValueError("row_states must be contiguous fp32 [n, width, Hv, Dk, Dv]")
+        raise ValueError("row_states must be fp32 [n, width, Hv, Dk, Dv], [Hv, Dk, Dv] dense")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rows = rows.contiguous() if rows is not None else None
     g = g if g.stride(-1) == 1 else g.contiguous()
@@ -267,6 +271,7 @@ def gdn_decode(
         o.stride(1),
         state_pool.stride(0),
         z.stride(0),
+        *(row_states.stride()[:2] if row_states is not None else (0, 0)),
         eps,
         HV=Hv,
         R=Hv // Hk,

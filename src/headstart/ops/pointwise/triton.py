@@ -193,6 +193,8 @@ if HAVE_TRITON:
         stride_x,
         stride_slot,
         stride_y,
+        stride_rt_n,
+        stride_rt_t,
         K: tl.constexpr,
         KP: tl.constexpr,
         BC: tl.constexpr,
@@ -226,7 +228,8 @@ if HAVE_TRITON:
                 after = _conv_window(
                     x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, t - (K - 2), K - 1, K, W
                 )
-                r_ptrs = row_tail_ptr + ((i * W + t) * C + c[:, None]) * (K - 1) + j[None, :]
+                r_ptrs = row_tail_ptr + i * stride_rt_n + t * stride_rt_t
+                r_ptrs += c[:, None] * (K - 1) + j[None, :]
                 tl.store(
                     r_ptrs,
                     after.to(row_tail_ptr.dtype.element_ty),
@@ -488,8 +491,8 @@ def conv_step_rows(
     C, K = weight.shape
     if tails.stride(2) != 1 or tails.stride(1) != K - 1 or weight.stride() != (K, 1):
         raise ValueError("conv tails need contiguous [C, K-1] per slot and weight [C, K]")
-    if row_tails is not None and not row_tails.is_contiguous():
-        raise ValueError("row_tails must be contiguous [n, width, C, K-1]")
+    if row_tails is not None and row_tails[0, 0].stride() != (K - 1, 1):
+        raise ValueError("row_tails must be [n, width, C, K-1], each row's [C, K-1] dense")
     y = torch.empty(n * width, C, dtype=mixed.dtype, device=mixed.device)
     if n:
         BC = 256
@@ -506,6 +509,7 @@ def conv_step_rows(
             mixed.stride(0),
             tails.stride(0),
             y.stride(0),
+            *(row_tails.stride()[:2] if row_tails is not None else (0, 0)),
             K=K,
             KP=triton.next_power_of_2(K),
             BC=BC,
