@@ -94,14 +94,13 @@ class MultiRows:
 class WindowRows:
     """Verify windows of ``W`` rows for ``n`` streams, in the form a CUDA graph can capture:
     slots and start positions are tensors, not Python ints (see engine/cuda_graph.py). The GDN
-    layers run the rows as ``W`` batched one-row steps; attention runs them as decode rows (a
-    ``span``: as one chunk, ``Kernels.attn_chunk``).
+    layers run the rows as ``W`` one-row steps of every stream in one call; attention runs them
+    as decode rows (a ``span``: as one chunk, ``Kernels.attn_chunk``).
     Recorded for rollback like a ``record`` span; records are keyed by stream index ``0..n-1``."""
 
     rows: torch.Tensor  # [n, W] packed row of each window row
     slots: torch.Tensor  # [n]
     as_decode: DecodeRows  # every row as a decode row (slot repeated, its own position)
-    columns: torch.Tensor  # [W, n] rows.T, contiguous: step t's rows, as per-row kernels read them
     records: WindowRecords | None = None  # where to write the records (shared by graphs)
     # One stream's rows as one span through the kernels' span recurrence: a continued prefill
     # chunk (not recorded; logits of its last row only).
@@ -215,7 +214,6 @@ class ForwardBatch:
                 rows=rows,
                 slots=slots,
                 as_decode=decode,
-                columns=rows.t().contiguous(),
                 records=records,
                 span=span,
                 length=length,

@@ -102,7 +102,7 @@ class SpecPlanner:
         step, before any :meth:`choose`: a step the engine did not time (one with prompt rows)
         leaves no modelled cost behind for the next."""
         self._modelled = 0.0
-        rate = self._best_chain(self.block)[1]
+        depth, rate = self._best_chain(self.block)
         if self.tree_cost is not None:
             rate = max(rate, self.tree_tokens / self._tree_round())
         step = self.step_cost
@@ -110,16 +110,16 @@ class SpecPlanner:
             self.declined, self.wait = 0, self.recheck
             return True
         self.declined += 1
-        if self.declined < self._recheck_wait(step):
+        if self.declined < self._recheck_wait(step, depth):
             return False
         self.declined, self.wait = 0, min(2 * self.wait, 8 * self.recheck)
         return True
 
-    def _recheck_wait(self, step: float) -> int:
-        """Declined steps before the next recheck (see ``recheck_budget``)."""
+    def _recheck_wait(self, step: float, depth: int) -> int:
+        """Declined steps before the next recheck (see ``recheck_budget``), a recheck drafting
+        the best chain's ``depth``."""
         if not self.recheck_budget:
             return self.wait
-        depth = self._best_chain(self.block)[0]
         cost = self._chain_cost(depth)
         if not cost:
             return self.wait

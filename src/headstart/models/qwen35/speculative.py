@@ -139,11 +139,11 @@ class WindowRecords:
 
     The fields of the other form are None."""
 
-    tail: torch.Tensor | None  # [linear layers, n, conv_dim, K-1]
-    state: torch.Tensor | None  # [linear layers, n, Hv, Dk, Dv] fp32
-    mixed: torch.Tensor | None  # [linear layers, n, W, conv_dim]
-    g: torch.Tensor | None  # [linear layers, n, W, Hv] fp32
-    beta: torch.Tensor | None  # [linear layers, n, W, Hv]
+    tail: torch.Tensor | None = None  # [linear layers, n, conv_dim, K-1]
+    state: torch.Tensor | None = None  # [linear layers, n, Hv, Dk, Dv] fp32
+    mixed: torch.Tensor | None = None  # [linear layers, n, W, conv_dim]
+    g: torch.Tensor | None = None  # [linear layers, n, W, Hv] fp32
+    beta: torch.Tensor | None = None  # [linear layers, n, W, Hv]
     row_state: torch.Tensor | None = None  # [linear layers, n, W, Hv, Dk, Dv] fp32
     row_tail: torch.Tensor | None = None  # [linear layers, n, W, conv_dim, K-1]
 
@@ -176,11 +176,6 @@ class WindowRecords:
             row_states = cls.row_bytes(cfg, streams, width, dtype) <= ROW_STATES_BUDGET
         if row_states:
             return cls(
-                None,
-                None,
-                None,
-                None,
-                None,
                 row_state=torch.zeros(
                     L, streams, width, Hv, Dk, Dv, dtype=torch.float32, device=device
                 ),

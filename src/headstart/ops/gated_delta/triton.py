@@ -224,9 +224,8 @@ def gdn_decode(
             rows,
             A_log,
             dt_bias,
-            None,
-            width,
-            row_states,
+            width=width,
+            row_states=row_states,
         )
         return gated_rms_norm(o, z, norm_w, eps, gate_rows=rows).view(o.shape)
     # Enough programs to cover the SMs even at n = 1 (BV 16 -> Dv/16 slices per head); the

@@ -235,7 +235,7 @@ if HAVE_TRITON:
                     after.to(row_tail_ptr.dtype.element_ty),
                     mask=cm[:, None] & (j[None, :] < K - 1),
                 )
-        # The new tail: inputs W - (K-1) + 1 .. W - 1 (every load above came from the old one).
+        # The new tail: inputs W - (K-1) .. W - 1 (every load above came from the old one).
         nxt = _conv_window(
             x_ptr, rows_ptr, t_ptrs, i, c, cm, j, keep, stride_x, W - (K - 1), K - 1, K, W
         )
