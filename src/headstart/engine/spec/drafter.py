@@ -286,6 +286,17 @@ class DFlashDrafter:
             cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device).float() / hd)
         )
         self.forwards = 0  # proposal forwards run (tests check first-token-first with it)
+        # Every layer's context k and v rows stacked (a copy of those rows of the qkv weights,
+        # small beside the target) and its k norm: a block's context rows for all layers in
+        # one matmul, one norm and one rotation (add_context_rows; a round is launch-bound).
+        q_rows = cfg.num_heads * hd
+        layers = range(cfg.num_layers)
+        self.context_kv_weight = torch.cat(
+            [self.w[f"layers.{i}.self_attn.qkv_proj.weight"][q_rows:] for i in layers]
+        )
+        self.context_k_norm = torch.stack(
+            [self.w[f"layers.{i}.self_attn.k_norm.weight"].float() for i in layers]
+        )[:, None]  # [layers, 1, hd]
 
     @classmethod
     def load(cls, path: str | Path, target: CausalLM) -> DFlashDrafter:
@@ -403,18 +414,21 @@ class DFlashDrafter:
             linear(features.reshape(n * B, -1).to(self.dtype), w["fc.weight"]),
             w["hidden_norm.weight"],
             c.rms_norm_eps,
-        ).view(n, B, -1)
+        )
         positions = start_t[:, None] + torch.arange(B, device=self.device)  # [n, B]
         rows = positions % pool.window
         slots = slot_t[:, None].expand(n, B)
         new = torch.arange(B, device=self.device)[None, :] < count_t[:, None]  # [n, B]
-        rotation = self._rotation(positions)
-        for i in range(c.num_layers):
-            k, v = self._context_kv(u, i, rotation)
-            for ring, rows_new in ((pool.keys[i], k), (pool.values[i], v)):
-                # ring[slots, :, rows] is [n, B, nkv, hd]: rows not written keep their value.
-                old = ring[slots, :, rows]
-                ring[slots, :, rows] = torch.where(new[..., None, None], rows_new, old)
+        # All layers at once, [n, B, layers, nkv, hd]: what _context_kv gives layer by layer.
+        kv = linear(u, self.context_kv_weight).view(n, B, c.num_layers, 2 * c.num_kv_heads, -1)
+        k, v = kv.chunk(2, dim=-2)
+        k = F.rms_norm(k.float(), (c.head_dim,), eps=c.rms_norm_eps) * self.context_k_norm
+        cos, sin = self._rotation(positions)  # [n, B, 1, hd]
+        k = self._rope(k.to(self.dtype), (cos[:, :, None], sin[:, :, None]))
+        for ring, rows_new in ((pool.keys, k), (pool.values, v)):
+            # ring[:, slots, :, rows] is [n, B, layers, nkv, hd]: rows not written keep theirs.
+            old = ring[:, slots, :, rows]
+            ring[:, slots, :, rows] = torch.where(new[..., None, None, None], rows_new, old)
         pool.positions[slots, rows] = torch.where(new, positions, pool.positions[slots, rows])
 
     @torch.no_grad()
