@@ -404,3 +404,106 @@ def test_model_prefill_with_the_conv_kernels_matches_reference(tmp_path):
         assert (got - want).abs().max() <= 1.5 * (bf16 - want).abs().max() + 1e-3, n
     # The first GDN layer's tails are copies of rows computed by reference kernels alike.
     assert torch.equal(pools[2].conv[0][:2], pools[1].conv[0][:2])
+
+
+@pytest.mark.parametrize("num_q,num_k,hd,block", [(4, 2, 64, 8), (8, 2, 32, 3)])
+def test_qk_norm_rope_in_place_equals_the_reference(num_q, num_k, hd, block):
+    """A drafted block's q and k heads normed and rotated in place in the fused projection
+    (positions past 2**15 included: the angle's fp32 product), against the reference; the v
+    heads untouched."""
+    n = 3
+    qkv = rand(n * block, (num_q + 2 * num_k) * hd, seed=11)
+    weight = rand(num_q + num_k, hd, seed=12, dtype=torch.float32) * 0.2 + 1
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device=DEV).float() / hd))
+    starts = torch.tensor([1, 700, 40_000], device=DEV)
+    want_q, want_k = pointwise.qk_norm_rope(
+        qkv, num_q, num_k, weight, inv_freq, starts, block, 1e-6
+    )
+    v_before = qkv[:, (num_q + num_k) * hd :].clone()
+    got_q, got_k = gpu_fused.qk_norm_rope(qkv, num_q, num_k, weight, inv_freq, starts, block, 1e-6)
+    # Three roundings, each toward zero under the interpreter (values up to ~4: ulp 1.6e-2).
+    tol = 1.6e-2 if EXACT else 3e-2
+    close(got_q, want_q, tol)
+    close(got_k, want_k, tol)
+    assert got_q.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(qkv[:, (num_q + num_k) * hd :], v_before)
+
+
+@pytest.mark.parametrize(
+    "nh,nkv,hd,block,causal,window",
+    [(4, 2, 64, 8, False, 0), (4, 1, 32, 5, True, 0), (2, 2, 64, 4, False, 6)],
+)
+def test_block_attention_equals_the_reference(nh, nkv, hd, block, causal, window):
+    """The drafter's block attention read from the ring by slot (Triton) against the reference
+    (gather, mask, SDPA): streams whose context is empty, short, fills the ring, and has
+    wrapped it; rows at or past a block's start and empty rows holding NaN are never read."""
+    from headstart.ops.attention import triton as gpu_attention
+    from headstart.ops.attention.reference import attend_block
+
+    # bf16 on a GPU; fp32 under the interpreter, whose tl.dot misreads bf16 operands.
+    dt = BF if EXACT else torch.float32
+    R, slots_n = 96, 5
+    ring_k = rand(slots_n, nkv, R, hd, seed=21, dtype=dt)
+    ring_v = rand(slots_n, nkv, R, hd, seed=22, dtype=dt)
+    ring_pos = torch.full((slots_n, R), -1, dtype=torch.int64, device=DEV)
+    # slot 0: empty; 1: 7 rows; 2: 96 rows (full, not wrapped); 3: wrapped (positions 50..249);
+    # 4: 10 rows, then rows at and past the block's start (stale: must not be seen).
+    ring_pos[1, :7] = torch.arange(7)
+    ring_pos[2] = torch.arange(R)
+    wrapped = torch.arange(250 - R, 250)
+    ring_pos[3, wrapped % R] = wrapped.to(DEV)
+    ring_pos[4, :14] = torch.arange(14)
+    ring_pos[4, 3] = 10 + R  # a row that wrapped past the block's start (within its rows)
+    ring_v[0] = float("nan")  # empty rows may hold anything
+    ring_v[1, :, 7:] = float("nan")
+    slots = torch.tensor([1, 3, 2, 0, 4], device=DEV)
+    starts = torch.tensor([7, 250, 96, 1, 10], device=DEV)
+    n = slots.shape[0]
+    q = rand(n, block, nh, hd, seed=23, dtype=dt)
+    bk, bv = rand(n, block, nkv, hd, seed=24, dtype=dt), rand(n, block, nkv, hd, seed=25, dtype=dt)
+    args = (q, bk, bv, ring_k, ring_v, ring_pos, slots, starts, causal, window)
+    want = attend_block(*(a.float() if a.is_floating_point() else a for a in args[:6]), *args[6:])
+    got = gpu_attention.block_attention(*args)
+    assert got.dtype == q.dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_drafter_proposal_with_the_kernels_matches_the_reference(tmp_path, causal):
+    """A DFlash proposal whose norms, q/k RoPE and block attention run the Triton kernels
+    (``drafter_ops`` on a GPU) against the reference ops, for streams whose context is short,
+    fills the ring, and has wrapped it. On a GPU the kernels' logit error against an fp32
+    reference is held to 1.5x that of the reference ops in bf16; under the interpreter
+    (fp32 only) the two agree within 1e-3."""
+    import tiny
+
+    from headstart.engine.spec.drafter import REFERENCE_OPS, DFlashDrafter, DrafterOps
+    from headstart.models.qwen35.model import Qwen35Model
+    from headstart.ops.attention.triton import block_attention
+
+    target_cfg = tiny.causal_lm(seed=7, linear_value_head_dim=16)
+    ckpt = tiny.save_text_only(target_cfg, tmp_path / "ckpt")
+    dfile = tiny.save_drafter(tmp_path / "d", target_cfg.config, block=6, causal=causal)
+    kernels = DrafterOps(gpu_fused.add_rms_norm, gpu_fused.qk_norm_rope, block_attention)
+    dtypes = (torch.float32, BF) if EXACT else (torch.float32,)
+    contexts = {0: 5, 1: 45, 2: 32}  # slot: rows of context; the ring holds 32
+    feats = torch.randn(max(contexts.values()), 2 * 64, generator=torch.Generator().manual_seed(8))
+    logits = []
+    for dt in dtypes:
+        target = Qwen35Model.load(ckpt, dtype=dt, device=DEV, kernels=REFERENCE)
+        drafter = DFlashDrafter.load(dfile, target)
+        ring = drafter.new_pool(4, 32)
+        assert feats.shape[1] == len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
+        for slot, rows in contexts.items():
+            drafter.add_context(ring, slot, feats[:rows].to(DEV, dt), 0)
+        t = lambda v: torch.tensor(v, device=DEV)  # noqa: E731
+        args = (ring, t(list(contexts)), t([5, 9, 11]), t(list(contexts.values())), 6)
+        for ops in (REFERENCE_OPS, kernels) if dt is BF or not EXACT else (REFERENCE_OPS,):
+            drafter.ops = ops
+            logits.append(drafter.propose_from(*args).float())
+    if EXACT:
+        want, bf16, got = logits
+        assert (got - want).abs().max() <= 1.5 * (bf16 - want).abs().max() + 1e-3
+    else:
+        want, got = logits
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -45,7 +45,10 @@ if HAVE_TRITON:
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (cached per device index)."""
+    """Streaming multiprocessors of the device (cached per device index); 4 off CUDA (Triton's
+    CPU interpreter, where only the split logic matters)."""
+    if device.type != "cuda":
+        return 4
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count

@@ -16,7 +16,7 @@ self_attn.{q,k}_norm,mlp.{gate,up,down}_proj}.weight``. Drafter norms are plain 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from headstart.checkpoint import safetensors_files
 from headstart.errors import CheckpointError, ConfigError
 from headstart.models.contract import CausalLM
+from headstart.ops.attention.reference import attend_block
 from headstart.ops.linear import linear
+from headstart.ops.pointwise.reference import qk_norm_rope as reference_qk_norm_rope
+from headstart.ops.pointwise.reference import rotate_signed, signed_rotation
+from headstart.ops.triton_support import HAVE_TRITON
 
 
 @dataclass(frozen=True)
@@ -212,33 +216,6 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
-def _block_mask(
-    ctx_pos: torch.Tensor, pos: torch.Tensor, causal: bool, window: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which keys each block query may attend to, ``[n, B, W+B]``, and which key rows hold
-    anything, ``[n, W+B]``; keys are the ring's ``W`` context rows (positions ``ctx_pos``
-    ``[n, W]``, -1 = empty), then the block's ``B`` rows (positions ``pos`` ``[n, B]``).
-
-    A query sees every filled context row before the block, and the block's rows: all of them,
-    or only those up to itself when ``causal``; ``window`` > 0 also limits it to the last
-    ``window`` positions. Device ops only (it runs inside captured graphs).
-    """
-    n, B = pos.shape
-    key_pos = torch.cat([ctx_pos, pos], dim=1)  # [n, W+B]
-    valid = key_pos[:, None, :] >= 0  # [n, 1, W+B]
-    valid = valid & (key_pos[:, None, :] < pos[:, :1, None])  # context: before the block
-    block_cols = torch.zeros_like(valid)
-    block_cols[..., ctx_pos.shape[1] :] = True
-    if causal:
-        block_ok = key_pos[:, None, :] <= pos[:, :, None]
-    else:
-        block_ok = torch.ones(n, B, key_pos.shape[1], dtype=torch.bool, device=pos.device)
-    allowed = torch.where(block_cols, block_ok, valid.expand(n, B, -1))
-    if window:
-        allowed &= (pos[:, :, None] - key_pos[:, None, :]) < window
-    return allowed, valid[:, 0] | block_cols[:, 0]
-
-
 def _fuse_projections(weights: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
     """Each layer's q/k/v projections as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
     (rows stacked in that order; the parts are views of them): one matmul where there were
@@ -254,6 +231,40 @@ def _fuse_projections(weights: dict[str, torch.Tensor], layers: int) -> dict[str
         if all(k in w for k in parts):
             w[p + "mlp.gate_up_proj.weight"] = torch.cat([w.pop(k) for k in parts])
     return w
+
+
+def _add_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` (``residual`` None: x itself) and its plain RMSNorm."""
+    if residual is not None:
+        x = x + residual
+    return x, _norm(x, weight, eps)
+
+
+@dataclass(frozen=True)
+class DrafterOps:
+    """The pieces of a proposal forward between its matmuls, with the same signatures on every
+    device: the reference (PyTorch) or Triton kernels on a GPU, where a proposal is
+    launch-bound (each kernel here replaces several torch ones) and the reference's attention
+    reads the whole ring of every stream through a mask."""
+
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # as _add_norm, rows [T, H]
+    qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # pointwise.qk_norm_rope
+    attend_block: Callable[..., torch.Tensor]  # attention.reference.attend_block
+
+
+REFERENCE_OPS = DrafterOps(_add_norm, reference_qk_norm_rope, attend_block)
+
+
+def drafter_ops(device: torch.device) -> DrafterOps:
+    """Triton's on a CUDA device where Triton is installed, else the reference."""
+    if device.type != "cuda" or not HAVE_TRITON:
+        return REFERENCE_OPS
+    from headstart.ops.attention.triton import block_attention
+    from headstart.ops.pointwise import triton as fused
+
+    return DrafterOps(fused.add_rms_norm, fused.qk_norm_rope, block_attention)
 
 
 @dataclass
@@ -286,17 +297,35 @@ class DFlashDrafter:
             cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device).float() / hd)
         )
         self.forwards = 0  # proposal forwards run (tests check first-token-first with it)
-        # Every layer's context k and v rows stacked (a copy of those rows of the qkv weights,
-        # small beside the target) and its k norm: a block's context rows for all layers in
-        # one matmul, one norm and one rotation (add_context_rows; a round is launch-bound).
-        q_rows = cfg.num_heads * hd
-        layers = range(cfg.num_layers)
-        self.context_kv_weight = torch.cat(
-            [self.w[f"layers.{i}.self_attn.qkv_proj.weight"][q_rows:] for i in layers]
-        )
+        self.ops = drafter_ops(self.device)
+        self._stack_layers()
+
+    def _stack_layers(self) -> None:
+        """Per-layer weights stacked for fewer launches (a round is launch-bound): every layer's
+        context k and v rows (a copy of those rows of the qkv weights, small beside the
+        target) and k norms, so that a block's context rows take one matmul, one norm and one
+        rotation for all layers (:meth:`add_context_rows`); and per layer the q and k norms as
+        one row per head, ``[nh + nkv, hd]`` (``ops.qk_norm_rope``). A drafter without weights
+        (an oracle that overrides the forward) has none."""
+        c, hd, layers = self.cfg, self.cfg.head_dim, range(self.cfg.num_layers)
+        qkv = [self.w.get(f"layers.{i}.self_attn.qkv_proj.weight") for i in layers]
+        if any(t is None for t in qkv):
+            self.context_kv_weight = self.context_k_norm = None
+            self.qk_norm = []
+            return
+        self.context_kv_weight = torch.cat([t[c.num_heads * hd :] for t in qkv])
         self.context_k_norm = torch.stack(
             [self.w[f"layers.{i}.self_attn.k_norm.weight"].float() for i in layers]
         )[:, None]  # [layers, 1, hd]
+        self.qk_norm = [
+            torch.cat(
+                [
+                    self.w[f"layers.{i}.self_attn.{x}_norm.weight"].float().expand(heads, hd)
+                    for x, heads in (("q", c.num_heads), ("k", c.num_kv_heads))
+                ]
+            )
+            for i in layers
+        ]
 
     @classmethod
     def load(cls, path: str | Path, target: CausalLM) -> DFlashDrafter:
@@ -339,24 +368,9 @@ class DFlashDrafter:
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and signed sin at ``positions`` ``[...]``, as ``[..., 1, head_dim]`` (a
-        heads axis to broadcast over): computed once per forward, shared by every layer's q and
-        k. The sin's first half is negated, so that :meth:`_rope` needs no negation."""
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
-        sin = emb.sin()
-        sin[..., : freqs.shape[-1]] *= -1
-        return emb.cos().to(self.dtype), sin.to(self.dtype)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate-half RoPE over the whole head (the drafter's own, not the target's) of
-        ``x`` ``[..., heads, head_dim]``, with :meth:`_rotation`'s cos and signed sin:
-        ``x cos + rotate_half(x) sin``, with rotate_half's halves swapped by a flip and its
-        sign in the sin (three kernels, not five: a proposal is launch-bound)."""
-        cos, signed_sin = rotation
-        halves = x.unflatten(-1, (2, x.shape[-1] // 2))
-        swapped = halves.flip(-2).flatten(-2)
-        return torch.addcmul(x * cos, swapped, signed_sin)
+        heads axis to broadcast over), for :func:`rotate_signed`."""
+        cos, sin = signed_rotation(positions, self.inv_freq, self.dtype)
+        return cos[..., None, :], sin[..., None, :]
 
     def _context_kv(
         self, u: torch.Tensor, i: int, rotation: tuple[torch.Tensor, torch.Tensor]
@@ -367,7 +381,7 @@ class DFlashDrafter:
         q_rows = c.num_heads * c.head_dim
         kv = linear(u, self.w[p + "qkv_proj.weight"][q_rows:])
         k, v = kv.view(*u.shape[:-1], 2 * c.num_kv_heads, c.head_dim).chunk(2, dim=-2)
-        return self._rope(_norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps), rotation), v
+        return rotate_signed(_norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps), *rotation), v
 
     @torch.no_grad()
     def add_context(self, pool: DrafterPool, slot: int, features: torch.Tensor, start: int) -> None:
@@ -424,7 +438,7 @@ class DFlashDrafter:
         k, v = kv.chunk(2, dim=-2)
         k = F.rms_norm(k.float(), (c.head_dim,), eps=c.rms_norm_eps) * self.context_k_norm
         cos, sin = self._rotation(positions)  # [n, B, 1, hd]
-        k = self._rope(k.to(self.dtype), (cos[:, :, None], sin[:, :, None]))
+        k = rotate_signed(k.to(self.dtype), cos[:, :, None], sin[:, :, None])
         for ring, rows_new in ((pool.keys, k), (pool.values, v)):
             # ring[:, slots, :, rows] is [n, B, layers, nkv, hd]: rows not written keep theirs.
             old = ring[:, slots, :, rows]
@@ -470,44 +484,40 @@ class DFlashDrafter:
         """:meth:`propose_logits` from device tensors, with no host work: what a CUDA graph
         captures (engine/cuda_graph.py DraftGraphs). Not counted in ``forwards``. ``rows``:
         read only the ring's first rows (every stream's context lies in them)."""
-        c, w = self.cfg, self.w
+        c, w, ops = self.cfg, self.w, self.ops
         n, B = slot_t.shape[0], block
-        dev = self.device
-        ids = torch.full((n, B), c.mask_token_id, dtype=torch.int64, device=dev)
-        ids[:, 0] = anchor_t
-        x = self.target.embed(ids.view(-1)).view(n, B, -1)
-        pos = position_t[:, None] + torch.arange(B, device=dev)
-        ring = slice(None, rows)
-        ctx_pos = pool.positions[slot_t, ring]  # [n, W]
+        T, eps = n * B, c.rms_norm_eps
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        rotation = self._rotation(pos)
-        masks: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        ids = torch.full((n, B), c.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = anchor_t
+        x = self.target.embed(ids.view(-1))  # [T, H]
+        pending = None  # the last MLP's output, added to x by the next norm
+        masks: dict = {}  # layers of one kind share their mask (reference attention)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            a = _norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            qkv = linear(a, w[p + "self_attn.qkv_proj.weight"]).view(n, B, nh + 2 * nkv, hd)
-            q, kb, vb = qkv.split([nh, nkv, nkv], dim=2)
-            q = self._rope(_norm(q, w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), rotation)
-            kb = self._rope(_norm(kb, w[p + "self_attn.k_norm.weight"], c.rms_norm_eps), rotation)
-            keys = torch.cat([pool.keys[i][slot_t, :, ring], kb.transpose(1, 2)], dim=2)
-            values = torch.cat([pool.values[i][slot_t, :, ring], vb.transpose(1, 2)], dim=2)
-            kind = (c.causal[i], c.sliding_window[i])
-            if kind not in masks:  # layers of one kind share their mask
-                allowed, readable = _block_mask(ctx_pos, pos, *kind)
-                masks[kind] = (allowed.repeat(1, nh // nkv, 1)[:, None], ~readable)
-            seen, unread = masks[kind]  # [n, 1, g*B, W+B], [n, W+B]
-            # Each KV head's query heads stacked along the rows: plain attention per KV head.
-            qh = q.permute(0, 2, 1, 3).reshape(n, nkv, (nh // nkv) * B, hd)
-            # Empty ring rows may hold anything (NaN included): zero them, 0 * NaN is NaN.
-            values = values.masked_fill(unread[:, None, :, None], 0)
-            # One fused kernel on a GPU instead of the seven of the written-out form (the
-            # proposal is launch-bound); every row sees at least its own block row.
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seen, scale=hd**-0.5)
-            o = o.view(n, nh, B, hd).permute(0, 2, 1, 3)
-            x = x + linear(o.reshape(n, B, nh * hd), w[p + "self_attn.o_proj.weight"])
-            h = _norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate_up = linear(h.view(n * B, -1), w[p + "mlp.gate_up_proj.weight"])
-            mid = self.target.kernels.silu_mul(gate_up)  # the target's (fused on a GPU)
-            x = x + linear(mid, w[p + "mlp.down_proj.weight"]).view(n, B, -1)
-        z = _norm(x[:, 1:], w["norm.weight"], c.rms_norm_eps)
+            x, a = ops.add_norm(x, pending, w[p + "input_layernorm.weight"], eps)
+            qkv = linear(a, w[p + "self_attn.qkv_proj.weight"])  # [T, (nh + 2 nkv) hd]
+            q, kb = ops.qk_norm_rope(
+                qkv, nh, nkv, self.qk_norm[i], self.inv_freq, position_t, B, eps
+            )
+            vb = qkv.view(T, nh + 2 * nkv, hd)[:, nh + nkv :]
+            o = ops.attend_block(
+                q.view(n, B, nh, hd),
+                kb.view(n, B, nkv, hd),
+                vb.view(n, B, nkv, hd),
+                pool.keys[i],
+                pool.values[i],
+                pool.positions,
+                slot_t,
+                position_t,
+                c.causal[i],
+                c.sliding_window[i],
+                rows,
+                masks,
+            )
+            attn = linear(o.reshape(T, nh * hd), w[p + "self_attn.o_proj.weight"])
+            x, h = ops.add_norm(attn, x, w[p + "post_attention_layernorm.weight"], eps)
+            mid = self.target.kernels.silu_mul(linear(h, w[p + "mlp.gate_up_proj.weight"]))
+            pending = linear(mid, w[p + "mlp.down_proj.weight"])
+        z = ops.add_norm(x, pending, w["norm.weight"], eps)[1].view(n, B, -1)[:, 1:]
         return self.target.lm_head(z.reshape(n * (B - 1), -1)).view(n, B - 1, -1)

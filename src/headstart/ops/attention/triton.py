@@ -308,6 +308,142 @@ if HAVE_TRITON:
             tl.store(pm_ptr + row, m_i, mask=live_q)
             tl.store(pl_ptr + row, l_i, mask=live_q)
 
+    @triton.jit
+    def _block_online(q, kt, vt, allowed, acc, m_i, l_i, qk_scale):
+        """One step of the online softmax over key columns ``kt`` [HD, C] (``allowed`` [R, C])."""
+        s = tl.dot(q, kt) * qk_scale  # log2-domain scores [R, C]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _block_split_kernel(
+        q_ptr,
+        bk_ptr,
+        bv_ptr,
+        k_ptr,
+        v_ptr,
+        pos_ptr,
+        slot_ptr,
+        start_ptr,
+        po_ptr,
+        pm_ptr,
+        pl_ptr,
+        stride_qn,
+        stride_qb,
+        stride_qh,
+        stride_bkn,
+        stride_bkb,
+        stride_bkh,
+        stride_bvn,
+        stride_bvb,
+        stride_bvh,
+        stride_ks,
+        stride_kh,
+        stride_kt,
+        stride_vs,
+        stride_vh,
+        stride_vt,
+        stride_ps,
+        ring_rows,
+        qk_scale,
+        NH: tl.constexpr,
+        GROUP: tl.constexpr,
+        B: tl.constexpr,
+        RP: tl.constexpr,
+        BP: tl.constexpr,
+        HD: tl.constexpr,
+        BL: tl.constexpr,
+        NS: tl.constexpr,
+        SPAN: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        WINDOW: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        pdl_wait(PDL)  # q and the block's keys come from earlier kernels
+        i_n = tl.program_id(0)
+        i_kv = tl.program_id(1)
+        i_s = tl.program_id(2)
+        slot = tl.load(slot_ptr + i_n).to(tl.int64)
+        start = tl.load(start_ptr + i_n).to(tl.int64)
+        # Query rows: the GROUP heads of this kv head for each of the B block rows.
+        r = tl.arange(0, RP)
+        live_r = r < GROUP * B
+        b = r // GROUP
+        heads = i_kv * GROUP + r % GROUP
+        d = tl.arange(0, HD)
+        q = tl.load(
+            q_ptr
+            + i_n * stride_qn
+            + b[:, None] * stride_qb
+            + heads[:, None] * stride_qh
+            + d[None, :],
+            mask=live_r[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([RP], -1.0e30, dtype=tl.float32)  # finite: empty splits combine to 0
+        l_i = tl.zeros([RP], dtype=tl.float32)
+        acc = tl.zeros([RP, HD], dtype=tl.float32)
+        # Context: a ring row holds a position below the block's start, at row position % R, so
+        # before the ring wraps the context lies in its first `start` rows: only those are read.
+        # Split i_s covers ring rows [i_s * SPAN, (i_s + 1) * SPAN) (a trip count known at
+        # compile time: Triton's interpreter cannot loop to a loaded bound).
+        ctx = tl.minimum(start, ring_rows)
+        k_base = k_ptr + slot * stride_ks + i_kv * stride_kh
+        v_base = v_ptr + slot * stride_vs + i_kv * stride_vh
+        for it in range(SPAN // BL):
+            first = i_s * SPAN + it * BL
+            if first < ctx:
+                rows = first + tl.arange(0, BL)
+                kp = tl.load(pos_ptr + slot * stride_ps + rows, mask=rows < ctx, other=-1)
+                ok = (kp >= 0) & (kp < start)  # filled, and before the block
+                allowed = ok[None, :] & live_r[:, None]
+                if WINDOW > 0:
+                    allowed = allowed & ((start + b)[:, None] - kp[None, :] < WINDOW)
+                kt = tl.load(
+                    k_base + rows[None, :] * stride_kt + d[:, None], mask=ok[None, :], other=0.0
+                )
+                vt = tl.load(
+                    v_base + rows[:, None] * stride_vt + d[None, :], mask=ok[:, None], other=0.0
+                )
+                acc, m_i, l_i = _block_online(q, kt, vt, allowed, acc, m_i, l_i, qk_scale)
+        if i_s == 0:  # the block's own rows, once per stream and kv head
+            j = tl.arange(0, BP)
+            jl = j < B
+            kt = tl.load(
+                bk_ptr
+                + i_n * stride_bkn
+                + j[None, :] * stride_bkb
+                + i_kv * stride_bkh
+                + d[:, None],
+                mask=jl[None, :],
+                other=0.0,
+            )
+            vt = tl.load(
+                bv_ptr
+                + i_n * stride_bvn
+                + j[:, None] * stride_bvb
+                + i_kv * stride_bvh
+                + d[None, :],
+                mask=jl[:, None],
+                other=0.0,
+            )
+            allowed = jl[None, :] & live_r[:, None]
+            if CAUSAL:
+                allowed = allowed & (j[None, :] <= b[:, None])
+            if WINDOW > 0:
+                allowed = allowed & (b[:, None] - j[None, :] < WINDOW)
+            acc, m_i, l_i = _block_online(q, kt, vt, allowed, acc, m_i, l_i, qk_scale)
+        # Partials laid out [n * B, nh, NS(, HD)], as _combine_kernel reads them.
+        row = ((i_n * B + b) * NH + heads) * NS + i_s
+        tl.store(po_ptr + row.to(tl.int64)[:, None] * HD + d[None, :], acc, mask=live_r[:, None])
+        tl.store(pm_ptr + row, m_i, mask=live_r)
+        tl.store(pl_ptr + row, l_i, mask=live_r)
+
 
 def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device, block: int = 32) -> int:
     """Splits of the keys per program of ``n * nkv`` (decode: stream, kv head; a chunk: query
@@ -484,4 +620,89 @@ def chunk_attention(
             num_warps=4 if hd >= 128 else 2,
             **pdl_options(q.device),
         )
+    return out
+
+
+def block_attention(
+    q: torch.Tensor,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    ring_pos: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    causal: bool,
+    window: int,
+    rows: int | None = None,
+    masks: dict | None = None,
+) -> torch.Tensor:
+    """:func:`headstart.ops.attention.reference.attend_block` in two launches, reading the ring
+    by slot (no gather, no mask tensor): a program per (stream, kv head, split of the ring's
+    rows) runs the online softmax over its split of the context rows in use (at most the
+    stream's start, so a short context reads little of a long ring; ``rows`` and ``masks`` are
+    not needed), the first split also over the block's own rows; ``_combine_kernel`` sums the
+    splits. Layouts as the reference's, with ``hd`` contiguous."""
+    n, B, nh, hd = q.shape
+    nkv, R = ring_k.shape[1], ring_k.shape[2]
+    _check_layout(q[0], ring_k, ring_v)
+    out = torch.empty(n, B, nh, hd, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    group = nh // nkv
+    BL = 32 if hd >= 256 else 64
+    NS = num_splits_for(n, nkv, R, q.device, BL)
+    RP = max(16, triton.next_power_of_2(group * B))
+    po = torch.empty(n * B * nh * NS * hd, dtype=torch.float32, device=q.device)
+    pm = torch.empty(n * B * nh * NS, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _block_split_kernel[(n, nkv, NS)](
+        q,
+        block_k,
+        block_v,
+        ring_k,
+        ring_v,
+        ring_pos,
+        slots,
+        starts,
+        po,
+        pm,
+        pl,
+        *q.stride()[:3],
+        *block_k.stride()[:3],
+        *block_v.stride()[:3],
+        *ring_k.stride()[:3],
+        *ring_v.stride()[:3],
+        ring_pos.stride(0),
+        R,
+        hd**-0.5 * LOG2E,
+        NH=nh,
+        GROUP=group,
+        B=B,
+        RP=RP,
+        BP=max(16, triton.next_power_of_2(B)),
+        HD=hd,
+        BL=BL,
+        NS=NS,
+        SPAN=triton.cdiv(triton.cdiv(R, NS), BL) * BL,  # ring rows per split
+        CAUSAL=causal,
+        WINDOW=window,
+        num_warps=8 if RP * hd >= 8192 else 4,
+        num_stages=2,
+        **pdl_options(q.device),
+    )
+    flat = out.view(n * B, nh, hd)
+    _combine_kernel[(n * B, nh)](
+        po,
+        pm,
+        pl,
+        flat,
+        flat.stride(0),
+        flat.stride(1),
+        NH=nh,
+        HD=hd,
+        NS=NS,
+        num_warps=4 if hd >= 128 else 2,
+        **pdl_options(q.device),
+    )
     return out

@@ -187,3 +187,49 @@ def decode_qkv(
     q = Rotary.apply(rms_norm(q, q_scale, eps), cos, sin)
     k = Rotary.apply(rms_norm(k.reshape(n, num_kv_heads, hd), k_scale, eps), cos, sin)
     return q, k, v.reshape(n, num_kv_heads, hd)
+
+
+def signed_rotation(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-head rotate-half RoPE's cos and *signed* sin at ``positions`` ``[...]``, as
+    ``[..., head_dim]`` in ``dtype``: the sin's first half is negated, so that
+    :func:`rotate_signed` needs no negation (a drafter's RoPE, computed once per forward)."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[..., : freqs.shape[-1]] *= -1
+    return emb.cos().to(dtype), sin.to(dtype)
+
+
+def rotate_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` over whole heads of ``x`` ``[..., head_dim]`` with
+    :func:`signed_rotation`'s tables (broadcast over ``x``): rotate_half's halves swapped by a
+    flip, its sign in the sin (three kernels, not five: a drafter's forward is launch-bound)."""
+    halves = x.unflatten(-1, (2, x.shape[-1] // 2))
+    swapped = halves.flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    num_q: int,
+    num_k: int,
+    weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    starts: torch.Tensor,
+    block: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafted block's queries and keys from its rows' fused projection ``qkv`` ``[n*block,
+    (num_q + 2*num_k) * hd]`` (q heads, k heads, then v heads; row ``b`` of stream ``j`` at
+    position ``starts[j] + b``): every q and k head RMSNormed with its row of ``weight``
+    ``[num_q + num_k, hd]`` (fp32, plain: no +1), rounded, then rotated over the whole head
+    (:func:`rotate_signed`). Returns q ``[T, num_q, hd]`` and k ``[T, num_k, hd]``."""
+    T, hd = qkv.shape[0], weight.shape[-1]
+    heads = qkv.view(T, -1, hd)[:, : num_q + num_k]
+    normed = (F.rms_norm(heads.float(), (hd,), eps=eps) * weight).to(qkv.dtype)
+    positions = (starts[:, None] + torch.arange(block, device=starts.device)).reshape(T)
+    cos, sin = signed_rotation(positions, inv_freq, qkv.dtype)
+    out = rotate_signed(normed, cos[:, None], sin[:, None])
+    return out[:, :num_q], out[:, num_q:]

@@ -331,6 +331,40 @@ if HAVE_TRITON:
             v = tl.load(base + NKV * HD + d)  # the value head sits NKV heads further on
             tl.store(v_pool + slot * stride_vs + hk * stride_vh + pos * stride_vt + d, v)
 
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr,
+        w_ptr,
+        inv_ptr,
+        start_ptr,
+        stride_qkv,
+        eps,
+        BLOCK: tl.constexpr,
+        HD: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        pdl_wait(PDL)  # the projection comes from the matmul before
+        t = tl.program_id(0).to(tl.int64)  # row b = t % BLOCK of stream t // BLOCK
+        h = tl.program_id(1)  # a q head, then the k heads
+        d = tl.arange(0, HD)
+        HALF: tl.constexpr = HD // 2
+        partner = (d + HALF) % HD
+        base = qkv_ptr + t * stride_qkv + h * HD
+        raw = tl.load(base + d)
+        DT: tl.constexpr = raw.dtype
+        x = raw.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / HD + eps)
+        n = _round(x * rstd * tl.load(w_ptr + h * HD + d), DT)
+        pn = _round(
+            tl.load(base + partner).to(tl.float32) * rstd * tl.load(w_ptr + h * HD + partner), DT
+        )
+        pos = tl.load(start_ptr + t // BLOCK) + t % BLOCK
+        ang = pos.to(tl.float32) * tl.load(inv_ptr + d % HALF)
+        cos = _round(tl.cos(ang), DT)
+        sin = _round(tl.where(d < HALF, -tl.sin(ang), tl.sin(ang)), DT)
+        # As the reference's addcmul: x cos rounded, the sin product not.
+        tl.store(base + d, (_round(n * cos, DT) + pn * sin).to(DT))
+
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -572,3 +606,34 @@ def attn_decode_inputs(
             **pdl_options(q.device),
         )
     return q
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    num_q: int,
+    num_k: int,
+    weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    starts: torch.Tensor,
+    block: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch, the q and k heads normed and rotated in place in ``qkv`` (which must be
+    row-contiguous); returns views of them."""
+    T, hd = qkv.shape[0], weight.shape[-1]
+    assert qkv.stride(-1) == 1, "qkv rows must be contiguous"
+    if T:
+        _qk_norm_rope_kernel[(T, num_q + num_k)](
+            qkv,
+            weight,
+            inv_freq,
+            starts,
+            qkv.stride(0),
+            eps,
+            BLOCK=block,
+            HD=hd,
+            num_warps=1 if hd <= 128 else 2,
+            **pdl_options(qkv.device),
+        )
+    heads = qkv.view(T, -1, hd)
+    return heads[:, :num_q], heads[:, num_q : num_q + num_k]
