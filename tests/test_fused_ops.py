@@ -185,21 +185,23 @@ def test_conv_window_equals_one_row_steps_and_keeps_each_rows_tail(W):
     close(pools[0], pools[2])
 
 
-@pytest.mark.parametrize("with_norm", [None, "in kernel", "separate"])
-def test_gdn_window_equals_one_row_steps_and_keeps_each_rows_state(with_norm, monkeypatch):
+@pytest.mark.parametrize(
+    "with_norm,W", [(None, 4), ("in kernel", 4), ("separate", 4), ("in kernel", 3)]
+)
+def test_gdn_window_equals_one_row_steps_and_keeps_each_rows_state(with_norm, W, monkeypatch):
     """A verify window's GDN (W rows of each stream in one launch, the state held between
     rows) against the same kernel's W one-row steps: bit for bit, outputs, final states and the
     state after each row (``row_states``); and against the reference."""
     if with_norm == "separate":
         monkeypatch.setattr(gpu_gdn, "norm_fold_limit", lambda device: 0)
-    n, W, Hk, Hv, D = 2, 4, 2, 4, 16
+    n, Hk, Hv, D = 2, 2, 4, 16
     T = n * W + 1
     q, k = rand(n * W, Hk, D, seed=40), rand(n * W, Hk, D, seed=41)
     v = rand(n * W, Hv, D, seed=42)
     a, b = rand(T, Hv, seed=43, scale=4), rand(T, Hv, seed=44, scale=2)
     A_log = rand(Hv, seed=45, dtype=torch.float32)
     dt_bias = rand(Hv, seed=46, dtype=torch.float32)
-    rows = torch.tensor([8, 0, 2, 1, 3, 5, 4, 7], device=DEV)
+    rows = torch.tensor([T - 1, 0, 2, 1, 3, 5, 4, 7][: n * W], device=DEV)
     slots = torch.tensor([2, 0], device=DEV)
     kept = torch.zeros(n, dtype=torch.bool, device=DEV)
     states = [rand(3, Hv, D, D, seed=47, dtype=torch.float32) for _ in range(3)]
