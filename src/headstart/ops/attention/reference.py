@@ -135,4 +135,4 @@ def attend_block(
     values = values.masked_fill(unread[:, None, :, None], 0)
     # SDPA: one fused kernel where there is one; every row sees at least its own block row.
     o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=seen, scale=hd**-0.5)
-    return o.view(n, nh, B, hd).permute(0, 2, 1, 3)
+    return o.reshape(n, nh, B, hd).permute(0, 2, 1, 3)  # SDPA may return it strided

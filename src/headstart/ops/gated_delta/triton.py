@@ -88,7 +88,6 @@ if HAVE_TRITON:
         RAW_GATES: tl.constexpr,
         NORM: tl.constexpr,
         W: tl.constexpr = 1,
-        WP: tl.constexpr = 1,
         ROW_STATES: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
@@ -107,80 +106,26 @@ if HAVE_TRITON:
         # A fresh stream's slot is not read at all (it may hold anything, NaN included).
         S = tl.load(s_ptrs, mask=(dk[:, None] < DK) & keep, other=0.0)
         ODT: tl.constexpr = o_ptr.dtype.element_ty
-        if W > 1:
-            # A window's inputs, every row's at once, before the recurrence: loaded row by row
-            # inside it, each row's loads waited on the last row's work (global latency, a
-            # few microseconds a row). A row is taken out below by a masked sum (exact: one
-            # value plus zeros).
-            wt = tl.arange(0, WP)
-            wl = wt < W
-            wr = i_n * W + wt
-            Qw = tl.load(
-                q_ptr + wr[:, None] * stride_qn + i_hk * stride_qh + dk[None, :],
-                mask=wl[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            Kw = tl.load(
-                k_ptr + wr[:, None] * stride_kn + i_hk * stride_kh + dk[None, :],
-                mask=wl[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            Vw = tl.load(
-                v_ptr + wr[:, None] * stride_vn + i_hv * stride_vh + dv[None, :],
-                mask=wl[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            if RAW_GATES:
-                row_w = tl.load(rows_ptr + wr, mask=wl, other=0).to(tl.int64)
-                Gw = tl.load(g_ptr + row_w * stride_gn + i_hv, mask=wl, other=0.0).to(tl.float32)
-                b_raw = tl.load(beta_ptr + row_w * stride_bn + i_hv, mask=wl, other=0.0)
-                BDT: tl.constexpr = b_raw.dtype
-                Bw = b_raw.to(tl.float32)
-            else:
-                row_w = wr
-                Gw = tl.load(g_ptr + wr * stride_gn + i_hv, mask=wl, other=0.0).to(tl.float32)
-                Bw = tl.load(beta_ptr + wr * stride_bn + i_hv, mask=wl, other=0.0).to(tl.float32)
-            if NORM:
-                Zw = tl.load(
-                    z_ptr + row_w[:, None] * stride_zn + i_hv * DV + dv[None, :],
-                    mask=wl[:, None],
-                    other=0.0,
-                ).to(tl.float32)
         # W rows of the stream (a verify window; 1: a decode step), each the same step.
         for t in tl.static_range(W):
             r = i_n * W + t
-            if W > 1:
-                sel = wt == t
-                q = tl.sum(tl.where(sel[:, None], Qw, 0.0), 0)
-                k = tl.sum(tl.where(sel[:, None], Kw, 0.0), 0)
-                v = tl.sum(tl.where(sel[:, None], Vw, 0.0), 0)
-                if RAW_GATES:
-                    a = tl.sum(tl.where(sel, Gw, 0.0), 0) + tl.load(dt_bias_ptr + i_hv)
-                    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-                    g = -tl.exp(tl.load(a_log_ptr + i_hv)) * softplus
-                    b = tl.sum(tl.where(sel, Bw, 0.0), 0)
-                    beta = tl.sigmoid(b).to(BDT).to(tl.float32)
-                else:
-                    g = tl.sum(tl.where(sel, Gw, 0.0), 0)
-                    beta = tl.sum(tl.where(sel, Bw, 0.0), 0)
+            q = tl.load(q_ptr + r * stride_qn + i_hk * stride_qh + dk).to(tl.float32)
+            k = tl.load(k_ptr + r * stride_kn + i_hk * stride_kh + dk).to(tl.float32)
+            v = tl.load(v_ptr + r * stride_vn + i_hv * stride_vh + dv).to(tl.float32)
+            if RAW_GATES:
+                # g and beta from the raw projections a, b at the row's packed row, as
+                # pointwise.gdn_gates computes them (beta rounded to b's dtype, as a tensor of
+                # it is).
+                row = tl.load(rows_ptr + r).to(tl.int64)
+                a = tl.load(g_ptr + row * stride_gn + i_hv).to(tl.float32)
+                a = a + tl.load(dt_bias_ptr + i_hv)
+                softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold 20
+                g = -tl.exp(tl.load(a_log_ptr + i_hv)) * softplus
+                b = tl.load(beta_ptr + row * stride_bn + i_hv)
+                beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
             else:
-                q = tl.load(q_ptr + r * stride_qn + i_hk * stride_qh + dk).to(tl.float32)
-                k = tl.load(k_ptr + r * stride_kn + i_hk * stride_kh + dk).to(tl.float32)
-                v = tl.load(v_ptr + r * stride_vn + i_hv * stride_vh + dv).to(tl.float32)
-                if RAW_GATES:
-                    # g and beta from the raw projections a, b at the row's packed row, as
-                    # pointwise.gdn_gates computes them (beta rounded to b's dtype, as a tensor
-                    # of it is).
-                    row = tl.load(rows_ptr + r).to(tl.int64)
-                    a = tl.load(g_ptr + row * stride_gn + i_hv).to(tl.float32)
-                    a = a + tl.load(dt_bias_ptr + i_hv)
-                    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's: 20
-                    g = -tl.exp(tl.load(a_log_ptr + i_hv)) * softplus
-                    b = tl.load(beta_ptr + row * stride_bn + i_hv)
-                    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-                else:
-                    g = tl.load(g_ptr + r * stride_gn + i_hv).to(tl.float32)
-                    beta = tl.load(beta_ptr + r * stride_bn + i_hv).to(tl.float32)
+                g = tl.load(g_ptr + r * stride_gn + i_hv).to(tl.float32)
+                beta = tl.load(beta_ptr + r * stride_bn + i_hv).to(tl.float32)
             # Same normalisation as the reference (rsqrt of sum of squares + 1e-6; q also *
             # Dk^-0.5).
             q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (DK**-0.5))
@@ -202,10 +147,7 @@ if HAVE_TRITON:
                 o = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(ODT).to(tl.float32)
                 w = tl.load(norm_w_ptr + dv).to(ODT).to(tl.float32)
                 o = (w * o).to(ODT).to(tl.float32)
-                if W > 1:
-                    z = tl.sum(tl.where(sel[:, None], Zw, 0.0), 0)
-                else:
-                    z = tl.load(z_ptr + row * stride_zn + i_hv * DV + dv).to(tl.float32)
+                z = tl.load(z_ptr + row * stride_zn + i_hv * DV + dv).to(tl.float32)
                 o = o * (z * tl.sigmoid(z))
             tl.store(o_ptr + r * stride_on + i_hv * stride_oh + dv, o.to(ODT))
         tl.store(s_ptrs, S)
@@ -338,7 +280,6 @@ def gdn_decode(
         RAW_GATES=raw,
         NORM=norm is not None,
         W=width,
-        WP=triton.next_power_of_2(width),
         ROW_STATES=row_states is not None,
         num_warps=8 if norm is not None else 4,
         **pdl_options(v.device),
