@@ -152,7 +152,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--no-drafter",
         action="store_true",
         help="never use the drafter shipped with the embedded default model (without this flag "
-        "it is used only on the device types its headstart.json lists, none today); serve "
+        "it is used only on the device types its headstart.json lists: the GPU today); serve "
         "drafts only with --drafter or that shipped drafter",
     )
     p.add_argument(
