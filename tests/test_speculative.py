@@ -340,7 +340,7 @@ def test_planner_drafts_only_while_rounds_beat_plain_steps():
     from headstart.engine.spec.planner import SpecPlanner
 
     costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
-    p = SpecPlanner(4, costs, None, draft_cost=0.1, recheck=4, recheck_budget=0, recheck_rounds=1)
+    p = SpecPlanner(4, costs, None, draft_cost=0.1, recheck=4, recheck_budget=0)
     assert p.worth_drafting()
     for _ in range(30):
         p.observe_chain(3, 0)
@@ -435,35 +435,3 @@ def test_planner_counts_what_a_round_costs_beyond_its_windows():
     assert p.worth_drafting()
     p.observe_step(9.0, drafted=True)
     assert p.overhead == overhead
-
-
-def test_planner_recheck_drafts_rounds_enough_to_notice_the_drafter_fits_again():
-    """Whole rounds that pay at the drafter's usual acceptance (a round 1.8 plain steps, 5
-    tokens a round over 100 rounds), then a bad stretch (40 rounds of nothing accepted):
-    the planner declines, rechecks after ``recheck`` steps (the budget's wait is judged at the
-    usual acceptance, and does not double), and drafts ``recheck_rounds`` steps then, which
-    lifts its estimates back: it drafts every step from the recheck on. One round per recheck
-    lifts them a tenth of the way and drafts far less."""
-    from headstart.engine.spec.planner import SpecPlanner
-
-    costs = {1: 1.0, **{r: 1.0 + 0.1 * r for r in range(2, 9)}}
-
-    def drafted_steps(rounds: int) -> list[int]:
-        p = SpecPlanner(8, costs, None, draft_cost=0.3, round_cost=1.8, recheck_rounds=rounds)
-        for _ in range(100):
-            p.observe_chain(7, 4)
-        for _ in range(40):
-            p.observe_chain(7, 0)
-        steps = []
-        for i in range(200):
-            if p.worth_drafting():
-                p.choose(8)
-                p.observe_chain(7, 4)
-                p.observe_step(1.8, drafted=True)
-                steps.append(i)
-            else:
-                p.observe_step(1.0, drafted=False)
-        return steps
-
-    assert drafted_steps(4) == list(range(31, 200))
-    assert len(drafted_steps(1)) < 140

@@ -36,7 +36,6 @@ class SpecPlanner:
         recheck: int = 32,
         round_cost: float | None = None,
         recheck_budget: float = 0.01,
-        recheck_rounds: int = 4,
     ) -> None:
         """``draft_cost``: one drafter forward (paid by every round, chain or tree);
         ``costs[1]``: one plain decode step; ``round_cost``: a whole device round
@@ -49,12 +48,7 @@ class SpecPlanner:
         tokens) within this fraction of the plain steps' time between rechecks; on a device
         where drafting is far from paying (a CPU: a round costs several plain steps and
         emits about three tokens) the doubling alone spent about 3% of decode time on
-        rechecks. 0: the doubling alone; with a budget, the wait is the budget's (at least
-        ``recheck`` steps) and does not double. ``recheck_rounds``: a recheck drafts this
-        many steps in a row (its loss counted against the budget), so that the acceptance
-        estimates, which move a tenth of the way a round, can show a drafter that fits the
-        text again (on a GPU where rounds pay at the drafter's usual acceptance, one round
-        per recheck left them low and auto drafting half the time: BENCHMARKS.md)."""
+        rechecks. 0: the doubling alone."""
         self.block = block
         self.costs = costs
         self.tree_cost = tree_cost
@@ -63,9 +57,6 @@ class SpecPlanner:
         self.recheck = recheck
         self.recheck_budget = recheck_budget
         self.wait = recheck
-        self.recheck_rounds = max(1, recheck_rounds)
-        self.trial = 0  # steps of the current recheck still to draft
-        self.chain_rounds, self.chain_tokens = 0, 0  # every chain round so far, and its tokens
         self.declined = 0
         self.explore = explore
         self.decay = decay
@@ -116,16 +107,12 @@ class SpecPlanner:
             rate = max(rate, self.tree_tokens / self._tree_round())
         step = self.step_cost
         if not step or rate > 1.0 / step:
-            self.declined, self.wait, self.trial = 0, self.recheck, 0
-            return True
-        if self.trial:
-            self.trial -= 1
+            self.declined, self.wait = 0, self.recheck
             return True
         self.declined += 1
         if self.declined < self._recheck_wait(step, depth):
             return False
         self.declined, self.wait = 0, min(2 * self.wait, 8 * self.recheck)
-        self.trial = self.recheck_rounds - 1
         return True
 
     def _recheck_wait(self, step: float, depth: int) -> int:
@@ -136,12 +123,8 @@ class SpecPlanner:
         cost = self._chain_cost(depth)
         if not cost:
             return self.wait
-        # Judged at the acceptance of every round so far, not the recent estimate that made
-        # it decline: on a device where rounds pay at the drafter's usual acceptance, a short
-        # bad stretch must not stop the rechecks that notice it fits again.
-        usual = self.chain_tokens / self.chain_rounds if self.chain_rounds else 1.0
-        loss = self.recheck_rounds * (cost + self.overhead - max(usual, 1.0) * step)
-        return max(self.recheck, math.ceil(loss / (self.recheck_budget * step)))
+        loss = cost + self.overhead - self.expected_chain(depth) * step
+        return max(self.wait, math.ceil(loss / (self.recheck_budget * step)))
 
     def choose(self, room: int) -> tuple[str, int]:
         """("chain", drafts) or ("tree", depth); room caps tokens this round."""
@@ -174,8 +157,6 @@ class SpecPlanner:
         self._modelled = 0.0
 
     def observe_chain(self, drafted: int, accepted: int) -> None:
-        self.chain_rounds += 1
-        self.chain_tokens += min(accepted, drafted) + 1
         for d in range(drafted):
             hit = 1.0 if d < accepted else 0.0
             self.alpha[d] = self.decay * self.alpha[d] + (1 - self.decay) * hit
