@@ -1,4 +1,5 @@
-"""`headstart serve --drafter`: same greedy answers as without, and spec metrics."""
+"""`headstart serve --drafter --spec-mode chain`: same greedy answers as without, and spec
+metrics."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def servers(tmp_path_factory):
         kv_heads=2,
         head_dim=32,
     )
-    spec = ServerProcess("--parallel", "4", "--context", "512", "--drafter", str(drafter))
+    spec = ServerProcess(
+        "--parallel", "4", "--context", "512", "--drafter", str(drafter), "--spec-mode", "chain"
+    )
     plain = ServerProcess("--parallel", "4", "--context", "512")
     spec.wait_ready(), plain.wait_ready()
     yield spec, plain

@@ -156,6 +156,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "drafts only with --drafter or that shipped drafter",
     )
     p.add_argument(
+        "--spec-mode",
+        default="auto",
+        choices=["auto", "chain", "tree"],
+        help="with a drafter: auto (each step drafts a chain or a tree, or not at all, as the "
+        "measured costs and running acceptance say), chain (every step drafts a chain: greedy "
+        "streams then run whole rounds on a GPU; the default model there: 1.6x plain decode "
+        "against auto's 1.04x, BENCHMARKS.md) or tree",
+    )
+    p.add_argument(
         "--draft-block",
         type=int,
         default=None,
@@ -825,7 +834,9 @@ def _serve_loaded(
             max_tokens=args.prompt_cache_max_tokens,
             interval=max(0, interval),
         ),
-        spec=SpecConfig(draft_block=args.draft_block, draft_window=args.draft_window),
+        spec=SpecConfig(
+            mode=args.spec_mode, draft_block=args.draft_block, draft_window=args.draft_window
+        ),
         cpu_programs=compile_now,
         threads=threads,
         graphs=GraphConfig(
