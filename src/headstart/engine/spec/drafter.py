@@ -28,8 +28,8 @@ from headstart.errors import CheckpointError, ConfigError
 from headstart.models.contract import CausalLM
 from headstart.ops.attention.reference import attend_block
 from headstart.ops.linear import linear
+from headstart.ops.pointwise.reference import add_rms_norm, rotate_signed, signed_rotation
 from headstart.ops.pointwise.reference import qk_norm_rope as reference_qk_norm_rope
-from headstart.ops.pointwise.reference import rotate_signed, signed_rotation
 from headstart.ops.triton_support import HAVE_TRITON
 
 
@@ -233,15 +233,6 @@ def _fuse_projections(weights: dict[str, torch.Tensor], layers: int) -> dict[str
     return w
 
 
-def _add_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x + residual`` (``residual`` None: x itself) and its plain RMSNorm."""
-    if residual is not None:
-        x = x + residual
-    return x, _norm(x, weight, eps)
-
-
 @dataclass(frozen=True)
 class DrafterOps:
     """The pieces of a proposal forward between its matmuls, with the same signatures on every
@@ -249,12 +240,13 @@ class DrafterOps:
     launch-bound (each kernel here replaces several torch ones) and the reference's attention
     reads the whole ring of every stream through a mask."""
 
-    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # as _add_norm, rows [T, H]
+    # (x + residual, its plain RMSNorm) of rows [T, H]; the weight as the scale (no +1)
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # pointwise.qk_norm_rope
     attend_block: Callable[..., torch.Tensor]  # attention.reference.attend_block
 
 
-REFERENCE_OPS = DrafterOps(_add_norm, reference_qk_norm_rope, attend_block)
+REFERENCE_OPS = DrafterOps(add_rms_norm, reference_qk_norm_rope, attend_block)
 
 
 def drafter_ops(device: torch.device) -> DrafterOps:

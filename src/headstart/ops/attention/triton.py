@@ -445,6 +445,31 @@ if HAVE_TRITON:
         tl.store(pl_ptr + row, l_i, mask=live_r)
 
 
+def _partials(parts: int, hd: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Buffers of ``parts`` split partials (one per query row, head and split): the
+    unnormalised fp32 outputs ``[parts * hd]``, and the running max and sum ``[parts]``."""
+    po = torch.empty(parts * hd, dtype=torch.float32, device=device)
+    pm = torch.empty(parts, dtype=torch.float32, device=device)
+    return po, pm, torch.empty_like(pm)
+
+
+def _combine(partials: tuple[torch.Tensor, ...], out: torch.Tensor, NS: int) -> None:
+    """``_combine_kernel`` over ``out`` ``[rows, nh, hd]`` (its rows and heads strided, ``hd``
+    contiguous): each (row, head)'s NS partials rescaled and summed into it."""
+    rows, nh, hd = out.shape
+    _combine_kernel[(rows, nh)](
+        *partials,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NH=nh,
+        HD=hd,
+        NS=NS,
+        num_warps=4 if hd >= 128 else 2,
+        **pdl_options(out.device),
+    )
+
+
 def num_splits_for(n: int, nkv: int, max_tokens: int, device: torch.device, block: int = 32) -> int:
     """Splits of the keys per program of ``n * nkv`` (decode: stream, kv head; a chunk: query
     block, head): about two programs per SM, a power of two, at most 64."""
@@ -490,18 +515,14 @@ def decode_attention(
     BL = block or (32 if hd >= 256 else 64)
     NS = num_splits or num_splits_for(n, nkv, max_tokens, q.device, BL)
     stages = num_stages or (3 if hd >= 256 else 2)
-    po = torch.empty(n * nh * NS * hd, dtype=torch.float32, device=q.device)
-    pm = torch.empty(n * nh * NS, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
+    partials = _partials(n * nh * NS, hd, q.device)
     _split_kernel[(n, nkv, NS)](
         q,
         keys,
         values,
         slots,
         lengths,
-        po,
-        pm,
-        pl,
+        *partials,
         q.stride(0),
         q.stride(1),
         keys.stride(0),
@@ -521,19 +542,7 @@ def decode_attention(
         num_stages=stages,
         **pdl_options(q.device),
     )
-    _combine_kernel[(n, nh)](
-        po,
-        pm,
-        pl,
-        out,
-        out.stride(0),
-        out.stride(1),
-        NH=nh,
-        HD=hd,
-        NS=NS,
-        num_warps=4 if hd >= 128 else 2,
-        **pdl_options(q.device),
-    )
+    _combine(partials, out, NS)
     return out
 
 
@@ -571,18 +580,14 @@ def chunk_attention(
     # About two programs per SM: splits only where the (query block, head) pairs are too few.
     NS = num_splits or num_splits_for(blocks, nh, max_tokens, q.device, BN)
     parts = W * nh * NS if NS > 1 else 1
-    po = torch.empty(parts * hd, dtype=torch.float32, device=q.device)
-    pm = torch.empty(parts, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
+    partials = _partials(parts, hd, q.device)
     _chunk_kernel[(blocks, nh, NS)](
         q,
         keys,
         values,
         slot,
         start,
-        po,
-        pm,
-        pl,
+        *partials,
         out,
         W,
         q.stride(0),
@@ -607,19 +612,7 @@ def chunk_attention(
         **pdl_options(q.device),
     )
     if NS > 1:
-        _combine_kernel[(W, nh)](
-            po,
-            pm,
-            pl,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NH=nh,
-            HD=hd,
-            NS=NS,
-            num_warps=4 if hd >= 128 else 2,
-            **pdl_options(q.device),
-        )
+        _combine(partials, out, NS)
     return out
 
 
@@ -653,9 +646,7 @@ def block_attention(
     BL = 32 if hd >= 256 else 64
     NS = num_splits_for(n, nkv, R, q.device, BL)
     RP = max(16, triton.next_power_of_2(group * B))
-    po = torch.empty(n * B * nh * NS * hd, dtype=torch.float32, device=q.device)
-    pm = torch.empty(n * B * nh * NS, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
+    partials = _partials(n * B * nh * NS, hd, q.device)
     _block_split_kernel[(n, nkv, NS)](
         q,
         block_k,
@@ -665,9 +656,7 @@ def block_attention(
         ring_pos,
         slots,
         starts,
-        po,
-        pm,
-        pl,
+        *partials,
         *q.stride()[:3],
         *block_k.stride()[:3],
         *block_v.stride()[:3],
@@ -691,18 +680,5 @@ def block_attention(
         num_stages=2,
         **pdl_options(q.device),
     )
-    flat = out.view(n * B, nh, hd)
-    _combine_kernel[(n * B, nh)](
-        po,
-        pm,
-        pl,
-        flat,
-        flat.stride(0),
-        flat.stride(1),
-        NH=nh,
-        HD=hd,
-        NS=NS,
-        num_warps=4 if hd >= 128 else 2,
-        **pdl_options(q.device),
-    )
+    _combine(partials, out.view(n * B, nh, hd), NS)
     return out
