@@ -122,12 +122,15 @@ def profile_burst(model, pool, lines: list[str]) -> None:
     lines.append("burst 16x31: top GPU kernels\n" + t)
 
 
-def profile_case(model, pool, lines: list[str], name: str, chunks: list[SeqChunk]) -> None:
-    """The GPU kernels of one eager forward over ``chunks``, summed by kernel, largest first,
-    beside the forward's wall time (what a graph replay of it would spend, less launch gaps)."""
+def profile_case(
+    model, pool, lines: list[str], name: str, chunks: list[SeqChunk] | ForwardBatch
+) -> None:
+    """The GPU kernels of one eager forward over ``chunks`` (or a built batch), summed by
+    kernel, largest first, beside the forward's wall time (what a graph replay of it would
+    spend, less launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = ForwardBatch.build(chunks, "cuda")
+    batch = chunks if isinstance(chunks, ForwardBatch) else ForwardBatch.build(chunks, "cuda")
     _, wall = host_and_wall(lambda: model.forward(batch, pool))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.forward(batch, pool)
@@ -255,7 +258,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8200)
     ap.add_argument("--budget", type=int, default=2048, help="prompt graphs' most padded rows")
     ap.add_argument(
-        "--parts", default="attn,matmul,shapes,graphs,profile", help="also: prof31, ops31, profcont"
+        "--parts",
+        default="attn,matmul,shapes,graphs,profile",
+        help="also: prof31, prof31pad, ops31, profcont",
     )
     args = ap.parse_args()
     quant = args.format == "4bit"
@@ -280,6 +285,11 @@ def main() -> None:
     if "prof31" in parts:  # one new short prompt alone, and a decode step, kernel by kernel
         profile_case(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
         profile_case(model, pool, lines, "decode x1", [SeqChunk(0, 100, (7,))])
+    if "prof31pad" in parts:  # the same prompt as serve runs it: padded to 32 rows (graphed)
+        ids = torch.tensor([*tok[:31], 0], device="cuda")
+        one = torch.ones(1, dtype=torch.int64, device="cuda")
+        batch = ForwardBatch.padded_of(ids, one * 0, one * 31, 32)
+        profile_case(model, pool, lines, "padded 31 in 32 x1", batch)
     if "ops31" in parts:  # the torch calls behind the short prompt's small kernels
         profile_ops(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
     if "profcont" in parts:  # an agent turn's chunk on a short and on a long history

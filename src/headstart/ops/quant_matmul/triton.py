@@ -133,6 +133,10 @@ class QmmConfig:
     # registers, one program per SM, and measured slower on the H200 (BENCHMARKS.md, session
     # 15), so 16 (columns of 16 rows) is the default.
     mma_rows: int = 16
+    # MMA layout: ask L2 for the words and scales this many K steps ahead of the register
+    # prefetch (one bulk prefetch a step from one thread, no registers); 0: never. A value
+    # >= the steps of a split asks for the split's whole range at the start.
+    l2_ahead: int = 0
 
 
 @dataclass
@@ -713,6 +717,32 @@ if HAVE_TRITON:
         return wa, wb, sbw
 
     @triton.jit
+    def _l2_ask(w_ptr, sb_ptr, tile0, s0, s1, lead, CW: tl.constexpr, SBW: tl.constexpr):
+        """Ask L2 for the words and scales of K steps [s0, s1) of the tile: one bulk prefetch
+        each (``cp.async.bulk.prefetch.L2``, sm_90), issued by the one thread where ``lead``
+        is set. It holds no registers and nothing waits for it, so it puts more of the weight
+        in flight than the register prefetch alone (whose depth registers bound)."""
+        n = tl.maximum(tl.minimum(s1, s0 + 0x7FFF) - s0, 0)  # bytes below 2**31
+        go = lead & (n > 0)
+        z = lead * 0
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $5, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; "
+            "@p cp.async.bulk.prefetch.L2.global [$3], $4; mov.b32 $0, 0; }",
+            "=r,l,r,l,r,r",
+            [
+                w_ptr + (tile0 + s0) * (2 * CW) + z,
+                (n * (8 * CW) + z).to(tl.int32),
+                sb_ptr + (tile0 + s0) * SBW + z,
+                (n * (4 * SBW) + z).to(tl.int32),
+                go.to(tl.int32),
+            ],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
     def _load_x(xi_ptr, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, NT: tl.constexpr):
         """A lane's B registers of one chunk, (lo, hi) per n8 tile u < NT (a tile u >= NT gets
         tile 0's, never used). L1/L2 hits: every program of this K range reads the same x."""
@@ -948,6 +978,7 @@ if HAVE_TRITON:
         USE_ASM: tl.constexpr,
         PREFETCH_X: tl.constexpr = False,
         PDL: tl.constexpr = False,
+        L2_AHEAD: tl.constexpr = 0,
     ):
         """Program (m tile, n tile, K split): rows [pid_n*BN, +BN) of y for the K chunk pairs
         [pid_k*PAIRS_PER_SPLIT, +PAIRS_PER_SPLIT). Warp w owns 16-row blocks w, w + W, ...;
@@ -1002,6 +1033,10 @@ if HAVE_TRITON:
             # Register prefetch: the next chunk pair's words and scales are in flight while this
             # one is multiplied.
             na, nb, ns = _load_w_pair(w_ptr, sb_ptr, tile0, t0, t1, frag, sb_off, CW, SBW)
+        if L2_AHEAD > 0:
+            # L2 is asked for the L2_AHEAD steps after the first, then for one more each step.
+            lead = (ln + wi) == 0  # [32, W, 1, 1]: lane 0 of warp 0
+            _l2_ask(w_ptr, sb_ptr, tile0, t0 + 1, tl.minimum(t0 + 1 + L2_AHEAD, t1), lead, CW, SBW)
         # Weights are never written during a step: only x (and the outputs) wait for the
         # kernel before this one.
         pdl_wait(PDL)
@@ -1010,6 +1045,9 @@ if HAVE_TRITON:
                 _load_x_pair(xi_ptr, t0, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K)
             )
         for tp in tl.range(t0, t1, num_stages=NUM_STAGES):
+            if L2_AHEAD > 0:
+                ask = tp + 1 + L2_AHEAD
+                _l2_ask(w_ptr, sb_ptr, tile0, ask, tl.minimum(ask + 1, t1), lead, CW, SBW)
             if PREFETCH:
                 wa = na
                 wb = nb
@@ -1412,6 +1450,7 @@ def _quant_matmul_mma(
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16),
         USE_ASM=_USE_ASM,
         PREFETCH_X=cfg.prefetch_x,
+        L2_AHEAD=cfg.l2_ahead if _USE_ASM else 0,  # the interpreter runs no PTX
         num_warps=W,
         num_stages=1,
         **pdl_options(x2.device),
