@@ -75,9 +75,10 @@ ROWS32_M = 31  # M at which QmmConfig(mma_rows=32) (32-row program columns) is t
 ROWS32 = {
     "rows32": QmmConfig(mma_rows=32),
     "rows32npx": QmmConfig(mma_rows=32, prefetch_x=False),
-    "rows32l2": QmmConfig(mma_rows=32, l2_ahead=2),
-    "rows32l2all": QmmConfig(mma_rows=32, l2_ahead=4096),
-    "rows32npxl2": QmmConfig(mma_rows=32, prefetch_x=False, l2_ahead=2, ctas_per_sm=2),
+    # the weight dequantized in the A registers (QmmConfig.dequant_a): 172 / 80 registers
+    "rows32deq": QmmConfig(mma_rows=32, dequant_a=True),
+    "rows32npxdeq": QmmConfig(mma_rows=32, prefetch_x=False, dequant_a=True, ctas_per_sm=3),
+    "rows32npxdeqc2": QmmConfig(mma_rows=32, prefetch_x=False, dequant_a=True, ctas_per_sm=2),
 }
 SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, QmmConfig())
     "w8": ({}, QmmConfig(num_warps=8)),
@@ -91,11 +92,9 @@ SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, 
     "nopxc4": ({}, QmmConfig(prefetch_x=False, ctas_per_sm=4)),
     "c4": ({}, QmmConfig(ctas_per_sm=4)),
     "c5": ({}, QmmConfig(ctas_per_sm=5)),
-    "l2a1": ({}, QmmConfig(l2_ahead=1)),
-    "l2a2": ({}, QmmConfig(l2_ahead=2)),
-    "l2a4": ({}, QmmConfig(l2_ahead=4)),
-    "l2all": ({}, QmmConfig(l2_ahead=4096)),
-    "l2a2c2": ({}, QmmConfig(l2_ahead=2, ctas_per_sm=2)),
+    "deq": ({}, QmmConfig(dequant_a=True)),
+    "deqc4": ({}, QmmConfig(dequant_a=True, ctas_per_sm=4)),
+    "deqnpx": ({}, QmmConfig(dequant_a=True, prefetch_x=False)),
 }
 
 

@@ -133,10 +133,11 @@ class QmmConfig:
     # registers, one program per SM, and measured slower on the H200 (BENCHMARKS.md, session
     # 15), so 16 (columns of 16 rows) is the default.
     mma_rows: int = 16
-    # MMA layout: ask L2 for the words and scales this many K steps ahead of the register
-    # prefetch (one bulk prefetch a step from one thread, no registers); 0: never. A value
-    # >= the steps of a split asks for the split's whole range at the start.
-    l2_ahead: int = 0
+    # MMA layout: the A registers hold the weight ``s q + b`` rounded to x's dtype (two packed
+    # FMAs per register), the MMAs accumulate into y's fp32 accumulator directly: no per-chunk
+    # fp32 epilogue and no MMAs of ones for the bias term. Only where the scales are stored in
+    # x's dtype; else the codes path runs.
+    dequant_a: bool = False
 
 
 @dataclass
@@ -589,6 +590,68 @@ if HAVE_TRITON:
         lines.append("}")
         return "\n".join(lines)
 
+    @functools.cache
+    def _mma_acc_asm(f16: bool) -> str:
+        """PTX: four chained ``m16n8k16`` MMAs into the accumulator: one 64-wide chunk of K for
+        one 16-row block, from A registers that hold the weight itself (:func:`_deq_asm`).
+
+        Operands (pack = 4): $0..$3 the new acc; the four A-register tensors ($4.., $8..,
+        $12.., $16..: element j is step j's register); x_lo ($20..$23), x_hi ($24..$27); the
+        acc ($28..$31)."""
+        ty = "f16" if f16 else "bf16"
+        lines = ["{", ".reg .f32 d<4>;"]
+        lines += [f"mov.f32 d{i}, ${28 + i};" for i in range(4)]
+        for j in range(4):
+            a = f"${4 + j}, ${8 + j}, ${12 + j}, ${16 + j}"
+            b = f"${20 + 2 * j}, ${21 + 2 * j}"
+            lines.append(
+                f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+                f"{{d0, d1, d2, d3}}, {{{a}}}, {{{b}}}, {{d0, d1, d2, d3}};"
+            )
+        lines += [f"mov.f32 ${i}, d{i};" for i in range(4)]
+        lines.append("}")
+        return "\n".join(lines)
+
+    @functools.cache
+    def _deq_asm(sel: int, f16: bool) -> str:
+        """PTX: a lane's four words of one (block, chunk) -> its 16 A registers holding the
+        weight ``s q + b`` in x's dtype, rounded once (``fma.rn`` of the exact code).
+
+        Operands (pack = 4): $0..$15 the A registers, register h of step j at $(4 h + j);
+        the words $16..$19 (word j: step j); the packed scale/bias words $20..$23 (entry
+        2 sel + half: row g + 8 half of chunk sel), in x's dtype."""
+        ty = "f16x2" if f16 else "bf16x2"
+        magic, one, off = (
+            ("0x64006400", "0x3C003C00", "0xE400E400")  # fp16 1024.0, 1.0, -1024.0
+            if f16
+            else ("0x43004300", "0x3F803F80", "0xC300C300")  # bf16 128.0, 1.0, -128.0
+        )
+        lines = [
+            "{",
+            ".reg .b32 one, off, s<2>, b<2>, v, c;",
+            f"mov.b32 one, {one};",
+            f"mov.b32 off, {off};",
+        ]
+        for half in range(2):  # (s, s) and (b, b) of rows g and g + 8
+            src = f"${20 + 2 * sel + half}"
+            lines += [
+                f"prmt.b32 s{half}, {src}, 0, 0x1010;",
+                f"prmt.b32 b{half}, {src}, 0, 0x3232;",
+            ]
+        for j in range(4):
+            for h in range(4):
+                w = f"${16 + j}"
+                if h:
+                    lines.append(f"shr.u32 v, {w}, {4 * h};")
+                    w = "v"
+                lines += [
+                    f"lop3.b32 c, {w}, 0x000F000F, {magic}, 0xEA;",  # OFF + q (exact)
+                    f"fma.rn.{ty} c, c, one, off;",  # q (exact)
+                    f"fma.rn.{ty} ${4 * h + j}, c, s{h % 2}, b{h % 2};",
+                ]
+        lines.append("}")
+        return "\n".join(lines)
+
     # ---- CPU-interpreter stand-ins for the three asm blocks above (TRITON_INTERPRET=1): the
     # same lane/register semantics (PTX ISA, mma.m16n8k16 fragments), written with reshapes.
 
@@ -674,6 +737,36 @@ if HAVE_TRITON:
         b = tl.reshape(tl.join(b, b), [RB, W, 32, 4])
         return acc + s * d + b * e
 
+    @triton.jit
+    def _emu_deq(a, sbw, SEL: tl.constexpr, HALF: tl.constexpr, X_F16: tl.constexpr):
+        """:func:`_deq_asm` for one A-register tensor ``a`` (codes as OFF + q pairs, [W, RB,
+        32, 4] in the stand-ins' order) of rows ``g + 8 HALF``."""
+        lo, hi = _halves_f32(a, X_F16)
+        half0, half1 = tl.split(tl.reshape(sbw, [a.shape[0], a.shape[1], 32, 2, 2]))
+        r0a, r0b = tl.split(half0)
+        r1a, r1b = tl.split(half1)
+        if SEL == 0:  # entry 2 sel + half: r{half}{a: sel 0, b: sel 1}
+            if HALF == 0:
+                w = r0a
+            else:
+                w = r1a
+        else:
+            if HALF == 0:
+                w = r0b
+            else:
+                w = r1b
+        s, b = _halves_f32(w, X_F16)
+        s = tl.broadcast_to(tl.expand_dims(s, 3), lo.shape)
+        b = tl.broadcast_to(tl.expand_dims(b, 3), lo.shape)
+        off = 1024.0 if X_F16 else 128.0
+        if X_F16:
+            lo = ((lo - off) * s + b).to(tl.float16).to(tl.int16, bitcast=True)
+            hi = ((hi - off) * s + b).to(tl.float16).to(tl.int16, bitcast=True)
+        else:
+            lo = ((lo - off) * s + b).to(tl.bfloat16).to(tl.int16, bitcast=True)
+            hi = ((hi - off) * s + b).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        return (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+
     # ---- the kernel
 
     @triton.jit
@@ -715,32 +808,6 @@ if HAVE_TRITON:
             sb_ptr + (tile0 + tp) * SBW + sb_off, mask=ok, other=0, eviction_policy="evict_first"
         )
         return wa, wb, sbw
-
-    @triton.jit
-    def _l2_ask(w_ptr, sb_ptr, tile0, s0, s1, lead, CW: tl.constexpr, SBW: tl.constexpr):
-        """Ask L2 for the words and scales of K steps [s0, s1) of the tile: one bulk prefetch
-        each (``cp.async.bulk.prefetch.L2``, sm_90), issued by the one thread where ``lead``
-        is set. It holds no registers and nothing waits for it, so it puts more of the weight
-        in flight than the register prefetch alone (whose depth registers bound)."""
-        n = tl.maximum(tl.minimum(s1, s0 + 0x7FFF) - s0, 0)  # bytes below 2**31
-        go = lead & (n > 0)
-        z = lead * 0
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $5, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; "
-            "@p cp.async.bulk.prefetch.L2.global [$3], $4; mov.b32 $0, 0; }",
-            "=r,l,r,l,r,r",
-            [
-                w_ptr + (tile0 + s0) * (2 * CW) + z,
-                (n * (8 * CW) + z).to(tl.int32),
-                sb_ptr + (tile0 + s0) * SBW + z,
-                (n * (4 * SBW) + z).to(tl.int32),
-                go.to(tl.int32),
-            ],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
     @triton.jit
     def _load_x(xi_ptr, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, NT: tl.constexpr):
@@ -848,10 +915,79 @@ if HAVE_TRITON:
         MMA_ONES: tl.constexpr,
         SCALE: tl.constexpr,
         USE_ASM: tl.constexpr,
+        DEQ: tl.constexpr = False,
+        DEQ_ASM: tl.constexpr = "",
+        MMA_ACC: tl.constexpr = "",
     ):
         """One 64-wide chunk of K: acc_u += W_chunk x_u^T (C fragments) for the n8 tiles u < NT,
         all of them from the same unpacked codes and scales (the accumulators of tiles u >= NT
-        pass through untouched)."""
+        pass through untouched). ``DEQ``: the A registers hold the weight itself (``s q + b``
+        rounded once to x's dtype) and the MMAs accumulate straight into acc; else they hold
+        the codes and the affine term is applied per chunk in fp32 (module doc)."""
+        if DEQ:
+            if USE_ASM:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    DEQ_ASM,
+                    "=r," * 16 + "r," * 7 + "r",
+                    [wq, sbw],
+                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True,
+                    pack=4,
+                )
+            else:
+                sb_t = tl.permute(sbw, 2, 1, 0, 3)
+                a0 = _emu_deq(
+                    tl.permute(_code_pair(wq, 0, X_F16, USE_ASM), 2, 1, 0, 3), sb_t, SEL, 0, X_F16
+                )
+                a1 = _emu_deq(
+                    tl.permute(_code_pair(wq, 1, X_F16, USE_ASM), 2, 1, 0, 3), sb_t, SEL, 1, X_F16
+                )
+                a2 = _emu_deq(
+                    tl.permute(_code_pair(wq, 2, X_F16, USE_ASM), 2, 1, 0, 3), sb_t, SEL, 0, X_F16
+                )
+                a3 = _emu_deq(
+                    tl.permute(_code_pair(wq, 3, X_F16, USE_ASM), 2, 1, 0, 3), sb_t, SEL, 1, X_F16
+                )
+            for u in tl.static_range(NT):
+                if u == 0:
+                    x_lo, x_hi, acc = x_lo0, x_hi0, acc0
+                elif u == 1:
+                    x_lo, x_hi, acc = x_lo1, x_hi1, acc1
+                elif u == 2:
+                    x_lo, x_hi, acc = x_lo2, x_hi2, acc2
+                else:
+                    x_lo, x_hi, acc = x_lo3, x_hi3, acc3
+                if USE_ASM:
+                    acc = tl.inline_asm_elementwise(
+                        MMA_ACC,
+                        "=f,=f,=f,=f" + ",r" * 24 + ",f" * 4,
+                        [a0, a1, a2, a3, x_lo, x_hi, acc],
+                        dtype=tl.float32,
+                        is_pure=True,
+                        pack=4,
+                    )
+                else:
+                    d = _emu_mma(
+                        a0,
+                        a1,
+                        a2,
+                        a3,
+                        tl.permute(x_lo, 2, 1, 0, 3),
+                        tl.permute(x_hi, 2, 1, 0, 3),
+                        RB,
+                        W,
+                        X_F16,
+                    )
+                    acc = acc + tl.permute(d, 2, 1, 0, 3)
+                if u == 0:
+                    acc0 = acc
+                elif u == 1:
+                    acc1 = acc
+                elif u == 2:
+                    acc2 = acc
+                else:
+                    acc3 = acc
+            return acc0, acc1, acc2, acc3
         a0 = _code_pair(wq, 0, X_F16, USE_ASM)
         a1 = _code_pair(wq, 1, X_F16, USE_ASM)
         a2 = _code_pair(wq, 2, X_F16, USE_ASM)
@@ -978,7 +1114,10 @@ if HAVE_TRITON:
         USE_ASM: tl.constexpr,
         PREFETCH_X: tl.constexpr = False,
         PDL: tl.constexpr = False,
-        L2_AHEAD: tl.constexpr = 0,
+        DEQ: tl.constexpr = False,
+        DEQ_0: tl.constexpr = "",
+        DEQ_1: tl.constexpr = "",
+        MMA_ACC: tl.constexpr = "",
     ):
         """Program (m tile, n tile, K split): rows [pid_n*BN, +BN) of y for the K chunk pairs
         [pid_k*PAIRS_PER_SPLIT, +PAIRS_PER_SPLIT). Warp w owns 16-row blocks w, w + W, ...;
@@ -1033,10 +1172,6 @@ if HAVE_TRITON:
             # Register prefetch: the next chunk pair's words and scales are in flight while this
             # one is multiplied.
             na, nb, ns = _load_w_pair(w_ptr, sb_ptr, tile0, t0, t1, frag, sb_off, CW, SBW)
-        if L2_AHEAD > 0:
-            # L2 is asked for the L2_AHEAD steps after the first, then for one more each step.
-            lead = (ln + wi) == 0  # [32, W, 1, 1]: lane 0 of warp 0
-            _l2_ask(w_ptr, sb_ptr, tile0, t0 + 1, tl.minimum(t0 + 1 + L2_AHEAD, t1), lead, CW, SBW)
         # Weights are never written during a step: only x (and the outputs) wait for the
         # kernel before this one.
         pdl_wait(PDL)
@@ -1045,9 +1180,6 @@ if HAVE_TRITON:
                 _load_x_pair(xi_ptr, t0, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K)
             )
         for tp in tl.range(t0, t1, num_stages=NUM_STAGES):
-            if L2_AHEAD > 0:
-                ask = tp + 1 + L2_AHEAD
-                _l2_ask(w_ptr, sb_ptr, tile0, ask, tl.minimum(ask + 1, t1), lead, CW, SBW)
             if PREFETCH:
                 wa = na
                 wb = nb
@@ -1111,6 +1243,9 @@ if HAVE_TRITON:
                 MMA_ONES,
                 SCALE_0,
                 USE_ASM,
+                DEQ,
+                DEQ_0,
+                MMA_ACC,
             )
             acc0, acc1, acc2, acc3 = _mma_chunk(
                 acc0,
@@ -1137,6 +1272,9 @@ if HAVE_TRITON:
                 MMA_ONES,
                 SCALE_1,
                 USE_ASM,
+                DEQ,
+                DEQ_1,
+                MMA_ACC,
             )
 
         # C fragment element p of lane (g, t): row 16 blk + g + 8 (p // 2), column 2 t + p % 2
@@ -1450,7 +1588,10 @@ def _quant_matmul_mma(
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16),
         USE_ASM=_USE_ASM,
         PREFETCH_X=cfg.prefetch_x,
-        L2_AHEAD=cfg.l2_ahead if _USE_ASM else 0,  # the interpreter runs no PTX
+        DEQ=cfg.dequant_a and p.sb_bf16 != x_f16,
+        DEQ_0=_deq_asm(0, x_f16),
+        DEQ_1=_deq_asm(1, x_f16),
+        MMA_ACC=_mma_acc_asm(x_f16),
         num_warps=W,
         num_stages=1,
         **pdl_options(x2.device),
