@@ -123,3 +123,33 @@ def test_mma_rows_must_be_16_or_32():
     p = prepare(make_weight(128, 256, 64, seed=1), QmmConfig(mma_rows=64), layout="mma")
     with pytest.raises(ValueError, match="mma_rows"):
         quant_matmul(torch.zeros(20, 256, dtype=torch.bfloat16, device=DEV), p)
+
+
+@pytest.mark.parametrize("m", [1, 16, 31])
+@pytest.mark.parametrize("rows", [16, 32])
+@pytest.mark.parametrize("split", [False, True])
+def test_weight_dequantized_in_the_a_registers(m, rows, split, sms):
+    """``QmmConfig(dequant_a=True)``: the A registers hold ``s q + b`` rounded once to x's
+    dtype and the MMAs accumulate into y; within the same tolerances, at one, two and four n8
+    tiles, split or not."""
+    qt = make_weight(256, 256, 64, seed=m + rows)
+    p = prepare(qt, QmmConfig(ctas_per_sm=1, mma_rows=rows, dequant_a=True), layout="mma")
+    sms(1000 if split else 1)
+    check(qt, p, m, seed=m + 5)
+
+
+@pytest.mark.parametrize(
+    "k,group,x_dtype,scale_dtype",
+    [
+        (320, 64, torch.bfloat16, torch.bfloat16),  # K not a whole chunk pair
+        (384, 128, torch.float16, torch.float16),  # fp16 x and scales, groups of two chunks
+        (256, 64, torch.float16, torch.bfloat16),  # scales not in x's dtype: the codes path
+    ],
+)
+def test_weight_dequantized_other_formats(k, group, x_dtype, scale_dtype, sms):
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(200, k, generator=g) * 0.05).to(DEV)
+    qt = quantize(w, bits=4, group_size=group, scale_dtype=scale_dtype)
+    p = prepare(qt, QmmConfig(dequant_a=True), layout="mma")
+    sms(8)
+    check(qt, p, 31, seed=k + 1, x_dtype=x_dtype)
