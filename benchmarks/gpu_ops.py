@@ -74,11 +74,11 @@ ROWS32_M = 31  # M at which QmmConfig(mma_rows=32) (32-row program columns) is t
 # ... with the next K step's x prefetched (181 registers) and without (108: two programs per SM)
 ROWS32 = {
     "rows32": QmmConfig(mma_rows=32),
-    "rows32npx": QmmConfig(mma_rows=32, prefetch_x=False),
-    # the weight dequantized in the A registers (QmmConfig.dequant_a): 172 / 80 registers
-    "rows32deq": QmmConfig(mma_rows=32, dequant_a=True),
-    "rows32npxdeq": QmmConfig(mma_rows=32, prefetch_x=False, dequant_a=True, ctas_per_sm=3),
-    "rows32npxdeqc2": QmmConfig(mma_rows=32, prefetch_x=False, dequant_a=True, ctas_per_sm=2),
+    # the weight dequantized in the A registers (QmmConfig.dequant_a): 4 warps of two 16-row
+    # blocks each, every weight word unpacked once for all 32 rows; 174 registers (2 programs
+    # per SM) with the next step's x prefetched, 141 (3) without
+    "r32deq": QmmConfig(mma_rows=32, dequant_a=True, ctas_per_sm=2),
+    "r32deqnpx": QmmConfig(mma_rows=32, dequant_a=True, prefetch_x=False, ctas_per_sm=3),
 }
 SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, QmmConfig())
     "w8": ({}, QmmConfig(num_warps=8)),

@@ -14,7 +14,7 @@ METRICS+=",sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_activ
 METRICS+=",smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active"
 METRICS+=",smsp__inst_executed.sum,launch__registers_per_thread,launch__grid_size"
 METRICS+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
-for M in 1 16 31; do
+for M in ${MS:-1 16 31}; do
   echo "== M=$M $*"
   "$NCU" -k regex:_mma_kernel -s 2 -c 1 --cache-control all --metrics "$METRICS" \
     python benchmarks/qmm_one.py --n "$N" --k "$K" --m "$M" "$@" 2>&1 |

@@ -1446,7 +1446,7 @@ def _mma_warps(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
     """Warps per program of the MMA kernel with ``nt`` n8 tiles: one per 16-row block for four
     tiles (their accumulators and x take twice the registers of two), else cfg.num_warps capped
     so that each owns >= 1 block."""
-    if nt >= 4:
+    if nt >= 4 and not cfg.dequant_a:
         return p.block_n // 16
     w = cfg.num_warps
     while w > 1 and (p.block_n // 16) % w:
