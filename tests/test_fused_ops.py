@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from headstart.kernels import REFERENCE, _ref_gdn_decode_gates
+from headstart.kernels import REFERENCE, _ref_gdn_decode_gates, _ref_gdn_padded
 from headstart.ops.gated_delta import triton as gpu_gdn
 from headstart.ops.gated_delta.triton import gdn_decode_gates
 from headstart.ops.pointwise import reference as pointwise
@@ -232,6 +232,31 @@ def test_gdn_window_equals_one_row_steps_and_keeps_each_rows_state(with_norm, W,
     close(got, want, tol=1.6e-2 if EXACT else 8e-2)
     tol = 1e-4 if EXACT else 1.6e-2
     torch.testing.assert_close(states[0], states[2], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lens,L", [([5, 1, 8], 8), ([3, 17], 32)])
+def test_gdn_padded_as_one_row_steps_equals_the_reference(lens, L):
+    """New prompts padded to L rows (zero decay and beta on the padding rows) through the step
+    kernel (:func:`gdn_padded` at <= RECURRENT_MAX_ROWS rows): every real row's output and the
+    final state against the chunked reference; the slots' old contents (NaN) never read."""
+    assert L <= gpu_gdn.RECURRENT_MAX_ROWS
+    N, Hk, Hv, D = len(lens), 2, 4, 16
+    q, k = rand(N, L, Hk, D, seed=60), rand(N, L, Hk, D, seed=61)
+    v = rand(N, L, Hv, D, seed=62)
+    g = torch.nn.functional.logsigmoid(rand(N, L, Hv, seed=63, dtype=torch.float32))
+    beta = torch.sigmoid(rand(N, L, Hv, seed=64, dtype=torch.float32)).to(BF)
+    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
+    g, beta = (torch.where(valid[..., None], t, 0) for t in (g, beta))
+    slots = torch.tensor([3, 0, 2][:N], device=DEV)
+    pools = [torch.full((4, Hv, D, D), float("nan"), device=DEV) for _ in range(2)]
+    got = gpu_gdn.gdn_padded(q, k, v, g, beta, slots, pools[0])
+    want = _ref_gdn_padded(q, k, v, g, beta, slots, pools[1])
+    assert got.dtype == torch.float32 and got.shape == (N, L, Hv, D)
+    for j, n in enumerate(lens):
+        close(got[j, :n], want[j, :n], tol=1.6e-2 if EXACT else 8e-2)
+    tol = 1e-4 if EXACT else 1.6e-2
+    torch.testing.assert_close(pools[0][slots], pools[1][slots], rtol=tol, atol=tol)
+    assert pools[0][1].isnan().all()
 
 
 def test_attn_decode_inputs_writes_kv_and_returns_q():

@@ -227,7 +227,7 @@ def gpu_kernels() -> Kernels:
     def prepare(w: Any, dense: torch.dtype | None = None) -> Any:
         return prepare_quant(w, dense=dense) if isinstance(w, QuantizedTensor) else w
 
-    from headstart.ops.gated_delta.fla import gdn_padded
+    from headstart.ops.gated_delta.triton import gdn_padded
 
     return Kernels(
         "gpu",

@@ -90,6 +90,7 @@ if HAVE_TRITON:
         W: tl.constexpr = 1,
         ROW_STATES: tl.constexpr = False,
         PDL: tl.constexpr = False,
+        ALL_FRESH: tl.constexpr = False,
     ):
         pdl_wait(PDL)  # every input but A_log, dt_bias and the norm weight is written before
         pid = tl.program_id(0)  # stream * HV + value head
@@ -101,10 +102,13 @@ if HAVE_TRITON:
         dv = pv * BV + tl.arange(0, BV)
 
         slot = tl.load(slot_ptr + i_n).to(tl.int64)
-        keep = tl.load(fresh_ptr + i_n) == 0
         s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
         # A fresh stream's slot is not read at all (it may hold anything, NaN included).
-        S = tl.load(s_ptrs, mask=(dk[:, None] < DK) & keep, other=0.0)
+        if ALL_FRESH:
+            S = tl.zeros([DK, BV], dtype=tl.float32)
+        else:
+            keep = tl.load(fresh_ptr + i_n) == 0
+            S = tl.load(s_ptrs, mask=(dk[:, None] < DK) & keep, other=0.0)
         ODT: tl.constexpr = o_ptr.dtype.element_ty
         # W rows of the stream (a verify window; 1: a decode step), each the same step.
         for t in tl.static_range(W):
@@ -166,7 +170,7 @@ def gdn_decode(
     g: torch.Tensor,
     beta: torch.Tensor,
     slots: torch.Tensor,
-    fresh: torch.Tensor,
+    fresh: torch.Tensor | None,
     state_pool: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     rows: torch.Tensor | None = None,
@@ -178,8 +182,9 @@ def gdn_decode(
 ) -> torch.Tensor:
     """One GDN step for n streams; updates ``state_pool[slots]`` in place.
 
-    q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool;
-    state_pool: [slots, Hv, Dk, Dv] fp32 (``[Hv, Dk, Dv]`` contiguous). Slots must be distinct.
+    q, k: [n, Hk, Dk]; v: [n, Hv, Dv]; g, beta: [n, Hv]; slots: [n] int; fresh: [n] bool
+    (None: every stream is fresh); state_pool: [slots, Hv, Dk, Dv] fp32 (``[Hv, Dk, Dv]``
+    contiguous). Slots must be distinct.
     Returns o: [n, Hv, Dv] in ``out_dtype`` (default v's dtype).
 
     ``width`` > 1: that many rows per stream, stream after stream (q, k, v, g, beta and
@@ -250,7 +255,7 @@ def gdn_decode(
         beta,
         o,
         slots,
-        fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
+        slots if fresh is None else fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh,
         state_pool,
         rows if raw else slots,
         A_log if raw else g,
@@ -281,6 +286,7 @@ def gdn_decode(
         NORM=norm is not None,
         W=width,
         ROW_STATES=row_states is not None,
+        ALL_FRESH=fresh is None,
         num_warps=8 if norm is not None else 4,
         **pdl_options(v.device),
     )
@@ -324,3 +330,46 @@ def gdn_decode_gates(
         width=width,
         row_states=row_states,
     )
+
+
+# New prompts of at most this many rows (padded) run as one-row steps in one launch instead of
+# FLA's chunked kernels (:func:`gdn_padded`); the steps are unrolled in the kernel, so the
+# bound also caps its compile size.
+RECURRENT_MAX_ROWS = 32
+
+
+def gdn_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    state_pool: torch.Tensor,
+    initial: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`headstart.ops.gated_delta.fla.gdn_padded`'s contract (new prompts padded to L
+    rows, zero decay and beta on padding rows; final states to ``state_pool[slots]``; o [N, L,
+    Hv, Dv] fp32). Up to :data:`RECURRENT_MAX_ROWS` rows and from a zero state: the decode
+    step's kernel over the rows in one launch (a fresh stream per prompt; its state stays in
+    registers from the first row to the last and is written to the slot once), where FLA's
+    chunked form costs about ten launches a layer plus a scatter of the final states. Else
+    FLA's."""
+    N, L = q.shape[:2]
+    if initial is not None or L > RECURRENT_MAX_ROWS:
+        from headstart.ops.gated_delta.fla import gdn_padded as chunked
+
+        return chunked(q, k, v, g, beta, slots, state_pool, initial)
+    o = gdn_decode(
+        q.flatten(0, 1),
+        k.flatten(0, 1),
+        v.flatten(0, 1),
+        g.flatten(0, 1),
+        beta.flatten(0, 1),
+        slots,
+        None,  # every prompt starts from a zero state
+        state_pool,
+        out_dtype=torch.float32,
+        width=L,
+    )
+    return o.view(N, L, *o.shape[1:])

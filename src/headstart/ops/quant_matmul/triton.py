@@ -138,6 +138,9 @@ class QmmConfig:
     # fp32 epilogue and no MMAs of ones for the bias term. Only where the scales are stored in
     # x's dtype; else the codes path runs.
     dequant_a: bool = False
+    # MMA layout, with prefetch_x off: each chunk's x is loaded while the chunk before it is
+    # multiplied (half the registers of prefetch_x's whole next pair)
+    x_chunk_ahead: bool = False
 
 
 @dataclass
@@ -890,6 +893,38 @@ if HAVE_TRITON:
         return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
 
     @triton.jit
+    def _load_x_chunk(
+        xi_ptr,
+        tp,
+        SEL: tl.constexpr,
+        xo0,
+        xm0,
+        xo1,
+        xm1,
+        xo2,
+        xm2,
+        xo3,
+        xm3,
+        kp,
+        K2,
+        NT: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """:func:`_load_x` for chunk ``SEL`` of pair ``tp`` alone (x beyond K reads as zero)."""
+        xk = tp * 64 + 32 * SEL
+        if EVEN_K:
+            m0 = xm0
+            m1 = xm1
+            m2 = xm2
+            m3 = xm3
+        else:
+            m0 = xm0 & (xk + kp < K2)
+            m1 = xm1 & (xk + kp < K2)
+            m2 = xm2 & (xk + kp < K2)
+            m3 = xm3 & (xk + kp < K2)
+        return _load_x(xi_ptr, xo0 + xk, m0, xo1 + xk, m1, xo2 + xk, m2, xo3 + xk, m3, NT)
+
+    @triton.jit
     def _mma_chunk(
         acc0,
         acc1,
@@ -1112,7 +1147,7 @@ if HAVE_TRITON:
         SCALE_0: tl.constexpr,
         SCALE_1: tl.constexpr,
         USE_ASM: tl.constexpr,
-        PREFETCH_X: tl.constexpr = False,
+        PREFETCH_X: tl.constexpr = 0,
         PDL: tl.constexpr = False,
         DEQ: tl.constexpr = False,
         DEQ_0: tl.constexpr = "",
@@ -1175,9 +1210,13 @@ if HAVE_TRITON:
         # Weights are never written during a step: only x (and the outputs) wait for the
         # kernel before this one.
         pdl_wait(PDL)
-        if PREFETCH_X:
+        if PREFETCH_X == 1:
             xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = (
                 _load_x_pair(xi_ptr, t0, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K)
+            )
+        elif PREFETCH_X == 2:
+            xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7 = _load_x_chunk(
+                xi_ptr, t0, 0, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K
             )
         for tp in tl.range(t0, t1, num_stages=NUM_STAGES):
             if PREFETCH:
@@ -1190,7 +1229,7 @@ if HAVE_TRITON:
                 wa = tl.load(w_ptrs, eviction_policy="evict_first")
                 wb = tl.load(w_ptrs + CW, eviction_policy="evict_first")
                 sbw = tl.load(sb_ptr + (tile0 + tp) * SBW + sb_off, eviction_policy="evict_first")
-            if PREFETCH_X:  # this pair's x came with the previous step; ask for the next's
+            if PREFETCH_X == 1:  # this pair's x came with the previous step; ask for the next's
                 ca0, ca1, ca2, ca3, ca4, ca5, ca6, ca7 = xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7
                 cb0, cb1, cb2, cb3, cb4, cb5, cb6, cb7 = xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7
                 more = tp + 1 < t1
@@ -1211,6 +1250,11 @@ if HAVE_TRITON:
                         NT,
                         EVEN_K,
                     )
+                )
+            elif PREFETCH_X == 2:  # chunk a's x came with the previous chunk; ask for b's
+                ca0, ca1, ca2, ca3, ca4, ca5, ca6, ca7 = xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7
+                cb0, cb1, cb2, cb3, cb4, cb5, cb6, cb7 = _load_x_chunk(
+                    xi_ptr, tp, 1, xo0, xm0, xo1, xm1, xo2, xm2, xo3, xm3, kp, K2, NT, EVEN_K
                 )
             else:
                 ca0, ca1, ca2, ca3, ca4, ca5, ca6, ca7, cb0, cb1, cb2, cb3, cb4, cb5, cb6, cb7 = (
@@ -1247,6 +1291,25 @@ if HAVE_TRITON:
                 DEQ_0,
                 MMA_ACC,
             )
+            if PREFETCH_X == 2:  # the next pair's chunk a, while chunk b is multiplied
+                more = tp + 1 < t1
+                xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7 = _load_x_chunk(
+                    xi_ptr,
+                    tp + 1,
+                    0,
+                    xo0,
+                    xm0 & more,
+                    xo1,
+                    xm1 & more,
+                    xo2,
+                    xm2 & more,
+                    xo3,
+                    xm3 & more,
+                    kp,
+                    K2,
+                    NT,
+                    EVEN_K,
+                )
             acc0, acc1, acc2, acc3 = _mma_chunk(
                 acc0,
                 acc1,
@@ -1587,7 +1650,7 @@ def _quant_matmul_mma(
         SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16),
         USE_ASM=_USE_ASM,
-        PREFETCH_X=cfg.prefetch_x,
+        PREFETCH_X=1 if cfg.prefetch_x else (2 if cfg.x_chunk_ahead else 0),
         DEQ=cfg.dequant_a and p.sb_bf16 != x_f16,
         DEQ_0=_deq_asm(0, x_f16),
         DEQ_1=_deq_asm(1, x_f16),

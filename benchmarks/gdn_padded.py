@@ -1,0 +1,65 @@
+"""New prompts' GDN at the model shapes (GPU): FLA's chunked form against the decode step's
+kernel over the rows (``ops.gated_delta.triton.gdn_padded``), per layer, from CUDA-graph
+replays of 48 layers' worth of calls (each layer its own pool and inputs, as in a forward).
+
+    python benchmarks/gdn_padded.py
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.testing import do_bench
+
+from headstart.ops.gated_delta import fla, triton as gpu_gdn
+
+DEV = torch.device("cuda")
+SHAPES = {"27b": (16, 48, 128), "2b": (16, 16, 128)}  # Hk, Hv, D
+CASES = [(1, 16), (1, 32), (4, 32), (16, 16), (16, 32), (1, 64)]
+LAYERS = 48
+
+
+def inputs(n: int, L: int, Hk: int, Hv: int, D: int, seed: int):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(n, L, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(n, L, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(n, L, Hv, D, generator=g, device=DEV).to(torch.bfloat16)
+    decay = torch.nn.functional.logsigmoid(torch.randn(n, L, Hv, generator=g, device=DEV))
+    beta = torch.rand(n, L, Hv, generator=g, device=DEV).to(torch.bfloat16)
+    pool = torch.zeros(n + 1, Hv, D, D, device=DEV)
+    slots = torch.arange(n, device=DEV) + 1
+    return q, k, v, decay, beta, slots, pool
+
+
+def per_layer_us(fn, layers: list) -> float:
+    for a in layers:
+        fn(*a)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in layers:
+            fn(*a)
+    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / len(layers)
+
+
+def main() -> None:
+    print(f"{'shape':5s} {'n x L':>8s} {'FLA us':>8s} {'steps us':>9s}  max |diff| of o")
+    for name, (Hk, Hv, D) in SHAPES.items():
+        for n, L in CASES:
+            layers = [inputs(n, L, Hk, Hv, D, seed=i) for i in range(LAYERS)]
+            t_fla = per_layer_us(fla.gdn_padded, layers)
+            steps = "-"
+            diff = ""
+            if L <= gpu_gdn.RECURRENT_MAX_ROWS:
+                t = per_layer_us(gpu_gdn.gdn_padded, layers)
+                steps = f"{t:9.1f}"
+                a = layers[0]
+                o1 = fla.gdn_padded(*a).float()
+                o2 = gpu_gdn.gdn_padded(*a)
+                diff = f"{(o1 - o2).abs().max().item():.2e}"
+            print(f"{name:5s} {n:3d} x {L:3d} {t_fla:8.1f} {steps:>9s}  {diff}", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
