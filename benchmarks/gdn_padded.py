@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
-from headstart.ops.gated_delta import fla, triton as gpu_gdn
+from headstart.ops.gated_delta import fla
+from headstart.ops.gated_delta import triton as gpu_gdn
 
 DEV = torch.device("cuda")
 SHAPES = {"27b": (16, 48, 128), "2b": (16, 16, 128)}  # Hk, Hv, D
