@@ -43,6 +43,7 @@ def per_layer_us(fn, layers: list) -> float:
 
 
 def main() -> None:
+    fla.use_shipped_configs(DEV)
     print(f"{'shape':5s} {'n x L':>8s} {'FLA us':>8s} {'steps us':>9s}  max |diff| of o")
     for name, (Hk, Hv, D) in SHAPES.items():
         for n, L in CASES:
