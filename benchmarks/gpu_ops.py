@@ -74,11 +74,15 @@ ROWS32_M = 31  # M at which QmmConfig(mma_rows=32) (32-row program columns) is t
 # ... with the next K step's x prefetched (181 registers) and without (108: two programs per SM)
 ROWS32 = {
     "rows32": QmmConfig(mma_rows=32),
-    # the weight dequantized in the A registers (QmmConfig.dequant_a): 4 warps of two 16-row
-    # blocks each, every weight word unpacked once for all 32 rows; 174 registers (2 programs
-    # per SM) with the next step's x prefetched, 141 (3) without
-    "r32deq": QmmConfig(mma_rows=32, dequant_a=True, ctas_per_sm=2),
-    "r32deqnpx": QmmConfig(mma_rows=32, dequant_a=True, prefetch_x=False, ctas_per_sm=3),
+    # the weight dequantized in the A registers (QmmConfig.dequant_a), every weight word unpacked
+    # once for all 32 rows: 4 warps of two 16-row blocks (141 registers without x prefetch, 182
+    # with x a chunk ahead) or 8 warps of one (80, 104)
+    "r32deqnpx": QmmConfig(mma_rows=32, dequant_a=True, prefetch_x=False),
+    "r32deqx2": QmmConfig(mma_rows=32, dequant_a=True, prefetch_x=False, x_chunk_ahead=True),
+    "r32w8deqnpx": QmmConfig(mma_rows=32, dequant_a=True, prefetch_x=False, num_warps=8),
+    "r32w8deqx2": QmmConfig(
+        mma_rows=32, dequant_a=True, prefetch_x=False, x_chunk_ahead=True, num_warps=8
+    ),
 }
 SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, QmmConfig())
     "w8": ({}, QmmConfig(num_warps=8)),
@@ -92,9 +96,14 @@ SWEEP = {  # name: (prepare() keyword arguments, launch config); "ours" is ({}, 
     "nopxc4": ({}, QmmConfig(prefetch_x=False, ctas_per_sm=4)),
     "c4": ({}, QmmConfig(ctas_per_sm=4)),
     "c5": ({}, QmmConfig(ctas_per_sm=5)),
+    "x2": ({}, QmmConfig(prefetch_x=False, x_chunk_ahead=True)),
     "deq": ({}, QmmConfig(dequant_a=True)),
-    "deqc4": ({}, QmmConfig(dequant_a=True, ctas_per_sm=4)),
     "deqnpx": ({}, QmmConfig(dequant_a=True, prefetch_x=False)),
+    "deqx2": ({}, QmmConfig(dequant_a=True, prefetch_x=False, x_chunk_ahead=True)),
+    "w8deqx2": (
+        {},
+        QmmConfig(num_warps=8, dequant_a=True, prefetch_x=False, x_chunk_ahead=True),
+    ),
 }
 
 

@@ -107,6 +107,13 @@ def test_mma_rows_16_runs_columns_of_16(m, split, sms):
         (256, 64, 256, QmmConfig(mma_rows=32), torch.bfloat16),  # 16 warps, a 16-row block each
         (256, 64, 128, QmmConfig(prefetch=False, mma_rows=32), torch.bfloat16),
         (256, 64, 128, QmmConfig(prefetch_x=False, mma_rows=32), torch.bfloat16),
+        (
+            320,
+            64,
+            128,
+            QmmConfig(prefetch_x=False, x_chunk_ahead=True, mma_rows=32),
+            torch.bfloat16,
+        ),  # x a chunk ahead, K not a whole chunk pair
         (256, 64, 128, QmmConfig(num_stages=3, mma_rows=32), torch.bfloat16),  # Triton's pipeliner
     ],
 )
@@ -128,12 +135,20 @@ def test_mma_rows_must_be_16_or_32():
 @pytest.mark.parametrize("m", [1, 16, 31])
 @pytest.mark.parametrize("rows", [16, 32])
 @pytest.mark.parametrize("split", [False, True])
-def test_weight_dequantized_in_the_a_registers(m, rows, split, sms):
+@pytest.mark.parametrize("x_ahead", ["pair", "chunk", "none"])
+def test_weight_dequantized_in_the_a_registers(m, rows, split, x_ahead, sms):
     """``QmmConfig(dequant_a=True)``: the A registers hold ``s q + b`` rounded once to x's
     dtype and the MMAs accumulate into y; within the same tolerances, at one, two and four n8
-    tiles, split or not."""
+    tiles, split or not, with x prefetched a pair ahead, a chunk ahead or not at all."""
     qt = make_weight(256, 256, 64, seed=m + rows)
-    p = prepare(qt, QmmConfig(ctas_per_sm=1, mma_rows=rows, dequant_a=True), layout="mma")
+    cfg = QmmConfig(
+        ctas_per_sm=1,
+        mma_rows=rows,
+        dequant_a=True,
+        prefetch_x=x_ahead == "pair",
+        x_chunk_ahead=x_ahead == "chunk",
+    )
+    p = prepare(qt, cfg, layout="mma")
     sms(1000 if split else 1)
     check(qt, p, m, seed=m + 5)
 

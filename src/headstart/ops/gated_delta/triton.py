@@ -333,9 +333,10 @@ def gdn_decode_gates(
 
 
 # New prompts of at most this many rows (padded) run as one-row steps in one launch instead of
-# FLA's chunked kernels (:func:`gdn_padded`); the steps are unrolled in the kernel, so the
-# bound also caps its compile size.
-RECURRENT_MAX_ROWS = 32
+# FLA's chunked kernels (:func:`gdn_padded`). The steps run one after another (about 1.7 us a
+# row at 27B's heads on an H100): at 16 rows they beat FLA's fixed ten launches, at 32 they
+# lose (BENCHMARKS.md, session 27).
+RECURRENT_MAX_ROWS = 16
 
 
 def gdn_padded(

@@ -91,20 +91,67 @@ _DOT_PF_RESIDENT = 5  # tiled layout: programs per SM of the dot kernel with pre
 MMA_CHUNK = 64  # MMA layout: K elements per chunk (one scale/bias per row and chunk)
 MMA_BLOCK_N = 128  # MMA layout: default rows per tile
 _MMA_M_TILES = -(-MAX_FUSED_M // 16)  # MMA layout: split-K counters per n tile (BM >= 16)
-# MMA kernel registers per thread by (16-row blocks per warp, n8 tiles), Triton 3.6 for sm_90
-# (ptxas; (2, *) measured with prefetch_x, the others without it): how many programs fit on an
-# SM at once. (1, 4) (8 warps of one block, BN = 128) is ptxas's count for sm_90a from a compile
-# without a GPU (Triton 3.6, prefetch_x, K a whole number of chunk pairs; the same compile gives
-# (2, 1) and (2, 2) above exactly), not yet read from a run on the GPU: benchmarks/gpu_ops.py
-# prints the kernels' n_regs.
+# MMA kernel registers per thread by (16-row blocks per warp, n8 tiles, weight dequantized in
+# the A registers, x prefetch: 0 none, 1 the next pair, 2 the next chunk), Triton 3.6 for
+# sm_90a: how many programs fit on an SM at once. Read from ptxas for a compile without a GPU
+# (BN = 128, K a whole number of chunk pairs, PDL on); the GPU runs reported the same counts
+# wherever both were read (75, 133, 178, 108, 97, 129, 141, 172, 174 and 80). (4, 4, False, *)
+# spill.
 _MMA_REGS = {
-    (1, 1): 52,
-    (2, 1): 75,
-    (4, 1): 136,
-    (1, 2): 70,
-    (2, 2): 133,
-    (4, 2): 255,
-    (1, 4): 181,
+    (1, 1, False, 0): 48,
+    (1, 1, False, 1): 58,
+    (1, 1, False, 2): 52,
+    (1, 1, True, 0): 60,
+    (1, 1, True, 1): 64,
+    (1, 1, True, 2): 58,
+    (1, 2, False, 0): 79,
+    (1, 2, False, 1): 102,
+    (1, 2, False, 2): 86,
+    (1, 2, True, 0): 60,
+    (1, 2, True, 1): 80,
+    (1, 2, True, 2): 75,
+    (1, 4, False, 0): 108,
+    (1, 4, False, 1): 178,
+    (1, 4, False, 2): 138,
+    (1, 4, True, 0): 80,
+    (1, 4, True, 1): 172,
+    (1, 4, True, 2): 104,
+    (2, 1, False, 0): 70,
+    (2, 1, False, 1): 75,
+    (2, 1, False, 2): 60,
+    (2, 1, True, 0): 88,
+    (2, 1, True, 1): 97,
+    (2, 1, True, 2): 80,
+    (2, 2, False, 0): 134,
+    (2, 2, False, 1): 133,
+    (2, 2, False, 2): 142,
+    (2, 2, True, 0): 102,
+    (2, 2, True, 1): 129,
+    (2, 2, True, 2): 128,
+    (2, 4, False, 0): 141,
+    (2, 4, False, 1): 249,
+    (2, 4, False, 2): 189,
+    (2, 4, True, 0): 141,
+    (2, 4, True, 1): 174,
+    (2, 4, True, 2): 182,
+    (4, 1, False, 0): 136,
+    (4, 1, False, 1): 128,
+    (4, 1, False, 2): 132,
+    (4, 1, True, 0): 168,
+    (4, 1, True, 1): 168,
+    (4, 1, True, 2): 168,
+    (4, 2, False, 0): 246,
+    (4, 2, False, 1): 175,
+    (4, 2, False, 2): 194,
+    (4, 2, True, 0): 168,
+    (4, 2, True, 1): 172,
+    (4, 2, True, 2): 180,
+    (4, 4, False, 0): 255,
+    (4, 4, False, 1): 255,
+    (4, 4, False, 2): 255,
+    (4, 4, True, 0): 244,
+    (4, 4, True, 1): 254,
+    (4, 4, True, 2): 254,
 }
 
 
@@ -1501,8 +1548,19 @@ def _mma_resident(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
     """Programs of the MMA kernel with ``nt`` n8 tiles that fit on one SM at once (64K
     registers, 2048 threads)."""
     w = _mma_warps(p, cfg, nt)
-    regs = -(-_MMA_REGS.get((p.block_n // (16 * w), nt), 128) // 8) * 8
+    key = (p.block_n // (16 * w), nt, _dequant_a(p, cfg), _x_prefetch(cfg))
+    regs = -(-_MMA_REGS.get(key, 128) // 8) * 8
     return max(1, min(65536 // (regs * 32 * w), 2048 // (32 * w), 32))
+
+
+def _x_prefetch(cfg: QmmConfig) -> int:
+    """The MMA kernel's ``PREFETCH_X``: 1 the next pair's x, 2 the next chunk's, 0 none."""
+    return 1 if cfg.prefetch_x else (2 if cfg.x_chunk_ahead else 0)
+
+
+def _dequant_a(p: PreparedQuant, cfg: QmmConfig, x_f16: bool = False) -> bool:
+    """Whether the MMA kernel dequantizes into its A registers (only with scales in x's dtype)."""
+    return cfg.dequant_a and p.sb_bf16 != x_f16
 
 
 def _mma_warps(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
@@ -1650,8 +1708,8 @@ def _quant_matmul_mma(
         SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16),
         USE_ASM=_USE_ASM,
-        PREFETCH_X=1 if cfg.prefetch_x else (2 if cfg.x_chunk_ahead else 0),
-        DEQ=cfg.dequant_a and p.sb_bf16 != x_f16,
+        PREFETCH_X=_x_prefetch(cfg),
+        DEQ=_dequant_a(p, cfg, x_f16),
         DEQ_0=_deq_asm(0, x_f16),
         DEQ_1=_deq_asm(1, x_f16),
         MMA_ACC=_mma_acc_asm(x_f16),
