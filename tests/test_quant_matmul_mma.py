@@ -122,7 +122,10 @@ def test_mma_32_row_programs_other_shapes_and_configs(k, group, block_n, cfg, x_
     p = prepare(qt, cfg, block_n=block_n, layout="mma")
     sms(8)
     assert split_for(p, 31)[0] == 32
-    assert qmm._mma_warps(p, p.config, 4) == block_n // 16  # one warp per 16-row block
+    # one warp per 16-row block; with the weight dequantized in the A registers, num_warps
+    f16 = x_dtype == torch.float16
+    want = min(cfg.num_warps, block_n // 16) if qmm._dequant_a(p, cfg, f16) else block_n // 16
+    assert qmm._mma_warps(p, p.config, 4, f16) == want
     check(qt, p, 31, seed=k + block_n + 1, x_dtype=x_dtype)
 
 

@@ -37,22 +37,25 @@ rounded up to whole chunk pairs with zero codes and zero scale/bias; rows padded
   entries a lane's C fragment needs for a chunk pair, one 16-byte load.
 
 Kernel (per program: BN rows, a range of chunk pairs; one warp per 16-row block, ``BN / 16 / W``
-blocks each): per chunk, four chained MMAs give ``D = sum_k (128 + q) x`` and four more with A =
-ones give ``E = sum_k x`` (shared by the warp's blocks); then ``acc += s D + (b - 128 s) E``, the
-affine term factored per group (fp32; the codes are exact in bf16, so unlike a dequantize + matmul
-the weight is never rounded). About 7/8 integer instructions per weight plus 1/8 of an MMA
-instruction. Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up to 16 two, more run
-one program column per 16 rows (two tiles each), or with ``QmmConfig.mma_rows = 32`` one per 32 rows
-as four n8 tiles (rows 0, 8, 16, 24 of the program's 32) that share every loaded word and scale,
-with one warp per 16-row block. Every tensor is ``[32 lanes, W warps, blocks, 4]`` in one Triton
-blocked layout, so each lane's registers are exactly its fragments: the MMAs (inline PTX,
-``pack=4``) are the only place data crosses lanes, and the loop has no shared memory, no barrier and
-no layout conversion. The next chunk pair's words and scales, and its x, are loaded (16-byte
-vectors) while this one is multiplied (register double-buffering). With programmatic dependent
-launch (``triton_support``) a program loads its first words and scales before it waits for the
-kernel before it. The grid is sized to be resident in one wave (``_MMA_REGS``: 75 registers, 6
-programs per SM for M <= 8; 133 and 3 for M <= 16; 32-row programs: see the table) and K is split
-until it fills that wave.
+blocks each). By default (``QmmConfig.dequant_a``, scales in x's dtype) each A register is then
+turned into the weight itself, ``fma(OFF + q - OFF, s, b)``: two packed FMAs, ``s q + b`` rounded
+once to x's dtype (as a dequantize + matmul rounds it), and four chained MMAs a chunk accumulate
+straight into y's fp32 accumulator. Otherwise, per chunk, four chained MMAs give ``D = sum_k (128 +
+q) x`` and four more with A = ones give ``E = sum_k x`` (shared by the warp's blocks); then ``acc +=
+s D + (b - 128 s) E``, the affine term factored per group (fp32; the codes are exact in bf16, so the
+weight is never rounded). About 7/8 integer instructions per weight plus 1/8 of an MMA instruction.
+Rows of x beyond M read as zero; x up to 8 rows is one n8 tile, up to 16 two, more run one program
+column per 16 rows (two tiles each), or with ``QmmConfig.mma_rows = 32`` one per 32 rows as four n8
+tiles (rows 0, 8, 16, 24 of the program's 32) that share every loaded word and scale, with one warp
+per 16-row block (``QmmConfig.num_warps`` warps with ``dequant_a``). Every tensor is ``[32 lanes, W
+warps, blocks, 4]`` in one Triton blocked layout, so each lane's registers are exactly its
+fragments: the MMAs (inline PTX, ``pack=4``) are the only place data crosses lanes, and the loop has
+no shared memory, no barrier and no layout conversion. The next chunk pair's words and scales, and
+its x, are loaded (16-byte vectors) while this one is multiplied (register double-buffering). With
+programmatic dependent launch (``triton_support``) a program loads its first words and scales before
+it waits for the kernel before it. The grid is sized to be resident in one wave (``_MMA_REGS``, by
+tiling, dequant and x prefetch: by default 97 registers, 4 programs per SM for M <= 8; 129 and 3 for
+M <= 16) and K is split until it fills that wave.
 
 Split-K: when the N tiles alone do not fill the GPU, each (M tile, N tile, K split) program
 writes an fp32 partial to a workspace and bumps a per-tile counter; the last one to arrive sums
@@ -178,13 +181,16 @@ class QmmConfig:
     # MMA layout: the most rows of x per program (16 or 32). 32: x of 17..32 rows is one
     # program column (four n8 tiles sharing every weight word) instead of two; it needs 181
     # registers, one program per SM, and measured slower on the H200 (BENCHMARKS.md, session
-    # 15), so 16 (columns of 16 rows) is the default.
+    # 15); with dequant_a (141-182 registers) it measured no faster than two columns on an
+    # H100 (session 27), so 16 (columns of 16 rows) is the default.
     mma_rows: int = 16
     # MMA layout: the A registers hold the weight ``s q + b`` rounded to x's dtype (two packed
     # FMAs per register), the MMAs accumulate into y's fp32 accumulator directly: no per-chunk
     # fp32 epilogue and no MMAs of ones for the bias term. Only where the scales are stored in
-    # x's dtype; else the codes path runs.
-    dequant_a: bool = False
+    # x's dtype; else the codes path runs. H100 sweep (BENCHMARKS.md, session 27): geometric
+    # mean over the 27B projections 1.51x the floor at M = 1 instead of 1.56, 1.86 at M = 16
+    # instead of 1.94, 2.91 at M = 31 instead of 2.97.
+    dequant_a: bool = True
     # MMA layout, with prefetch_x off: each chunk's x is loaded while the chunk before it is
     # multiplied (half the registers of prefetch_x's whole next pair)
     x_chunk_ahead: bool = False
@@ -1520,8 +1526,11 @@ def dequantize_prepared(p: PreparedQuant, dtype: torch.dtype = torch.bfloat16) -
     return out
 
 
-def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, SPLIT_K, K steps per split) for ``m`` rows: shapes only, never values.
+def split_for(
+    p: PreparedQuant, m: int, config: QmmConfig | None = None, x_f16: bool = False
+) -> tuple[int, int, int]:
+    """(BLOCK_M, SPLIT_K, K steps per split) for ``m`` rows of x (fp16 when ``x_f16``, else
+    bf16): shapes only, never values.
 
     A K step is a superblock (tiled layout) or a pair of 64-wide chunks (MMA layout)."""
     cfg = config or p.config
@@ -1533,7 +1542,7 @@ def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tupl
         steps = p.sb.shape[1]
         # As many K splits as keep the whole grid resident at once (one wave): no tail wave,
         # and the split-K partials stay few.
-        cap = sm_count(p.words.device) * (cfg.ctas_per_sm or _mma_resident(p, cfg, BM // 8))
+        cap = sm_count(p.words.device) * (cfg.ctas_per_sm or _mma_resident(p, cfg, BM // 8, x_f16))
         split = max(1, min(steps, cap // (n_tiles * -(-m // BM))))
     else:
         BM = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -1544,11 +1553,11 @@ def split_for(p: PreparedQuant, m: int, config: QmmConfig | None = None) -> tupl
     return BM, -(-steps // per), per
 
 
-def _mma_resident(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
+def _mma_resident(p: PreparedQuant, cfg: QmmConfig, nt: int, x_f16: bool = False) -> int:
     """Programs of the MMA kernel with ``nt`` n8 tiles that fit on one SM at once (64K
     registers, 2048 threads)."""
-    w = _mma_warps(p, cfg, nt)
-    key = (p.block_n // (16 * w), nt, _dequant_a(p, cfg), _x_prefetch(cfg))
+    w = _mma_warps(p, cfg, nt, x_f16)
+    key = (p.block_n // (16 * w), nt, _dequant_a(p, cfg, x_f16), _x_prefetch(cfg))
     regs = -(-_MMA_REGS.get(key, 128) // 8) * 8
     return max(1, min(65536 // (regs * 32 * w), 2048 // (32 * w), 32))
 
@@ -1563,11 +1572,11 @@ def _dequant_a(p: PreparedQuant, cfg: QmmConfig, x_f16: bool = False) -> bool:
     return cfg.dequant_a and p.sb_bf16 != x_f16
 
 
-def _mma_warps(p: PreparedQuant, cfg: QmmConfig, nt: int) -> int:
+def _mma_warps(p: PreparedQuant, cfg: QmmConfig, nt: int, x_f16: bool = False) -> int:
     """Warps per program of the MMA kernel with ``nt`` n8 tiles: one per 16-row block for four
-    tiles (their accumulators and x take twice the registers of two), else cfg.num_warps capped
-    so that each owns >= 1 block."""
-    if nt >= 4 and not cfg.dequant_a:
+    tiles on the codes path (their D and E fragments and x take twice the registers of two),
+    else cfg.num_warps capped so that each owns >= 1 block."""
+    if nt >= 4 and not _dequant_a(p, cfg, x_f16):
         return p.block_n // 16
     w = cfg.num_warps
     while w > 1 and (p.block_n // 16) % w:
@@ -1666,11 +1675,11 @@ def _quant_matmul_mma(
     if x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()  # x is read as 16-byte vectors of int32 pairs
     xi = x2.view(torch.int32)  # [M, K / 2]: bf16 pairs
-    BM, split, per = split_for(p, M, cfg)
+    BM, split, per = split_for(p, M, cfg, x_f16)
     n_tiles = p.words.shape[0]
     m_tiles = -(-M // BM)
     NT = BM // 8
-    W = _mma_warps(p, cfg, NT)
+    W = _mma_warps(p, cfg, NT, x_f16)
     ws = (
         torch.empty(
             split * m_tiles * n_tiles * NT * p.block_n * 8, dtype=torch.float32, device=x2.device
