@@ -5,7 +5,8 @@ Job: the GDN entry points of a decode step, with the contracts of the references
 squares and q scaled by ``Dk^-0.5`` inside; log decay ``g``; ``beta`` post-sigmoid; value head
 ``h`` reads key head ``h // (Hv/Hk)``; fp32 state ``[Hv, Dk, Dv]``, the HF/FLA layout, same as our
 pool). Multi-row spans go through flash-linear-attention's chunked kernel instead
-(:mod:`headstart.ops.gated_delta.fla`).
+(:mod:`headstart.ops.gated_delta.fla`), except new prompts padded to a few rows
+(:func:`gdn_padded`), which run as the step kernel's one-row steps.
 
 * :func:`gdn_decode`: one new row per stream for n streams, our own Triton kernel that updates the
   pool **in place** by slot index (FLA 0.6's fused_recurrent has no state-index argument, so using
