@@ -125,6 +125,7 @@ class PaddedRows:
     slots: torch.Tensor  # [N] (padding streams share the scratch slot)
     lengths: torch.Tensor  # [N] prompt rows of each stream, 1 <= length <= L
     valid: torch.Tensor  # [N * L] bool: a prompt row, not padding
+    row_slots: torch.Tensor  # [N * L] the slot of each row (``slots`` repeated L times)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ class ForwardBatch:
                 slots=slots,
                 lengths=lengths,
                 valid=(column[None, :] < lengths[:, None]).reshape(-1),
+                row_slots=slots.repeat_interleave(width),
             ),
         )
 

@@ -76,11 +76,12 @@ class GatedAttention:
         if batch.all_decode is not None:
             span = batch.windows is not None and batch.windows.span
             out = self._all_decode(p, qkv, batch.all_decode, keys, values, lengths, span)
+        elif batch.padded is not None:
+            out = self._padded(p, qkv, batch, keys, values)
         else:
             q, k, v = self._inputs(p, qkv, cos, sin)
             out = torch.empty_like(q)
             self._decode_rows(batch, q, k, v, keys, values, out)
-            self._padded(batch, q, k, v, keys, values, out)
             self._spans(batch, q, k, v, keys, values, out)
             self._trees(batch, q, k, v, keys, values, out)
         return linear(m.kernels.sigmoid_mul(out.reshape(T, -1), gate), m.w[p + "o_proj.weight"])
@@ -147,20 +148,39 @@ class GatedAttention:
                     q[d.rows], keys, values, d.slots, d.positions + 1
                 )
 
-    def _padded(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
-        """New prompts padded to one length (graph-capturable): every row's KV written at its
-        position (padding rows land past the prompt, where nothing reads them), each stream
-        attending causally to its own rows."""
-        pr = batch.padded
-        if pr is None:
-            return
+    def _padded(
+        self,
+        p: str,
+        qkv: torch.Tensor,
+        batch: ForwardBatch,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """New prompts padded to one length (graph-capturable; alone in their batch): norms,
+        RoPE and every row's KV write in the decode rows' fused kernel (padding rows land past
+        the prompt, where nothing reads them), then each stream attends causally to its own
+        rows, read back from the pool in the layout attention takes."""
+        m, cfg, pr = self.m, self.m.cfg, batch.padded
         n, L = pr.rows.shape
-        kv_shape = (n, L, k.shape[1], k.shape[2])
-        k4, v4 = k.view(kv_shape), v.view(kv_shape)
-        keys[pr.slots, :, :L] = k4.transpose(1, 2)
-        values[pr.slots, :, :L] = v4.transpose(1, 2)
-        o = self.m.kernels.attn_padded(q.view(n, L, *q.shape[1:]), k4, v4)
-        out.copy_(o.reshape(out.shape))
+        q = m.kernels.attn_decode_inputs(
+            qkv,
+            pr.rows.view(-1),
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            m.w[p + "q_norm.weight"],
+            m.w[p + "k_norm.weight"],
+            cfg.rms_norm_eps,
+            m.rotary.inv_freq,
+            keys,
+            values,
+            pr.row_slots,
+            batch.positions,
+        )
+        # Sliced before the gather: only the prompts' L rows are copied.
+        k = keys[:, :, :L].index_select(0, pr.slots).transpose(1, 2)
+        v = values[:, :, :L].index_select(0, pr.slots).transpose(1, 2)
+        o = m.kernels.attn_padded(q.view(n, L, *q.shape[1:]), k, v)
+        return o.reshape(q.shape)
 
     def _spans(self, batch: ForwardBatch, q, k, v, keys, values, out) -> None:
         """Multi-row spans: several are written at once and fresh prompts attended at once;
