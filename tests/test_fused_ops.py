@@ -99,6 +99,17 @@ def test_gdn_gates_on_strided_rows(weights):
         assert torch.equal(beta, want_beta)
     close(beta, want_beta)
     assert gpu_fused.gdn_gates(a[:0], b[:0], a_log, dt_bias)[0].shape == (0, H)
+    # Padding rows (valid False) get no decay and no update; the others are as above.
+    valid = torch.tensor([True, False, True, True, False], device=a.device)
+    g_v, beta_v = gpu_fused.gdn_gates(a, b, a_log, dt_bias, valid)
+    assert torch.equal(g_v[~valid], torch.zeros_like(g_v[~valid]))
+    assert torch.equal(beta_v[~valid], torch.zeros_like(beta_v[~valid]))
+    torch.testing.assert_close(g_v[valid], want_g[valid], rtol=2e-5, atol=1e-30)
+    close(beta_v[valid], want_beta[valid])
+    want_gv, want_bv = pointwise.gdn_gates(a, b, a_log, dt_bias, valid)
+    assert torch.equal(want_gv[~valid], g_v[~valid]) and torch.equal(
+        want_bv[~valid], beta_v[~valid]
+    )
 
 
 def _pools(seed):

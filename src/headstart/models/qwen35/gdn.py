@@ -93,7 +93,9 @@ class GatedDeltaNet:
         windows = batch.windows if batch.windows is not None and not batch.windows.span else None
         g = beta = None
         if not only_decode and (windows is None or not _copied_back(windows)):
-            g, beta = m.kernels.gdn_gates(a, b, m.w[p + "A_log"], m.w[p + "dt_bias"])
+            # New prompts' padding rows get no decay and no update, zeroed in the same kernel.
+            valid = batch.padded.valid if batch.padded is not None else None
+            g, beta = m.kernels.gdn_gates(a, b, m.w[p + "A_log"], m.w[p + "dt_bias"], valid)
         layer = m.state_index[i]
         rows = _Rows(
             i,
@@ -185,15 +187,14 @@ class GatedDeltaNet:
 
     def _padded(self, r: _Rows, batch: ForwardBatch) -> None:
         """New prompts padded to one length (graph-capturable): a batched conv from zero tails,
-        and the chunked rule from zero states with padding rows given no decay and no update,
-        so each stream's state is the one after its last prompt row."""
+        and the chunked rule from zero states with padding rows given no decay and no update
+        (by the gates kernel), so each stream's state is the one after its last prompt row."""
         pr, (Hk, Hv, Dk, Dv) = batch.padded, self.heads
         n, L = pr.rows.shape
         y, tails = self.m.kernels.conv_padded(r.mixed.view(n, L, -1), pr.lengths, r.conv_w)
         r.tails.index_copy_(0, pr.slots, tails.to(r.tails.dtype))
         q, k, v = self._qkv(y.reshape(n * L, -1))
-        keep = pr.valid[:, None]
-        g, beta = torch.where(keep, r.g, 0.0), torch.where(keep, r.beta, 0.0)
+        g, beta = r.g, r.beta  # zero on padding rows (gdn_gates)
         o = self.m.kernels.gdn_padded(
             q.view(n, L, Hk, Dk),
             k.view(n, L, Hk, Dk),

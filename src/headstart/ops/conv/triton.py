@@ -250,7 +250,7 @@ def causal_conv_upto(
     x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, length: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`headstart.ops.conv.reference.causal_conv_upto` (``length``: a [1] tensor)."""
-    y, new = _conv(x, weight, tail[None], 1, x.shape[0], None, length.to(torch.int32))
+    y, new = _conv(x, weight, tail[None], 1, x.shape[0], None, length)
     return y, new[0]
 
 
@@ -259,7 +259,7 @@ def causal_conv_padded(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`headstart.ops.conv.reference.causal_conv_padded` (x [n, L, C], zero tails)."""
     n, L, C = x.shape
-    y, new = _conv(x.reshape(n * L, C), weight, None, n, L, None, lengths.to(torch.int32))
+    y, new = _conv(x.reshape(n * L, C), weight, None, n, L, None, lengths)
     return y.view(n, L, C), new
 
 

@@ -65,11 +65,20 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def gdn_gates(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN's log decay ``g`` (fp32) and write strength ``beta`` (a's dtype) from the raw
-    projections a, b [T, Hv]."""
-    return -A_log.exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+    projections a, b [T, Hv]. ``valid`` [T] bool: rows where it is False get ``g = beta = 0``
+    (padding rows that leave a state as it was)."""
+    g, beta = -A_log.exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+    if valid is None:
+        return g, beta
+    keep = valid[:, None]
+    return torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
 
 
 def conv_step_rows(

@@ -155,7 +155,9 @@ if HAVE_TRITON:
         H,
         stride_a,
         stride_b,
+        valid_ptr,
         BLOCK: tl.constexpr,
+        VALID: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         pdl_wait(PDL)  # a and b are written by the projection before this
@@ -175,9 +177,15 @@ if HAVE_TRITON:
         softplus = tl.where(x > 20.0, x, log1p)
         a_log = tl.load(a_log_ptr + h, mask=m, other=0.0)
         decay = tl.exp(a_log.to(tl.float32)).to(a_log.dtype).to(tl.float32)  # exp in A_log's dtype
-        tl.store(g_ptr + row * H + h, -decay * softplus, mask=m)
+        g = -decay * softplus
         b = tl.load(b_ptr + row * stride_b + h, mask=m, other=0.0)
-        tl.store(beta_ptr + row * H + h, tl.sigmoid(b.to(tl.float32)).to(b.dtype), mask=m)
+        beta = tl.sigmoid(b.to(tl.float32))
+        if VALID:  # a padding row: no decay, no update
+            keep = tl.load(valid_ptr + row) != 0
+            g = tl.where(keep, g, 0.0)
+            beta = tl.where(keep, beta, 0.0)
+        tl.store(g_ptr + row * H + h, g, mask=m)
+        tl.store(beta_ptr + row * H + h, beta.to(b.dtype), mask=m)
 
     @triton.jit
     def _conv_step_kernel(
@@ -485,9 +493,14 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def gdn_gates(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """a, b [T, Hv] (row-strided views of the projection) -> (g fp32, beta in b's dtype)."""
+    """a, b [T, Hv] (row-strided views of the projection) -> (g fp32, beta in b's dtype);
+    ``valid`` [T] bool: zero on its False rows."""
     a, b = _rows(a), _rows(b)
     T, H = a.shape
     g = torch.empty(T, H, dtype=torch.float32, device=a.device)
@@ -503,7 +516,9 @@ def gdn_gates(
             H,
             a.stride(0),
             b.stride(0),
+            g if valid is None else valid.view(torch.uint8),
             BLOCK=triton.next_power_of_2(H),
+            VALID=valid is not None,
             num_warps=1,
             **pdl_options(a.device),
         )
