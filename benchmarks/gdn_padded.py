@@ -2,10 +2,15 @@
 kernel over the rows (``ops.gated_delta.triton.gdn_padded``), per layer, from CUDA-graph
 replays of 48 layers' worth of calls (each layer its own pool and inputs, as in a forward).
 
-    python benchmarks/gdn_padded.py
+    python benchmarks/gdn_padded.py [--launches 4x16,1x16,2x32]
+
+``--launches``: also the step kernel at each (warps x Dv slice), at every row count.
 """
 
 from __future__ import annotations
+
+import argparse
+import functools
 
 import torch
 from triton.testing import do_bench
@@ -42,7 +47,26 @@ def per_layer_us(fn, layers: list) -> float:
     return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / len(layers)
 
 
+def steps_at(launch, q, k, v, g, beta, slots, pool):
+    """gpu_gdn.gdn_padded's steps at any row count, with a given launch."""
+    N, L = q.shape[:2]
+    o = gpu_gdn.gdn_decode(
+        *(t.flatten(0, 1) for t in (q, k, v, g, beta)),
+        slots,
+        None,
+        pool,
+        out_dtype=torch.float32,
+        width=L,
+        launch=launch,
+    )
+    return o.view(N, L, *o.shape[1:])
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--launches", default="", help="warps x Dv slice, comma-separated")
+    args = ap.parse_args()
+    launches = [tuple(int(x) for x in s.split("x")) for s in args.launches.split(",") if s]
     fla.use_shipped_configs(DEV)
     print(f"{'shape':5s} {'n x L':>8s} {'FLA us':>8s} {'steps us':>9s}  max |diff| of o")
     for name, (Hk, Hv, D) in SHAPES.items():
@@ -59,6 +83,12 @@ def main() -> None:
                 o2 = gpu_gdn.gdn_padded(*a)
                 diff = f"{(o1 - o2).abs().max().item():.2e}"
             print(f"{name:5s} {n:3d} x {L:3d} {t_fla:8.1f} {steps:>9s}  {diff}", flush=True)
+            for launch in launches:
+                fn = functools.partial(steps_at, launch)
+                t = per_layer_us(fn, layers)
+                a = layers[0]
+                d = (fla.gdn_padded(*a).float() - fn(*a)).abs().max().item()
+                print(f"      steps {launch[0]} warps x {launch[1]:3d}: {t:8.1f} us  {d:.2e}")
             del layers
             torch.cuda.empty_cache()
 

@@ -26,6 +26,8 @@ from gpu_engine import config, cuda_time, random_weights
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.models.qwen35.model import Qwen35Model
 
+TOP = 14  # rows of each kernel / op table (--top)
+
 
 def host_and_wall(fn, reps: int = 3) -> tuple[float, float]:
     """Median (host seconds until fn returns, wall seconds until the GPU is done)."""
@@ -144,16 +146,19 @@ def profile_case(
         f"{name}: eager wall {wall * 1e3:.2f} ms, GPU kernels {total / 1e3:.2f} ms in "
         f"{sum(c for _, _, c in kernels)} launches"
     )
-    for key, t, count in kernels[:14]:
+    for key, t, count in kernels[:TOP]:
         lines.append(f"  {t / 1e3:8.3f} ms  {count:5d}x  {key[:90]}")
 
 
-def profile_ops(model, pool, lines: list[str], name: str, chunks: list[SeqChunk]) -> None:
-    """The host ops of one eager forward over ``chunks`` that launch GPU work, by count: which
-    torch calls the many small kernels of a short prompt come from (shapes of the top ones)."""
+def profile_ops(
+    model, pool, lines: list[str], name: str, chunks: list[SeqChunk] | ForwardBatch
+) -> None:
+    """The host ops of one eager forward over ``chunks`` (or a built batch) that launch GPU
+    work, by count: which torch calls the many small kernels of a short prompt come from
+    (shapes of the top ones)."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = ForwardBatch.build(chunks, "cuda")
+    batch = chunks if isinstance(chunks, ForwardBatch) else ForwardBatch.build(chunks, "cuda")
     model.forward(batch, pool)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
@@ -166,7 +171,7 @@ def profile_ops(model, pool, lines: list[str], name: str, chunks: list[SeqChunk]
     ]
     ops.sort(key=lambda e: -e.count)
     lines.append(f"{name}: aten ops that ran GPU work, by calls (input shapes)")
-    for e in ops[:24]:
+    for e in ops[:TOP]:
         shapes = str(e.input_shapes)[:70]
         ms = e.device_time_total / 1e3
         lines.append(f"  {e.count:5d}x {ms:7.3f} ms  {e.key:28s} {shapes}")
@@ -260,9 +265,12 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="attn,matmul,shapes,graphs,profile",
-        help="also: prof31, prof31pad, ops31, profcont",
+        help="also: prof31, prof31pad, ops31, ops31pad, profcont",
     )
+    ap.add_argument("--top", type=int, default=TOP, help="rows of each kernel / op table")
     args = ap.parse_args()
+    global TOP
+    TOP = args.top
     quant = args.format == "4bit"
     cfg = config(args.shape, quant)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -285,11 +293,14 @@ def main() -> None:
     if "prof31" in parts:  # one new short prompt alone, and a decode step, kernel by kernel
         profile_case(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
         profile_case(model, pool, lines, "decode x1", [SeqChunk(0, 100, (7,))])
-    if "prof31pad" in parts:  # the same prompt as serve runs it: padded to 32 rows (graphed)
+    if "prof31pad" in parts or "ops31pad" in parts:  # the prompt as serve runs it: padded
         ids = torch.tensor([*tok[:31], 0], device="cuda")
         one = torch.ones(1, dtype=torch.int64, device="cuda")
         batch = ForwardBatch.padded_of(ids, one * 0, one * 31, 32)
-        profile_case(model, pool, lines, "padded 31 in 32 x1", batch)
+        if "prof31pad" in parts:
+            profile_case(model, pool, lines, "padded 31 in 32 x1", batch)
+        if "ops31pad" in parts:
+            profile_ops(model, pool, lines, "padded 31 in 32 x1", batch)
     if "ops31" in parts:  # the torch calls behind the short prompt's small kernels
         profile_ops(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
     if "profcont" in parts:  # an agent turn's chunk on a short and on a long history

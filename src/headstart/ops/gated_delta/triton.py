@@ -180,6 +180,7 @@ def gdn_decode(
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     width: int = 1,
     row_states: torch.Tensor | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """One GDN step for n streams; updates ``state_pool[slots]`` in place.
 
@@ -192,7 +193,8 @@ def gdn_decode(
     ``rows`` with ``n * width`` rows; a verify window), as one-row steps in one launch, the
     state kept in registers between them; o [n * width, Hv, Dv]. ``row_states`` ([n, width, Hv,
     Dk, Dv] fp32, each row's ``[Hv, Dk, Dv]`` dense; e.g. a slice of wider records): the state
-    after each row, written there.
+    after each row, written there. ``launch`` (warps per program, Dv slice), without the
+    norm: overrides the default launch (for benchmarks).
     """
     n = slots.shape[0]
     Hk, Dk = q.shape[1], q.shape[2]
@@ -238,6 +240,9 @@ def gdn_decode(
     # output norm needs whole heads.
     BV = 32 if n * Hv * (Dv // 32) >= 512 else 16
     BV = Dv if norm is not None else min(BV, Dv)
+    warps = 8 if norm is not None else 4
+    if launch is not None and norm is None:
+        warps, BV = launch
     grid = (n * Hv, Dv // BV)
     raw = rows is not None
     if norm is not None:
@@ -288,7 +293,7 @@ def gdn_decode(
         W=width,
         ROW_STATES=row_states is not None,
         ALL_FRESH=fresh is None,
-        num_warps=8 if norm is not None else 4,
+        num_warps=warps,
         **pdl_options(v.device),
     )
     return o
