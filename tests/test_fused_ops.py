@@ -385,6 +385,16 @@ def test_conv_padded_kernel():
     for j, n in enumerate(lengths.tolist()):
         close(y[j, :n], want_y[j, :n])
     assert torch.equal(tails, want_tails)
+    # The tails written straight into a pool's slots (fp32 pool, bf16 rows); other slots kept.
+    slots = torch.tensor([3, 0, 5, 1], device=DEV)
+    pool = rand(6, 40, 3, seed=8, dtype=torch.float32)
+    want_pool = pool.clone()
+    want_pool[slots] = want_tails.float()
+    y2, none = gpu_conv.causal_conv_padded(x, lengths, w, (pool, slots))
+    assert none is None and torch.equal(y2, y) and torch.equal(pool, want_pool)
+    ref_pool = rand(6, 40, 3, seed=8, dtype=torch.float32)
+    assert ref.causal_conv_padded(x, lengths, w, (ref_pool, slots))[1] is None
+    assert torch.equal(ref_pool, want_pool)
 
 
 @pytest.mark.parametrize("lengths", [[5, 1, 2, 9], [1, 1], [3, 17]])

@@ -191,8 +191,9 @@ class GatedDeltaNet:
         (by the gates kernel), so each stream's state is the one after its last prompt row."""
         pr, (Hk, Hv, Dk, Dv) = batch.padded, self.heads
         n, L = pr.rows.shape
-        y, tails = self.m.kernels.conv_padded(r.mixed.view(n, L, -1), pr.lengths, r.conv_w)
-        r.tails.index_copy_(0, pr.slots, tails.to(r.tails.dtype))
+        y, _ = self.m.kernels.conv_padded(
+            r.mixed.view(n, L, -1), pr.lengths, r.conv_w, (r.tails, pr.slots)
+        )
         q, k, v = self._qkv(y.reshape(n * L, -1))
         g, beta = r.g, r.beta  # zero on padding rows (gdn_gates)
         o = self.m.kernels.gdn_padded(

@@ -105,14 +105,18 @@ def causal_conv_spans(
 
 
 def causal_conv_padded(
-    x: torch.Tensor, lengths: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    weight: torch.Tensor,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`causal_conv` of ``n`` new streams (zero tails) whose rows are padded to one
     length, with tensor ops only (graph-capturable). x: [n, L, C], stream j's rows the first
     ``lengths[j]`` (>= 1); weight: [C, K]. Returns (silu(conv) [n, L, C], new tails
     [n, C, K-1]: the K-1 pre-convolution rows ending at each stream's last row, zeros before
     its first). Rows past a stream's length come out as garbage; its real rows never see them
-    (the convolution is causal)."""
+    (the convolution is causal). ``into = (pool [slots, C, K-1], slots [n])``: the new tails
+    are written to ``pool[slots]`` (in its dtype) instead, and None is returned for them."""
     n, _, C = x.shape
     k1 = weight.shape[1] - 1
     window = F.pad(x.transpose(1, 2), (k1, 0))  # [n, C, K-1+L]
@@ -120,6 +124,10 @@ def causal_conv_padded(
     # The new tail: window columns lengths .. lengths+K-2 (column K-1+i holds row i).
     at = lengths[:, None] + torch.arange(k1, device=x.device)  # [n, K-1]
     tails = window.gather(2, at[:, None, :].expand(n, C, k1))
+    if into is not None:
+        pool, slots = into
+        pool.index_copy_(0, slots, tails.to(pool.dtype))
+        tails = None
     return F.silu(y).transpose(1, 2), tails
 
 

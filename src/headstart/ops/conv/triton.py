@@ -113,20 +113,24 @@ if HAVE_TRITON:
         cu_ptr,
         len_ptr,
         out_ptr,
+        slot_ptr,
         C,
         L,
         stride_x,
         stride_tn,
+        stride_out,
         K: tl.constexpr,
         KP: tl.constexpr,
         BC: tl.constexpr,
         UNIFORM: tl.constexpr,
         HAS_TAILS: tl.constexpr,
         HAS_LENS: tl.constexpr,
+        SLOTTED: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         """Span ``pid_s``'s new tail [C, K-1]: the K-1 pre-convolution rows ending at its last
-        real row, from x, and from its old tail where the span is shorter than K-1."""
+        real row, from x, and from its old tail where the span is shorter than K-1; written to
+        entry ``s`` of out, or to entry ``slot[s]`` (SLOTTED: a pool's slot)."""
         pdl_wait(PDL)
         s = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -158,8 +162,12 @@ if HAVE_TRITON:
                 other=0.0,
             )
             v = tl.where(inx[None, :], v, t.to(v.dtype))
+        if SLOTTED:
+            dst = tl.load(slot_ptr + s).to(tl.int64)
+        else:
+            dst = s.to(tl.int64)
         tl.store(
-            out_ptr + s.to(tl.int64) * C * (K - 1) + c[:, None] * (K - 1) + i[None, :],
+            out_ptr + dst * stride_out + c[:, None] * (K - 1) + i[None, :],
             v.to(out_ptr.dtype.element_ty),
             mask=cm[:, None] & ok[None, :],
         )
@@ -176,7 +184,8 @@ def _conv(
     span_rows: int,
     cu: torch.Tensor | None,
     lengths: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, C] rows of ``n`` spans (offsets ``cu``, or ``span_rows`` rows each when ``cu`` is
     None); tails [n, C, K-1] or None (zeros); lengths [n] real rows or None (all)."""
     T, C = x.shape
@@ -187,7 +196,12 @@ def _conv(
     if tails is not None and (tails.stride(2) != 1 or tails.stride(1) != K - 1):
         tails = tails.contiguous()
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    new_tails = torch.empty(n, C, K - 1, dtype=x.dtype, device=x.device)
+    if into is None:
+        new_tails = torch.empty(n, C, K - 1, dtype=x.dtype, device=x.device)
+    else:
+        new_tails, slots = into
+        if new_tails.stride(2) != 1 or new_tails.stride(1) != K - 1:
+            raise ValueError("the tails pool needs contiguous [C, K-1] per slot")
     dummy = y  # never read: pointer arguments of the disabled modes
     uniform = cu is None
     stride_tn = tails.stride(0) if tails is not None else 0
@@ -222,20 +236,23 @@ def _conv(
             cu if cu is not None else dummy,
             lengths if lengths is not None else dummy,
             new_tails,
+            slots if into is not None else dummy,
             C,
             span_rows,
             x.stride(0),
             stride_tn,
+            new_tails.stride(0),
             K=K,
             KP=triton.next_power_of_2(K - 1),
             BC=_TAIL_BC,
             UNIFORM=uniform,
             HAS_TAILS=tails is not None,
             HAS_LENS=lengths is not None,
+            SLOTTED=into is not None,
             num_warps=4,
             **pdl_options(x.device),
         )
-    return y, new_tails
+    return y, (new_tails if into is None else None)
 
 
 def causal_conv(
@@ -255,11 +272,14 @@ def causal_conv_upto(
 
 
 def causal_conv_padded(
-    x: torch.Tensor, lengths: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    weight: torch.Tensor,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`headstart.ops.conv.reference.causal_conv_padded` (x [n, L, C], zero tails)."""
     n, L, C = x.shape
-    y, new = _conv(x.reshape(n * L, C), weight, None, n, L, None, lengths)
+    y, new = _conv(x.reshape(n * L, C), weight, None, n, L, None, lengths, into)
     return y.view(n, L, C), new
 
 
