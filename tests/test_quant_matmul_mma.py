@@ -90,6 +90,10 @@ def test_mma_rows_16_runs_columns_of_16(m, split, sms):
     y32 = check(qt, p32, m, seed=m)
     # Each output element sums the same products in the same order either way.
     assert torch.equal(y16, y32)
+    # Above 16 rows x comes a chunk ahead by default (x_chunk_ahead_wide); the pair prefetch
+    # of M <= 16 gives the same sums.
+    pair = prepare(qt, QmmConfig(ctas_per_sm=1, x_chunk_ahead_wide=False), layout="mma")
+    assert torch.equal(check(qt, pair, m, seed=m), y16)
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,7 @@ Non-goals: autograd, bits other than 2/4/8, M > 64 in the fused kernels (falls b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -194,6 +195,11 @@ class QmmConfig:
     # MMA layout, with prefetch_x off: each chunk's x is loaded while the chunk before it is
     # multiplied (half the registers of prefetch_x's whole next pair)
     x_chunk_ahead: bool = False
+    # MMA layout, x of more than 16 rows (program columns of 16) with prefetch_x: x a chunk
+    # ahead instead (x_chunk_ahead), which measured faster at M = 31 on all five 27B
+    # projections (H100, BENCHMARKS.md, session 28: 28.7 / 26.0 / 48.7 / 41.3 / 18.7 us
+    # against 29.7 / 30.1 / 49.9 / 48.0 / 20.6), while the pair prefetch stays best at M <= 16.
+    x_chunk_ahead_wide: bool = True
 
 
 @dataclass
@@ -1671,6 +1677,8 @@ def _quant_matmul_mma(
     x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: torch.Tensor
 ) -> torch.Tensor:
     M = x2.shape[0]
+    if M > 16 and cfg.prefetch_x and cfg.x_chunk_ahead_wide:
+        cfg = dataclasses.replace(cfg, prefetch_x=False, x_chunk_ahead=True)
     x_f16 = x2.dtype == torch.float16
     if x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()  # x is read as 16-byte vectors of int32 pairs
