@@ -267,7 +267,7 @@ def main() -> None:
         default="attn,matmul,shapes,graphs,profile",
         help="also: prof31, prof31pad, ops31, ops31pad, profcont",
     )
-    ap.add_argument("--top", type=int, default=TOP, help="rows of each kernel / op table")
+    ap.add_argument("--top", type=int, default=14, help="rows of each kernel / op table")
     args = ap.parse_args()
     global TOP
     TOP = args.top

@@ -395,6 +395,12 @@ def test_conv_padded_kernel():
     ref_pool = rand(6, 40, 3, seed=8, dtype=torch.float32)
     assert ref.causal_conv_padded(x, lengths, w, (ref_pool, slots))[1] is None
     assert torch.equal(ref_pool, want_pool)
+    # q, k and v (channels [0, 12), [12, 24), [24, 40)) as three dense tensors.
+    (q, k, v), _ = gpu_conv.causal_conv_padded(x, lengths, w, split=12)
+    want = ref.causal_conv_padded(x, lengths, w, split=12)[0]
+    for got, part, a, b in zip((q, k, v), want, (0, 12, 24), (12, 24, 40), strict=True):
+        assert got.is_contiguous() and got.shape == (4, 8, b - a)
+        assert torch.equal(got, y[..., a:b]) and torch.equal(part, want_y[..., a:b])
 
 
 @pytest.mark.parametrize("lengths", [[5, 1, 2, 9], [1, 1], [3, 17]])

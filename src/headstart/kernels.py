@@ -179,7 +179,8 @@ class Kernels:
     conv_span: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv
     # The GDN convolution of the other multi-row shapes, signatures as in ops/conv/reference.py:
     # one span whose real rows are the first ``length`` (graph-capturable), new prompts padded
-    # to one length (graph-capturable), several spans of one forward.
+    # to one length (graph-capturable; tails straight into the pool, q/k/v as dense tensors),
+    # several spans of one forward.
     conv_upto: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv_upto
     conv_padded: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv_padded
     conv_spans: Callable[..., tuple[torch.Tensor, torch.Tensor]] = causal_conv_spans

@@ -191,10 +191,10 @@ class GatedDeltaNet:
         (by the gates kernel), so each stream's state is the one after its last prompt row."""
         pr, (Hk, Hv, Dk, Dv) = batch.padded, self.heads
         n, L = pr.rows.shape
-        y, _ = self.m.kernels.conv_padded(
-            r.mixed.view(n, L, -1), pr.lengths, r.conv_w, (r.tails, pr.slots)
+        # q, k and v come out as three dense tensors: the chunked kernel copies none of them.
+        (q, k, v), _ = self.m.kernels.conv_padded(
+            r.mixed.view(n, L, -1), pr.lengths, r.conv_w, (r.tails, pr.slots), Hk * Dk
         )
-        q, k, v = self._qkv(y.reshape(n * L, -1))
         g, beta = r.g, r.beta  # zero on padding rows (gdn_gates)
         o = self.m.kernels.gdn_padded(
             q.view(n, L, Hk, Dk),
@@ -205,7 +205,8 @@ class GatedDeltaNet:
             pr.slots,
             r.states,
         )
-        r.core.copy_(o.reshape(n * L, Hv, Dv))
+        # A padded batch holds nothing else: the rule's output is the layer's core as it is.
+        r.core = o.reshape(n * L, Hv, Dv).to(r.core.dtype)
 
     def _windows(
         self, r: _Rows, wd: WindowRows, records: dict[int, GDNRecord] | None, norm

@@ -109,14 +109,18 @@ def causal_conv_padded(
     lengths: torch.Tensor,
     weight: torch.Tensor,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    split: int | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | None]:
     """:func:`causal_conv` of ``n`` new streams (zero tails) whose rows are padded to one
     length, with tensor ops only (graph-capturable). x: [n, L, C], stream j's rows the first
     ``lengths[j]`` (>= 1); weight: [C, K]. Returns (silu(conv) [n, L, C], new tails
     [n, C, K-1]: the K-1 pre-convolution rows ending at each stream's last row, zeros before
     its first). Rows past a stream's length come out as garbage; its real rows never see them
     (the convolution is causal). ``into = (pool [slots, C, K-1], slots [n])``: the new tails
-    are written to ``pool[slots]`` (in its dtype) instead, and None is returned for them."""
+    are written to ``pool[slots]`` (in its dtype) instead, and None is returned for them.
+    ``split = KD``: silu(conv) as three tensors, channels [0, KD), [KD, 2 KD) and [2 KD, C)
+    (the GDN's q, k and v; views here, dense in the GPU kernel, where a chunked kernel takes
+    them without copies)."""
     n, _, C = x.shape
     k1 = weight.shape[1] - 1
     window = F.pad(x.transpose(1, 2), (k1, 0))  # [n, C, K-1+L]
@@ -128,7 +132,10 @@ def causal_conv_padded(
         pool, slots = into
         pool.index_copy_(0, slots, tails.to(pool.dtype))
         tails = None
-    return F.silu(y).transpose(1, 2), tails
+    y = F.silu(y).transpose(1, 2)
+    if split is not None:
+        return y.split([split, split, C - 2 * split], dim=-1), tails
+    return y, tails
 
 
 def causal_conv_step(

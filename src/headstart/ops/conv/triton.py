@@ -60,16 +60,19 @@ if HAVE_TRITON:
         stride_x,
         stride_tn,
         stride_y,
+        KD,
         K: tl.constexpr,
         BT: tl.constexpr,
         BC: tl.constexpr,
         UNIFORM: tl.constexpr,
         HAS_TAILS: tl.constexpr,
         NP: tl.constexpr,
+        SPLIT: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         """Rows [pid_t*BT, +BT) x channels [pid_c*BC, +BC): silu(sum_i w[c, i] in(r - K+1 + i)),
-        ``in`` a row of x inside the row's span, else its span's tail (zeros without tails)."""
+        ``in`` a row of x inside the row's span, else its span's tail (zeros without tails).
+        SPLIT: y is three dense row-major blocks, channels [0, KD), [KD, 2 KD), [2 KD, C)."""
         pdl_wait(PDL)  # x is written by the kernel before
         r = tl.program_id(0) * BT + tl.arange(0, BT)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -100,11 +103,15 @@ if HAVE_TRITON:
             w = tl.load(w_ptr + c * K + i, mask=cm, other=0.0).to(DT).to(tl.float32)
             acc += v * w[None, :]
         acc = acc.to(DT).to(tl.float32)
-        tl.store(
-            y_ptr + r.to(tl.int64)[:, None] * stride_y + c[None, :],
-            (acc * tl.sigmoid(acc)).to(DT),
-            mask=rm[:, None] & cm[None, :],
-        )
+        r64 = r.to(tl.int64)[:, None]
+        if SPLIT:
+            c64 = c.to(tl.int64)[None, :]
+            part = (c64 >= KD).to(tl.int64) + (c64 >= 2 * KD).to(tl.int64)  # q, k or v
+            width = tl.where(part == 2, C - 2 * KD, KD)
+            y_off = part * T * KD + r64 * width + (c64 - part * KD)
+        else:
+            y_off = r64 * stride_y + c[None, :]
+        tl.store(y_ptr + y_off, (acc * tl.sigmoid(acc)).to(DT), mask=rm[:, None] & cm[None, :])
 
     @triton.jit
     def _conv_tails_kernel(
@@ -185,6 +192,7 @@ def _conv(
     cu: torch.Tensor | None,
     lengths: torch.Tensor | None,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, C] rows of ``n`` spans (offsets ``cu``, or ``span_rows`` rows each when ``cu`` is
     None); tails [n, C, K-1] or None (zeros); lengths [n] real rows or None (all)."""
@@ -196,6 +204,8 @@ def _conv(
     if tails is not None and (tails.stride(2) != 1 or tails.stride(1) != K - 1):
         tails = tails.contiguous()
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if split is not None:
+        y = y.view(-1)
     if into is None:
         new_tails = torch.empty(n, C, K - 1, dtype=x.dtype, device=x.device)
     else:
@@ -218,12 +228,14 @@ def _conv(
             n,
             x.stride(0),
             stride_tn,
-            y.stride(0),
+            C if split is not None else y.stride(0),
+            split or 0,
             K=K,
             BT=_BT,
             BC=_BC,
             UNIFORM=uniform,
             HAS_TAILS=tails is not None,
+            SPLIT=split is not None,
             # One compile for every step of up to 65 spans (padded prompts: unused)
             NP=2 if uniform else max(64, triton.next_power_of_2(n)),
             num_warps=4,
@@ -276,11 +288,16 @@ def causal_conv_padded(
     lengths: torch.Tensor,
     weight: torch.Tensor,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    split: int | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | None]:
     """:func:`headstart.ops.conv.reference.causal_conv_padded` (x [n, L, C], zero tails)."""
     n, L, C = x.shape
-    y, new = _conv(x.reshape(n * L, C), weight, None, n, L, None, lengths, into)
-    return y.view(n, L, C), new
+    y, new = _conv(x.reshape(n * L, C), weight, None, n, L, None, lengths, into, split)
+    if split is None:
+        return y.view(n, L, C), new
+    T = n * L
+    q, k, v = y.split([T * split, T * split, T * (C - 2 * split)])
+    return (q.view(n, L, split), k.view(n, L, split), v.view(n, L, C - 2 * split)), new
 
 
 def causal_conv_spans(
