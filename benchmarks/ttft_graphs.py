@@ -29,6 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="2b")
     ap.add_argument("--format", default="bf16", choices=["bf16", "4bit"])
+    ap.add_argument(
+        "--settings", default="0,1,2", help="which settings (0 eager, 1 graphs, 2 + continuations)"
+    )
     args = ap.parse_args()
     from headstart.engine.config import CacheConfig, EngineConfig, GraphConfig
     from headstart.engine.engine import Engine
@@ -44,7 +47,8 @@ def main() -> None:
         ("prefill graphs", 64, False),
         ("+ continuation graphs", 64, True),
     )
-    for label, tokens, continuations in settings:
+    picked = [settings[int(i)] for i in args.settings.split(",")]
+    for label, tokens, continuations in picked:
         t0 = time.perf_counter()
         engine = Engine(
             model,
