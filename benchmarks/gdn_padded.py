@@ -2,9 +2,10 @@
 kernel over the rows (``ops.gated_delta.triton.gdn_padded``), per layer, from CUDA-graph
 replays of 48 layers' worth of calls (each layer its own pool and inputs, as in a forward).
 
-    python benchmarks/gdn_padded.py [--launches 4x16,1x16,2x32]
+    python benchmarks/gdn_padded.py [--launches 4x16,1x16,2x32] [--chunks 16,32] [--cases 1x32]
 
-``--launches``: also the step kernel at each (warps x Dv slice), at every row count.
+``--launches``: also the step kernel at each (warps x Dv slice), at every row count;
+``--chunks``: also FLA at those chunk sizes; ``--cases``: only these (streams x rows).
 """
 
 from __future__ import annotations
@@ -65,12 +66,18 @@ def steps_at(launch, q, k, v, g, beta, slots, pool):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--launches", default="", help="warps x Dv slice, comma-separated")
+    ap.add_argument("--chunks", default="", help="FLA chunk sizes, comma-separated")
+    ap.add_argument("--cases", default="", help="streams x rows, comma-separated")
+    ap.add_argument("--shapes", default="27b,2b")
     args = ap.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c] or CASES
     launches = [tuple(int(x) for x in s.split("x")) for s in args.launches.split(",") if s]
     fla.use_shipped_configs(DEV)
     print(f"{'shape':5s} {'n x L':>8s} {'FLA us':>8s} {'steps us':>9s}  max |diff| of o")
-    for name, (Hk, Hv, D) in SHAPES.items():
-        for n, L in CASES:
+    for name in args.shapes.split(","):
+        Hk, Hv, D = SHAPES[name]
+        for n, L in cases:
             layers = [inputs(n, L, Hk, Hv, D, seed=i) for i in range(LAYERS)]
             t_fla = per_layer_us(fla.gdn_padded, layers)
             steps = "-"
@@ -83,6 +90,11 @@ def main() -> None:
                 o2 = gpu_gdn.gdn_padded(*a)
                 diff = f"{(o1 - o2).abs().max().item():.2e}"
             print(f"{name:5s} {n:3d} x {L:3d} {t_fla:8.1f} {steps:>9s}  {diff}", flush=True)
+            for c in chunks:
+                fn = functools.partial(fla.gdn_padded, chunk_size=c)
+                t = per_layer_us(fn, layers)
+                d = (fla.gdn_padded(*layers[0]).float() - fn(*layers[0]).float()).abs().max().item()
+                print(f"      FLA chunk {c:3d}: {t:8.1f} us  {d:.2e}")
             for launch in launches:
                 fn = functools.partial(steps_at, launch)
                 t = per_layer_us(fn, layers)

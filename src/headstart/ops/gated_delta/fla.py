@@ -118,13 +118,14 @@ def gdn_padded(
     slots: torch.Tensor,
     state_pool: torch.Tensor,
     initial: torch.Tensor | None = None,
+    chunk_size: int = 64,
 ) -> torch.Tensor:
     """Streams padded to one length, as FLA's plain batched form (no host work: capturable).
 
     q, k: [N, L, Hk, Dk]; v: [N, L, Hv, Dv]; g, beta: [N, L, Hv] with zero decay and zero beta
     on padding rows (so they leave a state untouched); slots: [N]. Every stream starts from a
     zero state (new prompts) or from ``initial`` [N, Hv, Dk, Dv] fp32; its final state goes to
-    ``state_pool[slots]``. Returns o [N, L, Hv, Dv]."""
-    o, final = _chunk(q, k, v, g, beta, initial)
+    ``state_pool[slots]``. Returns o [N, L, Hv, Dv]. ``chunk_size``: FLA's (16, 32 or 64)."""
+    o, final = _chunk(q, k, v, g, beta, initial, chunk_size=chunk_size)
     state_pool.index_copy_(0, slots.to(torch.long), final.to(state_pool.dtype))
     return o
