@@ -195,7 +195,10 @@ def _conv(
     split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, C] rows of ``n`` spans (offsets ``cu``, or ``span_rows`` rows each when ``cu`` is
-    None); tails [n, C, K-1] or None (zeros); lengths [n] real rows or None (all)."""
+    None); tails [n, C, K-1] or None (zeros); lengths [n] real rows (any integer dtype: read as
+    it is, no conversion launch) or None (all). ``into = (pool, slots)``: the new tails go to
+    ``pool[slots]`` (None is returned for them); ``split = KD``: y's channels [0, KD), [KD,
+    2 KD) and [2 KD, C) as three dense row-major blocks one after another (y flat)."""
     T, C = x.shape
     K = weight.shape[1]
     if x.stride(1) != 1:
