@@ -5,7 +5,8 @@ replays of 48 layers' worth of calls (each layer its own pool and inputs, as in 
     python benchmarks/gdn_padded.py [--launches 4x16,1x16,2x32] [--chunks 16,32] [--cases 1x32]
 
 ``--launches``: also the step kernel at each (warps x Dv slice), at every row count;
-``--chunks``: also FLA at those chunk sizes; ``--cases``: only these (streams x rows).
+``--chunks``: also FLA at those chunk sizes; ``--cases``: only these (streams x rows);
+``--fused``: also ``gdn_fresh_chunk`` (one fused chunk) at up to 32 rows.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--chunks", default="", help="FLA chunk sizes, comma-separated")
     ap.add_argument("--cases", default="", help="streams x rows, comma-separated")
     ap.add_argument("--shapes", default="27b,2b")
+    ap.add_argument("--fused", action="store_true", help="also gdn_fresh_chunk (<= 32 rows)")
     args = ap.parse_args()
     chunks = [int(c) for c in args.chunks.split(",") if c]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c] or CASES
@@ -90,6 +92,11 @@ def main() -> None:
                 o2 = gpu_gdn.gdn_padded(*a)
                 diff = f"{(o1 - o2).abs().max().item():.2e}"
             print(f"{name:5s} {n:3d} x {L:3d} {t_fla:8.1f} {steps:>9s}  {diff}", flush=True)
+            if args.fused and L <= 32:
+                fn = gpu_gdn.gdn_fresh_chunk
+                t = per_layer_us(fn, layers)
+                d = (fla.gdn_padded(*layers[0]).float() - fn(*layers[0])).abs().max().item()
+                print(f"      fused chunk: {t:8.1f} us  {d:.2e}")
             for c in chunks:
                 fn = functools.partial(fla.gdn_padded, chunk_size=c)
                 t = per_layer_us(fn, layers)

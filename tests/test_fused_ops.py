@@ -270,6 +270,29 @@ def test_gdn_padded_as_one_row_steps_equals_the_reference(lens, L):
     assert pools[0][1].isnan().all()
 
 
+@pytest.mark.parametrize("lens,L", [([17, 1, 32], 32), ([20, 24], 24), ([5, 16], 16)])
+def test_gdn_fresh_chunk_equals_the_reference(lens, L):
+    """New prompts of up to 32 rows as one fused chunk (two 16-row blocks solved blockwise):
+    every real row's output and the final state against the chunked reference, with value
+    heads sharing key heads; the slots' old contents (NaN) never read."""
+    N, Hk, Hv, D = len(lens), 2, 4, 32
+    q, k = rand(N, L, Hk, D, seed=70), rand(N, L, Hk, D, seed=71)
+    v = rand(N, L, Hv, D, seed=72)
+    g = torch.nn.functional.logsigmoid(rand(N, L, Hv, seed=73, dtype=torch.float32))
+    beta = torch.sigmoid(rand(N, L, Hv, seed=74, dtype=torch.float32)).to(BF)
+    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
+    g, beta = (torch.where(valid[..., None], t, 0) for t in (g, beta))
+    slots = torch.tensor([3, 0, 2][:N], device=DEV)
+    pools = [torch.full((4, Hv, D, D), float("nan"), device=DEV) for _ in range(2)]
+    got = gpu_gdn.gdn_fresh_chunk(q, k, v, g, beta, slots, pools[0])
+    want = _ref_gdn_padded(q, k, v, g, beta, slots, pools[1])
+    assert got.dtype == torch.float32 and got.shape == (N, L, Hv, D)
+    for j, n in enumerate(lens):
+        close(got[j, :n], want[j, :n], tol=1e-3)
+    torch.testing.assert_close(pools[0][slots], pools[1][slots], rtol=1e-3, atol=1e-3)
+    assert pools[0][1].isnan().all()
+
+
 def test_attn_decode_inputs_writes_kv_and_returns_q():
     nh, nkv, hd, rd = 4, 2, 32, 8
     T = 4

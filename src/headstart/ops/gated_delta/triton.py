@@ -157,6 +157,124 @@ if HAVE_TRITON:
             tl.store(o_ptr + r * stride_on + i_hv * stride_oh + dv, o.to(ODT))
         tl.store(s_ptrs, S)
 
+    @triton.jit
+    def _inv_unit_lower(A, B: tl.constexpr):
+        """``(I + A)^-1`` of a strictly lower-triangular ``[B, B]`` block, by forward
+        substitution (row i = e_i - sum_{j<i} A_ij row j), exact in fp32 as FLA's solve."""
+        i_ = tl.arange(0, B)[:, None]
+        j_ = tl.arange(0, B)[None, :]
+        T = (i_ == j_).to(tl.float32)
+        for i in range(1, B):
+            a = tl.sum(tl.where(i_ == i, A, 0.0), 0)  # row i of A, over columns j
+            # a_j against row j of T (rows j >= i are still e_j, and a_j = 0 there)
+            T = tl.where(i_ == i, T - tl.sum(a[:, None] * T, 0)[None, :], T)
+        return T
+
+    @triton.jit
+    def _fresh_chunk_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        beta_ptr,
+        o_ptr,
+        slot_ptr,
+        state_ptr,
+        L,
+        stride_slot,
+        HK: tl.constexpr,
+        HV: tl.constexpr,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BV: tl.constexpr,
+        B: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """One fresh stream's rows (at most 2 B) for one value head and Dv slice, from a zero
+        state, as one chunk in two B-row blocks: the WY system solved blockwise (``T11``,
+        ``T22`` by forward substitution, ``T21 = -T22 A21 T11``), the outputs and the final
+        state by matmuls. The math of ``reference.chunked_gated_delta`` with one chunk."""
+        pdl_wait(PDL)
+        pid = tl.program_id(0)  # stream * HV + value head
+        pv = tl.program_id(1)
+        i_n = pid // HV
+        i_hv = pid % HV
+        i_hk = i_hv // (HV // HK)
+        t = tl.arange(0, B)
+        dk = tl.arange(0, DK)
+        dv = pv * BV + tl.arange(0, BV)
+        r1 = t
+        r2 = B + t
+        m1 = r1 < L
+        m2 = r2 < L
+        row1 = (i_n * L + r1).to(tl.int64)
+        row2 = (i_n * L + r2).to(tl.int64)
+
+        q_base = q_ptr + i_hk * DK + dk[None, :]
+        q1 = tl.load(q_base + row1[:, None] * (HK * DK), mask=m1[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_base + row2[:, None] * (HK * DK), mask=m2[:, None], other=0.0).to(tl.float32)
+        k_base = k_ptr + i_hk * DK + dk[None, :]
+        k1 = tl.load(k_base + row1[:, None] * (HK * DK), mask=m1[:, None], other=0.0).to(tl.float32)
+        k2 = tl.load(k_base + row2[:, None] * (HK * DK), mask=m2[:, None], other=0.0).to(tl.float32)
+        v_base = v_ptr + i_hv * DV + dv[None, :]
+        v1 = tl.load(v_base + row1[:, None] * (HV * DV), mask=m1[:, None], other=0.0).to(tl.float32)
+        v2 = tl.load(v_base + row2[:, None] * (HV * DV), mask=m2[:, None], other=0.0).to(tl.float32)
+        g1 = tl.load(g_ptr + row1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptr + row2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
+        b1 = tl.load(beta_ptr + row1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)
+        b2 = tl.load(beta_ptr + row2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)
+
+        # L2 norms as the reference (eps 1e-6 on the sum of squares; q also * Dk^-0.5).
+        q1 = q1 * (tl.rsqrt(tl.sum(q1 * q1, 1) + 1e-6) * (DK**-0.5))[:, None]
+        q2 = q2 * (tl.rsqrt(tl.sum(q2 * q2, 1) + 1e-6) * (DK**-0.5))[:, None]
+        k1 = k1 * tl.rsqrt(tl.sum(k1 * k1, 1) + 1e-6)[:, None]
+        k2 = k2 * tl.rsqrt(tl.sum(k2 * k2, 1) + 1e-6)[:, None]
+
+        # Cumulative log decay over the whole chunk; decay(i, j) = exp(c_i - c_j), j <= i.
+        c1 = tl.cumsum(g1, 0)
+        c2 = tl.cumsum(g2, 0) + tl.sum(g1, 0)
+        i_ = t[:, None]
+        j_ = t[None, :]
+        d11 = tl.exp(tl.where(j_ <= i_, c1[:, None] - c1[None, :], float("-inf")))
+        d22 = tl.exp(tl.where(j_ <= i_, c2[:, None] - c2[None, :], float("-inf")))
+        d21 = tl.exp(c2[:, None] - c1[None, :])  # every row of block 2 is after block 1
+
+        IEEE: tl.constexpr = "ieee"
+        kk11 = tl.dot(k1, tl.trans(k1), input_precision=IEEE)
+        kk22 = tl.dot(k2, tl.trans(k2), input_precision=IEEE)
+        kk21 = tl.dot(k2, tl.trans(k1), input_precision=IEEE)
+        a11 = tl.where(j_ < i_, b1[:, None] * kk11 * d11, 0.0)
+        a22 = tl.where(j_ < i_, b2[:, None] * kk22 * d22, 0.0)
+        a21 = b2[:, None] * kk21 * d21
+        # (I + A) U = diag(beta) V, blockwise.
+        t11 = _inv_unit_lower(a11, B)
+        t22 = _inv_unit_lower(a22, B)
+        t21 = -tl.dot(tl.dot(t22, a21, input_precision=IEEE), t11, input_precision=IEEE)
+        bv1 = b1[:, None] * v1
+        bv2 = b2[:, None] * v2
+        u1 = tl.dot(t11, bv1, input_precision=IEEE)
+        u2 = tl.dot(t21, bv1, input_precision=IEEE) + tl.dot(t22, bv2, input_precision=IEEE)
+
+        # o = (q k^T * decay, the diagonal included) U
+        p11 = tl.dot(q1, tl.trans(k1), input_precision=IEEE) * d11
+        p21 = tl.dot(q2, tl.trans(k1), input_precision=IEEE) * d21
+        p22 = tl.dot(q2, tl.trans(k2), input_precision=IEEE) * d22
+        o1 = tl.dot(p11, u1, input_precision=IEEE)
+        o2 = tl.dot(p21, u1, input_precision=IEEE) + tl.dot(p22, u2, input_precision=IEEE)
+        o_base = o_ptr + i_hv * DV + dv[None, :]
+        tl.store(o_base + row1[:, None] * (HV * DV), o1, mask=m1[:, None])
+        tl.store(o_base + row2[:, None] * (HV * DV), o2, mask=m2[:, None])
+
+        # The final state: sum_j exp(c_end - c_j) k_j u_j^T, to the stream's slot.
+        c_end = tl.sum(g1, 0) + tl.sum(g2, 0)
+        k1e = k1 * tl.exp(c_end - c1)[:, None]
+        k2e = k2 * tl.exp(c_end - c2)[:, None]
+        S = tl.dot(tl.trans(k1e), u1, input_precision=IEEE)
+        S += tl.dot(tl.trans(k2e), u2, input_precision=IEEE)
+        slot = tl.load(slot_ptr + i_n).to(tl.int64)
+        s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+        tl.store(s_ptrs, S)
+
 
 def norm_fold_limit(device: torch.device) -> int:
     """Most (stream, value head) programs for which the output norm is applied inside the step
@@ -363,6 +481,8 @@ def gdn_padded(
     chunked form costs about ten launches a layer plus a scatter of the final states. Else
     FLA's."""
     N, L = q.shape[:2]
+    if initial is None and RECURRENT_MAX_ROWS < L <= FRESH_CHUNK_MAX_ROWS:
+        return gdn_fresh_chunk(q, k, v, g, beta, slots, state_pool)
     if initial is not None or L > RECURRENT_MAX_ROWS:
         from headstart.ops.gated_delta.fla import gdn_padded as chunked
 
@@ -380,3 +500,57 @@ def gdn_padded(
         width=L,
     )
     return o.view(N, L, *o.shape[1:])
+
+
+# New prompts of up to this many rows (padded) may run as one fused chunk
+# (:func:`gdn_fresh_chunk`) instead of FLA's launches. 0: off until it is measured on a GPU
+# (written in session 28 without a device to time it; tested against the reference only).
+FRESH_CHUNK_MAX_ROWS = 0
+
+
+def gdn_fresh_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    state_pool: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`gdn_padded`'s contract for new prompts of at most 32 rows from a zero state, in
+    one launch: each (stream, value head, Dv slice) program solves its rows as one chunk
+    (two 16-row blocks) with matmuls, writes o and the final state to its slot. Where FLA
+    spends about ten launches, zero fills and a scatter of the final states. o [N, L, Hv, Dv]
+    fp32."""
+    N, L, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if L > 32:
+        raise ValueError(f"gdn_fresh_chunk takes at most 32 rows, not {L}")
+    if state_pool.dtype != torch.float32 or state_pool[0].stride() != (Dk * Dv, Dv, 1):
+        raise ValueError("state_pool must be fp32 with contiguous [Hv, Dk, Dv] per slot")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    o = torch.empty(N, L, Hv, Dv, dtype=torch.float32, device=v.device)
+    if N == 0:
+        return o
+    BV = min(32, Dv)
+    _fresh_chunk_kernel[(N * Hv, Dv // BV)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        slots,
+        state_pool,
+        L,
+        state_pool.stride(0),
+        HK=Hk,
+        HV=Hv,
+        DK=Dk,
+        DV=Dv,
+        BV=BV,
+        B=16,
+        num_warps=4,
+        **pdl_options(v.device),
+    )
+    return o
