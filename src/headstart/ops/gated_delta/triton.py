@@ -22,6 +22,11 @@ pool). Multi-row spans go through flash-linear-attention's chunked kernel instea
   variant is only used while whole-head programs fit about two per SM (:func:`norm_fold_limit`):
   27B on the H200, 7.3 us a layer instead of 4.3 + 3.9 at 1 stream, but 44.5 instead of
   26.8 + 4.9 at 16.
+* :func:`gdn_fresh_chunk`: new prompts of up to 32 rows from a zero state as one fused chunk
+  per (stream, value head, Dv slice): the WY system of the chunked form solved blockwise (two
+  16-row blocks, forward substitution within each), outputs and final state by matmuls, in one
+  launch. Not used yet (:data:`FRESH_CHUNK_MAX_ROWS` = 0): it awaits a GPU measurement against
+  FLA's launches (``benchmarks/gdn_padded.py --fused``).
 
 Layout assumptions: ``state_pool`` is one layer's ``[slots, Hv, Dk, Dv]`` fp32 with contiguous
 ``[Hv, Dk, Dv]`` (``pool.recurrent[layer]``); q/k/v may be strided views (e.g. splits of the conv
