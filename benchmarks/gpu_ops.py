@@ -73,7 +73,7 @@ MS = (1, 4, 16, 31)
 ROWS32_M = 31  # M at which QmmConfig(mma_rows=32) (32-row program columns) is timed beside ours
 # ... with the next K step's x prefetched (181 registers) and without (108: two programs per SM)
 ROWS32 = {
-    "rows32": QmmConfig(mma_rows=32),
+    "rows32": QmmConfig(mma_rows=32, x_chunk_ahead_wide=False),
     # the weight dequantized in the A registers (QmmConfig.dequant_a), every weight word unpacked
     # once for all 32 rows: 4 warps of two 16-row blocks (141 registers without x prefetch, 182
     # with x a chunk ahead) or 8 warps of one (80, 104)
