@@ -287,9 +287,10 @@ def test_gdn_fresh_chunk_equals_the_reference(lens, L):
     got = gpu_gdn.gdn_fresh_chunk(q, k, v, g, beta, slots, pools[0])
     want = _ref_gdn_padded(q, k, v, g, beta, slots, pools[1])
     assert got.dtype == torch.float32 and got.shape == (N, L, Hv, D)
+    tol = 1e-2 if EXACT else 1e-3  # the GPU's products are tf32
     for j, n in enumerate(lens):
-        close(got[j, :n], want[j, :n], tol=1e-3)
-    torch.testing.assert_close(pools[0][slots], pools[1][slots], rtol=1e-3, atol=1e-3)
+        close(got[j, :n], want[j, :n], tol=tol)
+    torch.testing.assert_close(pools[0][slots], pools[1][slots], rtol=tol, atol=tol)
     assert pools[0][1].isnan().all()
 
 

@@ -244,28 +244,30 @@ if HAVE_TRITON:
         d22 = tl.exp(tl.where(j_ <= i_, c2[:, None] - c2[None, :], float("-inf")))
         d21 = tl.exp(c2[:, None] - c1[None, :])  # every row of block 2 is after block 1
 
-        IEEE: tl.constexpr = "ieee"
-        kk11 = tl.dot(k1, tl.trans(k1), input_precision=IEEE)
-        kk22 = tl.dot(k2, tl.trans(k2), input_precision=IEEE)
-        kk21 = tl.dot(k2, tl.trans(k1), input_precision=IEEE)
+        # Every [B, B] product first, so that q is dead before the solve (registers). All
+        # products on the tensor cores in tf32 (FLA's take bf16 operands); full fp32 ("ieee")
+        # spilled at 255 registers (ptxas, sm_90a).
+        TF32: tl.constexpr = "tf32"
+        kk11 = tl.dot(k1, tl.trans(k1), input_precision=TF32)
+        kk22 = tl.dot(k2, tl.trans(k2), input_precision=TF32)
+        kk21 = tl.dot(k2, tl.trans(k1), input_precision=TF32)
+        # o = (q k^T * decay, the diagonal included) U
+        p11 = tl.dot(q1, tl.trans(k1), input_precision=TF32) * d11
+        p21 = tl.dot(q2, tl.trans(k1), input_precision=TF32) * d21
+        p22 = tl.dot(q2, tl.trans(k2), input_precision=TF32) * d22
         a11 = tl.where(j_ < i_, b1[:, None] * kk11 * d11, 0.0)
         a22 = tl.where(j_ < i_, b2[:, None] * kk22 * d22, 0.0)
         a21 = b2[:, None] * kk21 * d21
         # (I + A) U = diag(beta) V, blockwise.
         t11 = _inv_unit_lower(a11, B)
         t22 = _inv_unit_lower(a22, B)
-        t21 = -tl.dot(tl.dot(t22, a21, input_precision=IEEE), t11, input_precision=IEEE)
+        t21 = -tl.dot(tl.dot(t22, a21, input_precision=TF32), t11, input_precision=TF32)
         bv1 = b1[:, None] * v1
         bv2 = b2[:, None] * v2
-        u1 = tl.dot(t11, bv1, input_precision=IEEE)
-        u2 = tl.dot(t21, bv1, input_precision=IEEE) + tl.dot(t22, bv2, input_precision=IEEE)
-
-        # o = (q k^T * decay, the diagonal included) U
-        p11 = tl.dot(q1, tl.trans(k1), input_precision=IEEE) * d11
-        p21 = tl.dot(q2, tl.trans(k1), input_precision=IEEE) * d21
-        p22 = tl.dot(q2, tl.trans(k2), input_precision=IEEE) * d22
-        o1 = tl.dot(p11, u1, input_precision=IEEE)
-        o2 = tl.dot(p21, u1, input_precision=IEEE) + tl.dot(p22, u2, input_precision=IEEE)
+        u1 = tl.dot(t11, bv1, input_precision=TF32)
+        u2 = tl.dot(t21, bv1, input_precision=TF32) + tl.dot(t22, bv2, input_precision=TF32)
+        o1 = tl.dot(p11, u1, input_precision=TF32)
+        o2 = tl.dot(p21, u1, input_precision=TF32) + tl.dot(p22, u2, input_precision=TF32)
         o_base = o_ptr + i_hv * DV + dv[None, :]
         tl.store(o_base + row1[:, None] * (HV * DV), o1, mask=m1[:, None])
         tl.store(o_base + row2[:, None] * (HV * DV), o2, mask=m2[:, None])
@@ -274,8 +276,8 @@ if HAVE_TRITON:
         c_end = tl.sum(g1, 0) + tl.sum(g2, 0)
         k1e = k1 * tl.exp(c_end - c1)[:, None]
         k2e = k2 * tl.exp(c_end - c2)[:, None]
-        S = tl.dot(tl.trans(k1e), u1, input_precision=IEEE)
-        S += tl.dot(tl.trans(k2e), u2, input_precision=IEEE)
+        S = tl.dot(tl.trans(k1e), u1, input_precision=TF32)
+        S += tl.dot(tl.trans(k2e), u2, input_precision=TF32)
         slot = tl.load(slot_ptr + i_n).to(tl.int64)
         s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
         tl.store(s_ptrs, S)
@@ -555,7 +557,7 @@ def gdn_fresh_chunk(
         DV=Dv,
         BV=BV,
         B=16,
-        num_warps=4,
+        num_warps=8,  # 4 warps: 255 registers and a stack (ptxas, sm_90a)
         **pdl_options(v.device),
     )
     return o
