@@ -245,21 +245,29 @@ def test_gdn_window_equals_one_row_steps_and_keeps_each_rows_state(with_norm, W,
     torch.testing.assert_close(states[0], states[2], rtol=tol, atol=tol)
 
 
+def _padded_prompts(lens, L, D, seed):
+    """New prompts of ``lens`` rows padded to L (zero decay and beta on the padding rows), 2
+    key heads and 4 value heads of D, their slots, and two state pools of NaN."""
+    N, Hk, Hv = len(lens), 2, 4
+    q, k = rand(N, L, Hk, D, seed=seed), rand(N, L, Hk, D, seed=seed + 1)
+    v = rand(N, L, Hv, D, seed=seed + 2)
+    g = torch.nn.functional.logsigmoid(rand(N, L, Hv, seed=seed + 3, dtype=torch.float32))
+    beta = torch.sigmoid(rand(N, L, Hv, seed=seed + 4, dtype=torch.float32)).to(BF)
+    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
+    g, beta = (torch.where(valid[..., None], t, 0) for t in (g, beta))
+    slots = torch.tensor([3, 0, 2][:N], device=DEV)
+    pools = [torch.full((4, Hv, D, D), float("nan"), device=DEV) for _ in range(2)]
+    return q, k, v, g, beta, slots, pools
+
+
 @pytest.mark.parametrize("lens,L", [([5, 1, 8], 8), ([3, 16], 16)])
 def test_gdn_padded_as_one_row_steps_equals_the_reference(lens, L):
     """New prompts padded to L rows (zero decay and beta on the padding rows) through the step
     kernel (:func:`gdn_padded` at <= RECURRENT_MAX_ROWS rows): every real row's output and the
     final state against the chunked reference; the slots' old contents (NaN) never read."""
     assert L <= gpu_gdn.RECURRENT_MAX_ROWS
-    N, Hk, Hv, D = len(lens), 2, 4, 16
-    q, k = rand(N, L, Hk, D, seed=60), rand(N, L, Hk, D, seed=61)
-    v = rand(N, L, Hv, D, seed=62)
-    g = torch.nn.functional.logsigmoid(rand(N, L, Hv, seed=63, dtype=torch.float32))
-    beta = torch.sigmoid(rand(N, L, Hv, seed=64, dtype=torch.float32)).to(BF)
-    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
-    g, beta = (torch.where(valid[..., None], t, 0) for t in (g, beta))
-    slots = torch.tensor([3, 0, 2][:N], device=DEV)
-    pools = [torch.full((4, Hv, D, D), float("nan"), device=DEV) for _ in range(2)]
+    N, Hv, D = len(lens), 4, 16
+    q, k, v, g, beta, slots, pools = _padded_prompts(lens, L, D, seed=60)
     got = gpu_gdn.gdn_padded(q, k, v, g, beta, slots, pools[0])
     want = _ref_gdn_padded(q, k, v, g, beta, slots, pools[1])
     assert got.dtype == torch.float32 and got.shape == (N, L, Hv, D)
@@ -275,15 +283,8 @@ def test_gdn_fresh_chunk_equals_the_reference(lens, L):
     """New prompts of up to 32 rows as one fused chunk (two 16-row blocks solved blockwise):
     every real row's output and the final state against the chunked reference, with value
     heads sharing key heads; the slots' old contents (NaN) never read."""
-    N, Hk, Hv, D = len(lens), 2, 4, 32
-    q, k = rand(N, L, Hk, D, seed=70), rand(N, L, Hk, D, seed=71)
-    v = rand(N, L, Hv, D, seed=72)
-    g = torch.nn.functional.logsigmoid(rand(N, L, Hv, seed=73, dtype=torch.float32))
-    beta = torch.sigmoid(rand(N, L, Hv, seed=74, dtype=torch.float32)).to(BF)
-    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
-    g, beta = (torch.where(valid[..., None], t, 0) for t in (g, beta))
-    slots = torch.tensor([3, 0, 2][:N], device=DEV)
-    pools = [torch.full((4, Hv, D, D), float("nan"), device=DEV) for _ in range(2)]
+    N, Hv, D = len(lens), 4, 32
+    q, k, v, g, beta, slots, pools = _padded_prompts(lens, L, D, seed=70)
     got = gpu_gdn.gdn_fresh_chunk(q, k, v, g, beta, slots, pools[0])
     want = _ref_gdn_padded(q, k, v, g, beta, slots, pools[1])
     assert got.dtype == torch.float32 and got.shape == (N, L, Hv, D)

@@ -99,10 +99,28 @@ class GatedAttention:
         """Every row a decode row: norms, RoPE and the KV write in one kernel. ``span``: the
         rows are one stream's continued chunk, attended as one (each key block read once per
         block of query rows, not once per row)."""
+        m = self.m
+        q = self._fused_inputs(p, qkv, d.rows, keys, values, d.slots, d.positions)
+        if span:
+            return m.kernels.attn_chunk(q, keys, values, d.slots[:1], d.positions[:1])
+        return m.kernels.attn_decode(q, keys, values, d.slots, lengths)
+
+    def _fused_inputs(
+        self,
+        p: str,
+        qkv: torch.Tensor,
+        rows: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Queries of ``rows`` normed and rotated, their keys and values (normed, rotated) written
+        to the pool at ``(slots, positions)``: one kernel."""
         m, cfg = self.m, self.m.cfg
-        q = m.kernels.attn_decode_inputs(
+        return m.kernels.attn_decode_inputs(
             qkv,
-            d.rows,
+            rows,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             m.w[p + "q_norm.weight"],
@@ -111,12 +129,9 @@ class GatedAttention:
             m.rotary.inv_freq,
             keys,
             values,
-            d.slots,
-            d.positions,
+            slots,
+            positions,
         )
-        if span:
-            return m.kernels.attn_chunk(q, keys, values, d.slots[:1], d.positions[:1])
-        return m.kernels.attn_decode(q, keys, values, d.slots, lengths)
 
     def _inputs(
         self, p: str, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -160,22 +175,10 @@ class GatedAttention:
         RoPE and every row's KV write in the decode rows' fused kernel (padding rows land past
         the prompt, where nothing reads them), then each stream attends causally to its own
         rows, read back from the pool in the layout attention takes."""
-        m, cfg, pr = self.m, self.m.cfg, batch.padded
+        m, pr = self.m, batch.padded
         n, L = pr.rows.shape
-        q = m.kernels.attn_decode_inputs(
-            qkv,
-            pr.rows.view(-1),
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            m.w[p + "q_norm.weight"],
-            m.w[p + "k_norm.weight"],
-            cfg.rms_norm_eps,
-            m.rotary.inv_freq,
-            keys,
-            values,
-            pr.row_slots,
-            batch.positions,
-        )
+        rows = pr.rows.view(-1)
+        q = self._fused_inputs(p, qkv, rows, keys, values, pr.row_slots, batch.positions)
         # Sliced before the gather: only the prompts' L rows are copied.
         k = keys[:, :, :L].index_select(0, pr.slots).transpose(1, 2)
         v = values[:, :, :L].index_select(0, pr.slots).transpose(1, 2)
