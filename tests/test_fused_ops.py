@@ -295,6 +295,20 @@ def test_gdn_fresh_chunk_equals_the_reference(lens, L):
     assert pools[0][1].isnan().all()
 
 
+def test_gdn_padded_takes_the_fused_chunk_for_one_new_prompt_of_17_to_32_rows():
+    """The fused chunk where it measured faster than FLA (one prompt of 17..32 rows) and its
+    tiles fit the heads; the one-row steps below, FLA for more prompts or other heads."""
+    fits = gpu_gdn.fresh_chunk_fits
+    assert fits(1, 32, 128, 128) and fits(1, 17, 16, 32)
+    assert not fits(2, 32, 128, 128)  # FLA: one program per head and slice loses at 16 streams
+    assert not fits(1, 16, 128, 128) and not fits(1, 33, 128, 128)
+    assert not fits(1, 32, 96, 128) and not fits(1, 32, 128, 8)
+    q, k, v, g, beta, slots, pools = _padded_prompts([20], 24, 32, seed=80)
+    got = gpu_gdn.gdn_padded(q, k, v, g, beta, slots, pools[0])
+    want = gpu_gdn.gdn_fresh_chunk(q, k, v, g, beta, slots, pools[1])
+    assert torch.equal(got, want) and torch.equal(pools[0][slots], pools[1][slots])
+
+
 def test_attn_decode_inputs_writes_kv_and_returns_q():
     nh, nkv, hd, rd = 4, 2, 32, 8
     T = 4

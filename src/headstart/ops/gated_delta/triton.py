@@ -25,8 +25,8 @@ pool). Multi-row spans go through flash-linear-attention's chunked kernel instea
 * :func:`gdn_fresh_chunk`: new prompts of up to 32 rows from a zero state as one fused chunk
   per (stream, value head, Dv slice): the WY system of the chunked form solved blockwise (two
   16-row blocks, forward substitution within each), outputs and final state by matmuls, in one
-  launch. Not used yet (:data:`FRESH_CHUNK_MAX_ROWS` = 0): it awaits a GPU measurement against
-  FLA's launches (``benchmarks/gdn_padded.py --fused``).
+  launch. Used for one new prompt of 17..32 rows (:func:`fresh_chunk_fits`), where it beat
+  FLA's launches on an H100 (``benchmarks/gdn_padded.py --fused``).
 
 Layout assumptions: ``state_pool`` is one layer's ``[slots, Hv, Dk, Dv]`` fp32 with contiguous
 ``[Hv, Dk, Dv]`` (``pool.recurrent[layer]``); q/k/v may be strided views (e.g. splits of the conv
@@ -485,10 +485,11 @@ def gdn_padded(
     Hv, Dv] fp32). Up to :data:`RECURRENT_MAX_ROWS` rows and from a zero state: the decode
     step's kernel over the rows in one launch (a fresh stream per prompt; its state stays in
     registers from the first row to the last and is written to the slot once), where FLA's
-    chunked form costs about ten launches a layer plus a scatter of the final states. Else
-    FLA's."""
+    chunked form costs about ten launches a layer plus a scatter of the final states. One
+    prompt of up to :data:`FRESH_CHUNK_MAX_ROWS` rows from a zero state: one fused chunk
+    (:func:`gdn_fresh_chunk`, where :func:`fresh_chunk_fits`). Else FLA's."""
     N, L = q.shape[:2]
-    if initial is None and RECURRENT_MAX_ROWS < L <= FRESH_CHUNK_MAX_ROWS:
+    if initial is None and fresh_chunk_fits(N, L, q.shape[3], v.shape[3]):
         return gdn_fresh_chunk(q, k, v, g, beta, slots, state_pool)
     if initial is not None or L > RECURRENT_MAX_ROWS:
         from headstart.ops.gated_delta.fla import gdn_padded as chunked
@@ -509,10 +510,30 @@ def gdn_padded(
     return o.view(N, L, *o.shape[1:])
 
 
-# New prompts of up to this many rows (padded) may run as one fused chunk
-# (:func:`gdn_fresh_chunk`) instead of FLA's launches. 0: off until it is measured on a GPU
-# (written in session 28 without a device to time it; tested against the reference only).
-FRESH_CHUNK_MAX_ROWS = 0
+# New prompts of more than RECURRENT_MAX_ROWS and at most this many rows (padded), at most
+# FRESH_CHUNK_MAX_STREAMS of them, run as one fused chunk (:func:`gdn_fresh_chunk`) instead of
+# FLA's launches. 27B heads on an H100, per layer (BENCHMARKS.md, session 29): 27.2 against
+# FLA's 33.8 us for one 32-row prompt, 26.9 against 35.5 for 24 rows; but 315 against 184 for
+# 16 prompts of 32 rows: one program per (stream, value head, Dv slice) runs the whole chunk
+# on its own, while FLA spreads it over more, smaller programs.
+FRESH_CHUNK_MAX_ROWS = 32
+FRESH_CHUNK_MAX_STREAMS = 1
+
+
+def fresh_chunk_fits(n: int, rows: int, dk: int, dv: int) -> bool:
+    """Whether ``n`` new prompts padded to ``rows`` rows, with key and value heads of ``dk``
+    and ``dv`` dims, take :func:`gdn_fresh_chunk` in :func:`gdn_padded`: the measured range
+    above, and head dims its tiles take (powers of two, at least ``tl.dot``'s 16)."""
+
+    def tile(d: int) -> bool:
+        return d >= 16 and d & (d - 1) == 0
+
+    return (
+        n <= FRESH_CHUNK_MAX_STREAMS
+        and RECURRENT_MAX_ROWS < rows <= FRESH_CHUNK_MAX_ROWS
+        and tile(dk)
+        and tile(dv)
+    )
 
 
 def gdn_fresh_chunk(
