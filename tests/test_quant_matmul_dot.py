@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from headstart.ops.quant_matmul import reference, triton_dot
-from headstart.ops.quant_matmul.triton import prepare
+from headstart.ops.quant_matmul.triton import QmmConfig, prepare, quant_matmul
 from headstart.quant import quantize
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,3 +71,22 @@ def test_dot_split_keeps_two_chunks_a_split():
     assert triton_dot.dot_split(96, 80, 264) == (3, 27)
     assert triton_dot.dot_split(96, 80, 96) == (1, 80)
     assert triton_dot.dot_split(1, 6, 1000) == (3, 2)
+
+
+def test_quant_matmul_takes_the_dot_kernel_from_dot_min_rows():
+    """``QmmConfig.dot_min_rows``: x of that many rows or more (and more than 16) through the
+    dot kernel, bit for bit its output; fewer through the MMA kernel (within tolerance)."""
+    g = torch.Generator().manual_seed(7)
+    qt = quantize((torch.randn(128, 256, generator=g) * 0.05).to(DEV), bits=4, group_size=64)
+    cfg = QmmConfig(dot_min_rows=24, dot_dequant=False, dot_stages=2)
+    p = prepare(qt, cfg, layout="mma")
+    for m in (16, 23, 24, 40):
+        x = torch.randn(m, 256, generator=g).to(torch.bfloat16).to(DEV)
+        y = quant_matmul(x, p)
+        direct = torch.empty_like(y)
+        triton_dot.quant_matmul_dot(x, p, direct, deq=False, num_stages=2)
+        mma = quant_matmul(x, p, QmmConfig())
+        if m >= 24:
+            assert torch.equal(y, direct)
+        else:
+            assert torch.equal(y, mma)
