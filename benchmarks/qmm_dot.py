@@ -4,7 +4,7 @@ projections (GPU only; random weights, cold L2: CUDA-graph replay over weight co
 ``benchmarks/gpu_ops.py`` times them).
 
     python benchmarks/qmm_dot.py [--ms 31] [--shapes q_proj,mlp_down] [--bn 128,256]
-        [--warps 4,8] [--stages 2,3,4] [--pps 1,2,4] [--deq 1,0]
+        [--warps 4,8] [--stages 2,3,4] [--pps 1,2,4] [--deq 1,0] [--json PATH]
 
 Prints one line per (shape, M, option set) whose time is within 25% of the best, then a table:
 per shape and M, the MMA kernel, the best dot option and the floor (bytes / copy bandwidth).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -41,7 +42,9 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--pps", default="1,2,4")
     ap.add_argument("--deq", default="1,0")
+    ap.add_argument("--json", default="", help="write every timing here")
     args = ap.parse_args()
+    timings = []
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s, {torch.cuda.get_device_name()}", flush=True)
     table = []
@@ -77,6 +80,7 @@ def main() -> None:
                     ]
                 )
                 found.append((t, f"bn{bn} w{w} s{st} pps{pps} deq{deq}", err))
+                timings.append({"shape": name, "m": m, "bn": bn, **kw, "us": t, "mma_us": t_mma})
             found.sort()
             best = found[0][0] if found else float("nan")
             for t, label, err in found:
@@ -87,6 +91,8 @@ def main() -> None:
             print(f"  {name:12s} M={m:2d} mma {t_mma:6.1f} us  floor {floor:5.1f}", flush=True)
         del preps, ours, w_ref
         torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(timings))
     print(f"{'shape':12s} {'M':>3s} {'mma us':>7s} {'dot us':>7s} {'floor':>6s}  best dot option")
     for name, m, t_mma, e1, t_dot, label, e2, floor in table:
         print(
