@@ -32,10 +32,15 @@ start_server() {
     --context 16384 --parallel 16 --request-log "$2.requests" ${SERVE_FLAGS:-} >"$2" 2>&1 &
   log=$2 seen=0
   server=$!
-  python3 - "$port" <<'EOF' || { tail -20 "$2"; stop; return 1; }
+  python3 - "$port" "$server" <<'EOF' || { tail -20 "$2"; stop; return 1; }
 import sys, time, urllib.request
 deadline = time.time() + 400
 while time.time() < deadline:
+    try:  # the server died (say, out of memory; a zombie until the shell waits): stop waiting
+        if open(f"/proc/{sys.argv[2]}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            sys.exit(1)
+    except FileNotFoundError:
+        sys.exit(1)
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v1/models", timeout=2)
         sys.exit(0)

@@ -77,17 +77,14 @@ def test_no_process_for_a_small_model():
     assert compile_ahead.planned_step_tokens(DEFAULT_MODEL_DIR, "cuda") is None
 
 
-def test_the_planned_budget_is_the_one_serve_gives_the_loaded_model(tmp_path, monkeypatch):
-    """From config.json alone, the step budget serve logged for the random 27B checkpoint on
-    the H200 (2048 tokens: BENCHMARKS.md), and the cut of its 64 layers to 4."""
+@pytest.fixture(scope="module")
+def random_27b(tmp_path_factory) -> Path:
+    """config.json of the random 27B 4-bit checkpoint (benchmarks/make_random_checkpoint.py)."""
     import sys
-    from types import SimpleNamespace
-
-    import torch
 
     root = Path(__file__).resolve().parent.parent
     script = root / "benchmarks" / "make_random_checkpoint.py"
-    out = tmp_path / "m-27b"
+    out = tmp_path_factory.mktemp("ckpt") / "m-27b"
     subprocess.run(
         [
             sys.executable,
@@ -104,12 +101,76 @@ def test_the_planned_budget_is_the_one_serve_gives_the_loaded_model(tmp_path, mo
         capture_output=True,
         timeout=120,
     )
+    return out
+
+
+def test_the_planned_budget_is_the_one_serve_gives_the_loaded_model(
+    random_27b, tmp_path, monkeypatch
+):
+    """From config.json alone, the step budget serve logged for the random 27B checkpoint on
+    the H200 (2048 tokens: BENCHMARKS.md), and the cut of its 64 layers to 4."""
+    from types import SimpleNamespace
+
+    import torch
+
+    out = random_27b
     h200 = SimpleNamespace(major=9, minor=0, multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: h200)
     assert compile_ahead.planned_step_tokens(out, "cuda") == 2048
     cut = compile_ahead.cut_folder(out, tmp_path / "cut")
     text = json.loads((cut / "config.json").read_text())
     assert text["num_hidden_layers"] == 4 and len(text["layer_types"]) == 4
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("free,total", [(79.1 * GiB, 79.2 * GiB), (139 * GiB, 140 * GiB)])
+def test_the_processes_fit_beside_the_servers_load(random_27b, free, total):
+    """At 27B 4-bit, eight processes of about 8 GB beside the server's load ran an H100 out of
+    memory (session 29): the plan keeps the processes' caps, the load (with the dense copies
+    where the loader would keep them) and a tenth of the device within what is free."""
+    from headstart.loading import family_for
+
+    free, total = int(free), int(total)
+    params = family_for(random_27b).planned_parameters(random_27b)
+    load = compile_ahead.load_bytes(random_27b, params, free, total, 0.4)
+    packed = params * (4 / 8 + 4 / 64)
+    # The dense copies (2 bytes a weight) fit the H200's 0.4 but not the H100's.
+    assert load == int(packed) + (2 * params if total > 100 * GiB else 0)
+    n, cap = compile_ahead.memory_plan(8, free, total, load)
+    assert 1 <= n <= 8 and cap >= compile_ahead.PROCESS_BYTES
+    assert n * cap + load + total // 10 <= free
+    # What the H100 had free beside the load is not enough for eight.
+    assert compile_ahead.memory_plan(8, free - 10 * GiB, total, load)[0] < 8
+    assert compile_ahead.memory_plan(8, load + total // 10 + GiB, total, load) == (0, 0)
+
+
+def test_the_load_counts_the_weight_files_where_there_are_any(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    assert compile_ahead.load_bytes(tmp_path, 1000, 10**12, 10**12, 0.4) == 2000  # bf16
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1234)
+    assert compile_ahead.load_bytes(tmp_path, 1000, 10**12, 10**12, 0.4) == 1234
+
+
+def test_a_process_holds_its_allocator_to_the_servers_cap(monkeypatch):
+    """cap_memory: the fraction of the device given to set_per_process_memory_fraction (the
+    CUDA calls stand in here: this machine has no GPU); nothing without the variable or off
+    CUDA."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (0, 80 * GiB))
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f)
+    )
+    monkeypatch.delenv(compile_ahead.CAP_ENV, raising=False)
+    compile_ahead.cap_memory("cuda")
+    monkeypatch.setenv(compile_ahead.CAP_ENV, str(8 * GiB))
+    compile_ahead.cap_memory("cpu")
+    assert calls == []
+    compile_ahead.cap_memory("cuda")
+    assert calls == [0.1]
 
 
 def test_the_planned_parameters_are_the_loaded_models():

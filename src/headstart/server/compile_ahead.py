@@ -9,8 +9,9 @@ process starts before the server's own load and runs the server's own start-up (
 serve --warm-only`` with the same engine settings) on the cut model; the server waits for it
 before its warm-up, so nothing is compiled twice. On a machine of several cores the start-up's
 shapes are dealt out to several such processes (:func:`shards`), since Triton compiles on one
-core a process. Whatever goes wrong here only costs the time it saves: the server compiles what
-is missing itself.
+core a process. Each process is held to a share of the GPU memory left beside the server's load
+(:func:`memory_plan`), and there are fewer of them, or none, where little is left. Whatever goes
+wrong here only costs the time it saves: the server compiles what is missing itself.
 """
 
 from __future__ import annotations
@@ -124,6 +125,76 @@ def shards(cores: int | None = None) -> int:
 MAX_SHARDS = 8
 
 
+# What each process is planned at: one 27B cut process (4 layers, dense prefill copies, a pool
+# for 16 x 16384 tokens, its CUDA context) held 7.9-8.0 GB of an H100, where eight of them
+# beside the server's load ran the GPU out of memory (BENCHMARKS.md, session 29).
+PROCESS_BYTES = 8 << 30
+#: The environment variable that tells a process the bytes its allocator may hold.
+CAP_ENV = "HEADSTART_MEMORY_CAP_BYTES"
+
+
+def load_bytes(path: Path, params: int, free: int, total: int, dense_fraction: float) -> int:
+    """The GPU memory the server's load may hold while the processes run: the checkpoint's
+    weight files where it has them, else (random weights, ``--load-format dummy``) its
+    ``params`` at the bits of its quantization block (scales and biases included) or two
+    bytes each; plus, for quantized weights, the dense prefill copies where they fit
+    ``dense_fraction`` of the device and half of what is free (the loader's rule)."""
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    q = next((c[k] for c in (cfg, text) for k in ("quantization", "quantization_config")
+              if isinstance(c.get(k), dict)), {})  # fmt: skip
+    bits, group = q.get("bits"), q.get("group_size")
+    quantized = isinstance(bits, int) and isinstance(group, int) and group > 0
+    files = [f for f in path.iterdir() if f.name.endswith(_WEIGHTS)]
+    if files:
+        held = sum(f.stat().st_size for f in files)
+    else:
+        held = int(params * (bits / 8 + 4 / group)) if quantized else 2 * params
+    dense = 2 * params if quantized else 0
+    if dense > min(dense_fraction * total, free / 2):
+        dense = 0
+    return held + dense
+
+
+def memory_plan(n: int, free: int, total: int, load: int) -> tuple[int, int]:
+    """(processes, bytes each may allocate): at most ``n`` processes of :data:`PROCESS_BYTES`
+    in what is free beside the server's ``load`` bytes and a tenth of the device held back (the
+    load's temporaries, CUDA contexts); (0, 0) where not one fits. Each gets an equal share as
+    its cap, so that a process needing more fails alone, never the server's load."""
+    spare = free - load - total // 10
+    k = max(0, min(n, spare // PROCESS_BYTES))
+    return (k, spare // k) if k else (0, 0)
+
+
+def gpu_plan(path: Path, device: str, n: int) -> tuple[int, int]:
+    """:func:`memory_plan` on the CUDA ``device`` as it is now, beside the load of the
+    checkpoint at ``path``."""
+    import torch
+
+    from headstart.loading import family_for
+
+    # The qwen35 loader's rule for its dense prefill copies (no other family keeps them).
+    from headstart.models.qwen35.pipeline import DENSE_FRACTION
+
+    plan = family_for(path).planned_parameters
+    params = plan(path) if plan is not None else 0
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return memory_plan(n, free, total, load_bytes(path, params, free, total, DENSE_FRACTION))
+
+
+def cap_memory(device: str) -> None:
+    """In a compile-ahead process: hold its allocator to the bytes the server gave it
+    (:data:`CAP_ENV`), so that a process needing more fails alone, never the server's load."""
+    cap = os.environ.get(CAP_ENV, "")
+    if not cap.isdigit() or not device.startswith("cuda"):
+        return
+    import torch
+
+    dev = torch.device(device)
+    total = torch.cuda.mem_get_info(dev)[1]
+    torch.cuda.set_per_process_memory_fraction(min(1.0, int(cap) / total), dev)
+
+
 class CompileAhead:
     """The compiling processes, started by :meth:`start` and waited for by :meth:`wait`: the
     same start-up of the cut model, its shapes dealt out among them (``--warm-shard``)."""
@@ -138,10 +209,16 @@ class CompileAhead:
 
     @classmethod
     def start(
-        cls, args: argparse.Namespace, path: Path, step_tokens: int, n: int = 1
+        cls,
+        args: argparse.Namespace,
+        path: Path,
+        step_tokens: int,
+        n: int = 1,
+        cap_bytes: int | None = None,
     ) -> CompileAhead | None:
-        """Start ``n`` of them for the checkpoint at ``path`` (None where it does not apply: a
-        folder that cannot be cut, or a failure to start, which is logged)."""
+        """Start ``n`` of them for the checkpoint at ``path``, each allocating at most
+        ``cap_bytes`` of GPU memory where given (None where it does not apply: a folder that
+        cannot be cut, or a failure to start, which is logged)."""
         tmp = tempfile.TemporaryDirectory(prefix="headstart-ahead-")
         procs: list[subprocess.Popen] = []
         try:
@@ -151,6 +228,8 @@ class CompileAhead:
                 return None
             cmd = command(args, folder, step_tokens)
             env = {**os.environ, "HEADSTART_COMPILE_AHEAD": "0"}
+            if cap_bytes is not None:
+                env[CAP_ENV] = str(cap_bytes)
             for i in range(n):
                 shard = [f"--warm-shard={i}/{n}"] if n > 1 else []
                 # Its stderr to a file, not a pipe: nobody reads a pipe until the load is
@@ -168,7 +247,12 @@ class CompileAhead:
                 proc.wait()
             tmp.cleanup()
             return None
-        log.info("compile-ahead processes started: %d (%s, cut to its first layers)", n, path.name)
+        log.info(
+            "compile-ahead processes started: %d (%s, cut to its first layers%s)",
+            n,
+            path.name,
+            "" if cap_bytes is None else f", {cap_bytes / 2**30:.1f} GiB of GPU memory each",
+        )
         return cls(procs, tmp)
 
     def wait(self, timeout: float = 600.0) -> None:

@@ -697,6 +697,10 @@ def _serve(args: argparse.Namespace, sockets: list[socket.socket], keys: ApiKeys
     """serve() once the arguments are checked and the listening sockets bound."""
     started = time.monotonic()
     threads = _size_threads(args)
+    if getattr(args, "warm_only", False):
+        from headstart.server.compile_ahead import cap_memory
+
+        cap_memory(str(args.device))
     ahead = _start_compile_ahead(args)
     try:
         return _serve_loaded(args, sockets, keys, started, threads, ahead)
@@ -720,7 +724,7 @@ def _shard(text: str) -> tuple[int, int]:
 def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
     """The compile-ahead processes (server/compile_ahead.py), where they apply: a CUDA
     device, one serving process, graphs on, a step budget known before the load."""
-    from headstart.server.compile_ahead import CompileAhead, planned_step_tokens, shards
+    from headstart.server.compile_ahead import CompileAhead, gpu_plan, planned_step_tokens, shards
 
     if (
         getattr(args, "compile_ahead", "off") != "auto"
@@ -735,10 +739,13 @@ def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
     try:
         path = resolve_model_dir(args.model)
         budget = args.max_batched_tokens or planned_step_tokens(path, str(args.device))
+        n, cap = gpu_plan(path, str(args.device), shards()) if budget is not None else (0, 0)
     except Exception as e:  # an optimisation: the load itself reports real problems
         log.warning("compile-ahead process not started: %s", e)
         return None
-    return None if budget is None else CompileAhead.start(args, path, budget, shards())
+    if budget is not None and n == 0:
+        log.info("compile-ahead: no process, too little GPU memory free beside the load")
+    return CompileAhead.start(args, path, budget, n, cap) if budget is not None and n else None
 
 
 def _serve_loaded(
