@@ -83,7 +83,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headstart.ops.quant_matmul.triton_dot import quant_matmul_dot
 from headstart.ops.triton_support import HAVE_TRITON, INTERPRET, pdl_options, sm_count, tl, triton
 from headstart.quant import QuantizedTensor, unpack
 
@@ -201,14 +200,6 @@ class QmmConfig:
     # projections (H100, BENCHMARKS.md, session 28: 28.7 / 26.0 / 48.7 / 41.3 / 18.7 us
     # against 29.7 / 30.1 / 49.9 / 48.0 / 20.6), while the pair prefetch stays best at M <= 16.
     x_chunk_ahead_wide: bool = True
-    # MMA layout, x of at least this many rows (17..64; 0: never): the dot kernel
-    # (``triton_dot.py``) instead, which unpacks each weight word once for all rows of x and
-    # streams the words through shared memory; with its launch options below.
-    dot_min_rows: int = 0
-    dot_warps: int = 4
-    dot_stages: int = 3
-    dot_programs_per_sm: int = 2
-    dot_dequant: bool = True
 
 
 @dataclass
@@ -1624,17 +1615,6 @@ def quant_matmul(
     if M == 0:
         return y.reshape(*lead, p.n)
     if p.layout == "mma":
-        if cfg.dot_min_rows and max(17, cfg.dot_min_rows) <= M:
-            quant_matmul_dot(
-                x2,
-                p,
-                y,
-                deq=cfg.dot_dequant,
-                programs_per_sm=cfg.dot_programs_per_sm,
-                num_warps=cfg.dot_warps,
-                num_stages=cfg.dot_stages,
-            )
-            return y.reshape(*lead, p.n)
         return _quant_matmul_mma(x2, p, cfg, y).reshape(*lead, p.n)
     use_dot = cfg.use_dot or M > 1
     BM, split, per = split_for(p, M, cfg)
