@@ -739,13 +739,16 @@ def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
     try:
         path = resolve_model_dir(args.model)
         budget = args.max_batched_tokens or planned_step_tokens(path, str(args.device))
-        n, cap = gpu_plan(path, str(args.device), shards()) if budget is not None else (0, 0)
+        if budget is None:
+            return None
+        n, cap = gpu_plan(path, str(args.device), shards())
     except Exception as e:  # an optimisation: the load itself reports real problems
         log.warning("compile-ahead process not started: %s", e)
         return None
-    if budget is not None and n == 0:
+    if n == 0:
         log.info("compile-ahead: no process, too little GPU memory free beside the load")
-    return CompileAhead.start(args, path, budget, n, cap) if budget is not None and n else None
+        return None
+    return CompileAhead.start(args, path, budget, n, cap)
 
 
 def _serve_loaded(
