@@ -72,6 +72,27 @@ def test_no_process_for_the_cpu_or_without_graphs():
         assert _start_compile_ahead(p.parse_args(argv)) is None
 
 
+def test_the_server_decides_its_dense_copies_before_the_processes_start(monkeypatch, random_27b):
+    """``--prefill-weights auto`` is resolved on the memory free before the processes take
+    any, for the server's load and the processes alike; where no process fits, none starts.
+    (The CUDA plan is stood in for: this machine has no GPU.)"""
+    p = _parser()
+    for dense, want in ((True, "dense"), (False, "packed")):
+        monkeypatch.setattr(compile_ahead, "planned_step_tokens", lambda path, device: 2048)
+        plan = (compile_ahead.LoadPlan(1, dense), 0, 0)
+        monkeypatch.setattr(compile_ahead, "gpu_plan", lambda path, device, n, plan=plan: plan)
+        args = p.parse_args(["--model", str(random_27b), "--device", "cuda"])
+        assert args.prefill_weights == "auto"
+        assert _start_compile_ahead(args) is None  # no process fits
+        assert args.prefill_weights == want
+    args = p.parse_args(
+        ["--model", str(random_27b), "--device", "cuda", "--prefill-weights", "dense"]
+    )
+    monkeypatch.setattr(compile_ahead, "gpu_plan", lambda path, device, n: plan)
+    _start_compile_ahead(args)
+    assert args.prefill_weights == "dense"  # asked for: kept
+
+
 def test_no_process_for_a_small_model():
     """The embedded default model loads in seconds: nothing to overlap."""
     assert compile_ahead.planned_step_tokens(DEFAULT_MODEL_DIR, "cuda") is None
@@ -134,10 +155,12 @@ def test_the_processes_fit_beside_the_servers_load(random_27b, free, total):
 
     free, total = int(free), int(total)
     params = family_for(random_27b).planned_parameters(random_27b)
-    load = compile_ahead.load_bytes(random_27b, params, free, total, 0.4)
+    plan = compile_ahead.load_plan(random_27b, params, free, total, 0.4)
     packed = params * (4 / 8 + 4 / 64)
     # The dense copies (2 bytes a weight) fit the H200's 0.4 but not the H100's.
-    assert load == int(packed) + (2 * params if total > 100 * GiB else 0)
+    assert plan.dense == (total > 100 * GiB)
+    assert plan.nbytes == int(packed) + (2 * params if plan.dense else 0)
+    load = plan.nbytes
     n, cap = compile_ahead.memory_plan(8, free, total, load)
     assert 1 <= n <= 8 and cap >= compile_ahead.PROCESS_BYTES
     assert n * cap + load + total // 10 <= free
@@ -148,9 +171,10 @@ def test_the_processes_fit_beside_the_servers_load(random_27b, free, total):
 
 def test_the_load_counts_the_weight_files_where_there_are_any(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
-    assert compile_ahead.load_bytes(tmp_path, 1000, 10**12, 10**12, 0.4) == 2000  # bf16
+    plan = compile_ahead.load_plan(tmp_path, 1000, 10**12, 10**12, 0.4)
+    assert plan == compile_ahead.LoadPlan(2000, False)  # bf16: no dense copies to keep
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1234)
-    assert compile_ahead.load_bytes(tmp_path, 1000, 10**12, 10**12, 0.4) == 1234
+    assert compile_ahead.load_plan(tmp_path, 1000, 10**12, 10**12, 0.4).nbytes == 1234
 
 
 def test_a_process_holds_its_allocator_to_the_servers_cap(monkeypatch):

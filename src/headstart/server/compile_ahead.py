@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("headstart.serve")
@@ -133,12 +134,21 @@ PROCESS_BYTES = 8 << 30
 CAP_ENV = "HEADSTART_MEMORY_CAP_BYTES"
 
 
-def load_bytes(path: Path, params: int, free: int, total: int, dense_fraction: float) -> int:
-    """The GPU memory the server's load may hold while the processes run: the checkpoint's
-    weight files where it has them, else (random weights, ``--load-format dummy``) its
-    ``params`` at the bits of its quantization block (scales and biases included) or two
-    bytes each; plus, for quantized weights, the dense prefill copies where they fit
-    ``dense_fraction`` of the device and half of what is free (the loader's rule)."""
+@dataclass(frozen=True)
+class LoadPlan:
+    """What the server's load will hold, known before it starts: ``nbytes`` of GPU memory at
+    the most while the processes run, of which the dense prefill copies if ``dense``."""
+
+    nbytes: int
+    dense: bool
+
+
+def load_plan(path: Path, params: int, free: int, total: int, dense_fraction: float) -> LoadPlan:
+    """The checkpoint's weight files where it has them, else (random weights, ``--load-format
+    dummy``) its ``params`` at the bits of its quantization block (scales and biases included)
+    or two bytes each; plus, for quantized weights, the dense prefill copies (two bytes a
+    weight) where they fit ``dense_fraction`` of the device and half of what is free, the
+    loader's rule, applied to the memory free before the processes take any."""
     cfg = json.loads((path / "config.json").read_text())
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     q = next((c[k] for c in (cfg, text) for k in ("quantization", "quantization_config")
@@ -150,10 +160,8 @@ def load_bytes(path: Path, params: int, free: int, total: int, dense_fraction: f
         held = sum(f.stat().st_size for f in files)
     else:
         held = int(params * (bits / 8 + 4 / group)) if quantized else 2 * params
-    dense = 2 * params if quantized else 0
-    if dense > min(dense_fraction * total, free / 2):
-        dense = 0
-    return held + dense
+    dense = quantized and 2 * params <= min(dense_fraction * total, free / 2)
+    return LoadPlan(held + (2 * params if dense else 0), dense)
 
 
 def memory_plan(n: int, free: int, total: int, load: int) -> tuple[int, int]:
@@ -166,9 +174,9 @@ def memory_plan(n: int, free: int, total: int, load: int) -> tuple[int, int]:
     return (k, spare // k) if k else (0, 0)
 
 
-def gpu_plan(path: Path, device: str, n: int) -> tuple[int, int]:
-    """:func:`memory_plan` on the CUDA ``device`` as it is now, beside the load of the
-    checkpoint at ``path``."""
+def gpu_plan(path: Path, device: str, n: int) -> tuple[LoadPlan, int, int]:
+    """The server's :class:`LoadPlan` and :func:`memory_plan` on the CUDA ``device`` as it is
+    now, for the checkpoint at ``path``."""
     import torch
 
     from headstart.loading import family_for
@@ -179,7 +187,8 @@ def gpu_plan(path: Path, device: str, n: int) -> tuple[int, int]:
     plan = family_for(path).planned_parameters
     params = plan(path) if plan is not None else 0
     free, total = torch.cuda.mem_get_info(torch.device(device))
-    return memory_plan(n, free, total, load_bytes(path, params, free, total, DENSE_FRACTION))
+    load = load_plan(path, params, free, total, DENSE_FRACTION)
+    return (load, *memory_plan(n, free, total, load.nbytes))
 
 
 def cap_memory(device: str) -> None:

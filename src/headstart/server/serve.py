@@ -741,10 +741,15 @@ def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
         budget = args.max_batched_tokens or planned_step_tokens(path, str(args.device))
         if budget is None:
             return None
-        n, cap = gpu_plan(path, str(args.device), shards())
+        load, n, cap = gpu_plan(path, str(args.device), shards())
     except Exception as e:  # an optimisation: the load itself reports real problems
         log.warning("compile-ahead process not started: %s", e)
         return None
+    if args.prefill_weights == "auto":
+        # Decided now, on the memory free before the processes take any: the loader would
+        # otherwise decide on what they leave free, and the processes would compile the
+        # prefill path of their own (small) model's decision, not the server's.
+        args.prefill_weights = "dense" if load.dense else "packed"
     if n == 0:
         log.info("compile-ahead: no process, too little GPU memory free beside the load")
         return None
