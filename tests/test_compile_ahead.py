@@ -154,8 +154,12 @@ def test_the_processes_fit_beside_the_servers_load(random_27b, free, total):
     from headstart.loading import family_for
 
     free, total = int(free), int(total)
-    params = family_for(random_27b).planned_parameters(random_27b)
-    plan = compile_ahead.load_plan(random_27b, params, free, total, 0.4)
+    from headstart.models.qwen35.pipeline import DENSE_FRACTION
+
+    family = family_for(random_27b)
+    assert family.dense_fraction == DENSE_FRACTION == 0.4  # the loader's rule, as planned
+    params = family.planned_parameters(random_27b)
+    plan = compile_ahead.load_plan(random_27b, params, free, total, family.dense_fraction)
     packed = params * (4 / 8 + 4 / 64)
     # The dense copies (2 bytes a weight) fit the H200's 0.4 but not the H100's.
     assert plan.dense == (total > 100 * GiB)

@@ -133,7 +133,11 @@ class ModelFamily:
 
     ``planned_parameters(model_dir)``: the weights a token's forward multiplies by (what the
     loaded model's ``num_parameters`` gives), from config.json alone, for what is sized before
-    the load (``serve``'s compile-ahead process); None: not known before loading."""
+    the load (``serve``'s compile-ahead process); None: not known before loading.
+
+    ``dense_fraction``: for a family that keeps dense prefill copies (``dense_bytes``), the
+    fraction of the device's memory its loader gives them by default (they are kept where all
+    fit it and half of what is free), for what is sized before the load; 0: none kept."""
 
     name: str
     architectures: tuple[str, ...]
@@ -142,6 +146,7 @@ class ModelFamily:
     chat: ChatFormat = field(default_factory=ChatFormat)
     split: Callable[[Path, int], None] | None = None
     planned_parameters: Callable[[Path], int] | None = None
+    dense_fraction: float = 0.0
 
     def claims(self, config: Mapping[str, Any]) -> bool:
         archs = config.get("architectures") or ()

@@ -181,13 +181,10 @@ def gpu_plan(path: Path, device: str, n: int) -> tuple[LoadPlan, int, int]:
 
     from headstart.loading import family_for
 
-    # The qwen35 loader's rule for its dense prefill copies (no other family keeps them).
-    from headstart.models.qwen35.pipeline import DENSE_FRACTION
-
-    plan = family_for(path).planned_parameters
-    params = plan(path) if plan is not None else 0
+    family = family_for(path)
+    params = family.planned_parameters(path) if family.planned_parameters is not None else 0
     free, total = torch.cuda.mem_get_info(torch.device(device))
-    load = load_plan(path, params, free, total, DENSE_FRACTION)
+    load = load_plan(path, params, free, total, family.dense_fraction)
     return (load, *memory_plan(n, free, total, load.nbytes))
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from headstart.models.contract import ChatFormat, ModelFamily
+from headstart.models.qwen35.pipeline import DENSE_FRACTION
 from headstart.models.qwen35.tool_calls import ToolCallParser
 
 __all__ = ["CHAT", "CHAT_TEMPLATE_PATH", "FAMILY"]
@@ -70,4 +71,5 @@ FAMILY = ModelFamily(
     chat=CHAT,
     split=_split,
     planned_parameters=_planned_parameters,
+    dense_fraction=DENSE_FRACTION,
 )
