@@ -6,7 +6,7 @@
 #   bash benchmarks/prefill_session.sh [2b] [27b]
 # Results: /tmp/receipts/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases;
 # .requests beside it: the server's request log, whose TTFTs each table is followed by),
-# and every scenario's table on stdout. SCENARIOS="burst long,--prompt-tokens,500" picks
+# and every scenario's table on stdout, with the client's decode time per token. SCENARIOS="burst long,--prompt-tokens,500" picks
 # scenarios, each with its bench options after commas (default: burst long turn beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
 # FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
 # on it; SERVE_FLAGS adds serve flags (RESTART_FLAGS instead, for the restart); TIMELINE=1
@@ -67,6 +67,22 @@ if ttft:
 EOF
 }
 
+# The client's decode time per token (median over the receipt $1's requests that decoded):
+# beside a short prompt's TTFT, the decode step the issue's targets are counted in.
+client_decode() {
+  python3 - "$1/requests.json" <<'EOF'
+import json, statistics, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit(0)
+rows = [dict(zip(d["fields"], r)) if isinstance(r, list) else r for r in d["requests"]]
+ms = [1e3 / r["decode_tok_s"] for r in rows if r.get("decode_tok_s")]
+if ms:
+    print(f"client decode: median {statistics.median(ms):.2f} ms a token over {len(ms)} requests")
+EOF
+}
+
 # Run each scenario (name,opt,value,...) against the server on $port, print its table.
 run_scenarios() {
   for sc in "$@"; do
@@ -80,6 +96,7 @@ run_scenarios() {
     echo "== $shape $sc (rc $?)"
     grep -v -E "^(bench check|receipt|---)" "$receipts/$shape-$tag.log" | tail -"${TAIL:-14}"
     server_ttft "$log.requests" "$seen"
+    client_decode "$receipts/$shape-$tag"
     if [ -n "${TIMELINE:-}" ]; then
       sleep 2.5  # the timeline file is rewritten every 2 s
       python3 benchmarks/request_timeline.py --show "$log.timeline" "$((seen + 1))" | tail -"${TAIL:-14}"
