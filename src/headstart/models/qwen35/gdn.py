@@ -195,13 +195,12 @@ class GatedDeltaNet:
         (q, k, v), _ = self.m.kernels.conv_padded(
             r.mixed.view(n, L, -1), pr.lengths, r.conv_w, (r.tails, pr.slots), Hk * Dk
         )
-        g, beta = r.g, r.beta  # zero on padding rows (gdn_gates)
         o = self.m.kernels.gdn_padded(
             q.view(n, L, Hk, Dk),
             k.view(n, L, Hk, Dk),
             v.view(n, L, Hv, Dv),
-            g.view(n, L, Hv),
-            beta.view(n, L, Hv),
+            r.g.view(n, L, Hv),  # g and beta: zero on the padding rows (gdn_gates)
+            r.beta.view(n, L, Hv),
             pr.slots,
             r.states,
         )

@@ -77,7 +77,6 @@ Non-goals: autograd, bits other than 2/4/8, M > 64 in the fused kernels (falls b
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -1548,7 +1547,8 @@ def split_for(
         steps = p.sb.shape[1]
         # As many K splits as keep the whole grid resident at once (one wave): no tail wave,
         # and the split-K partials stay few.
-        cap = sm_count(p.words.device) * (cfg.ctas_per_sm or _mma_resident(p, cfg, BM // 8, x_f16))
+        resident = cfg.ctas_per_sm or _mma_resident(p, cfg, BM // 8, _x_prefetch(cfg, m), x_f16)
+        cap = sm_count(p.words.device) * resident
         split = max(1, min(steps, cap // (n_tiles * -(-m // BM))))
     else:
         BM = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -1559,18 +1559,23 @@ def split_for(
     return BM, -(-steps // per), per
 
 
-def _mma_resident(p: PreparedQuant, cfg: QmmConfig, nt: int, x_f16: bool = False) -> int:
-    """Programs of the MMA kernel with ``nt`` n8 tiles that fit on one SM at once (64K
-    registers, 2048 threads)."""
+def _mma_resident(
+    p: PreparedQuant, cfg: QmmConfig, nt: int, prefetch_x: int, x_f16: bool = False
+) -> int:
+    """Programs of the MMA kernel with ``nt`` n8 tiles and x prefetch ``prefetch_x``
+    (:func:`_x_prefetch`) that fit on one SM at once (64K registers, 2048 threads)."""
     w = _mma_warps(p, cfg, nt, x_f16)
-    key = (p.block_n // (16 * w), nt, _dequant_a(p, cfg, x_f16), _x_prefetch(cfg))
+    key = (p.block_n // (16 * w), nt, _dequant_a(p, cfg, x_f16), prefetch_x)
     regs = -(-_MMA_REGS.get(key, 128) // 8) * 8
     return max(1, min(65536 // (regs * 32 * w), 2048 // (32 * w), 32))
 
 
-def _x_prefetch(cfg: QmmConfig) -> int:
-    """The MMA kernel's ``PREFETCH_X``: 1 the next pair's x, 2 the next chunk's, 0 none."""
-    return 1 if cfg.prefetch_x else (2 if cfg.x_chunk_ahead else 0)
+def _x_prefetch(cfg: QmmConfig, m: int) -> int:
+    """The MMA kernel's ``PREFETCH_X`` for ``m`` rows of x: 1 the next pair's x, 2 the next
+    chunk's (also in place of 1 above 16 rows, ``x_chunk_ahead_wide``), 0 none."""
+    if cfg.prefetch_x:
+        return 2 if m > 16 and cfg.x_chunk_ahead_wide else 1
+    return 2 if cfg.x_chunk_ahead else 0
 
 
 def _dequant_a(p: PreparedQuant, cfg: QmmConfig, x_f16: bool = False) -> bool:
@@ -1677,8 +1682,6 @@ def _quant_matmul_mma(
     x2: torch.Tensor, p: PreparedQuant, cfg: QmmConfig, y: torch.Tensor
 ) -> torch.Tensor:
     M = x2.shape[0]
-    if M > 16 and cfg.prefetch_x and cfg.x_chunk_ahead_wide:
-        cfg = dataclasses.replace(cfg, prefetch_x=False, x_chunk_ahead=True)
     x_f16 = x2.dtype == torch.float16
     if x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.contiguous()  # x is read as 16-byte vectors of int32 pairs
@@ -1725,7 +1728,7 @@ def _quant_matmul_mma(
         SCALE_0=_scale_asm(0, p.sb_bf16, x_f16),
         SCALE_1=_scale_asm(1, p.sb_bf16, x_f16),
         USE_ASM=_USE_ASM,
-        PREFETCH_X=_x_prefetch(cfg),
+        PREFETCH_X=_x_prefetch(cfg, M),
         DEQ=_dequant_a(p, cfg, x_f16),
         DEQ_0=_deq_asm(0, x_f16),
         DEQ_1=_deq_asm(1, x_f16),
