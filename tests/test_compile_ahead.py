@@ -183,14 +183,18 @@ def test_the_load_counts_the_weight_files_where_there_are_any(tmp_path):
 
 def test_a_process_holds_its_allocator_to_the_servers_cap(monkeypatch):
     """cap_memory: the fraction of the device given to set_per_process_memory_fraction (the
-    CUDA calls stand in here: this machine has no GPU); nothing without the variable or off
-    CUDA."""
+    CUDA calls stand in here: this machine has no GPU; the stand-in checks its device as torch
+    does, which refuses an index-less "cuda"); nothing without the variable or off CUDA."""
     import torch
+    from torch.cuda._utils import _get_device_index
 
     calls = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (0, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
-        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f)
+        torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda f, d=None: calls.append((f, _get_device_index(d))),
     )
     monkeypatch.delenv(compile_ahead.CAP_ENV, raising=False)
     compile_ahead.cap_memory("cuda")
@@ -198,7 +202,8 @@ def test_a_process_holds_its_allocator_to_the_servers_cap(monkeypatch):
     compile_ahead.cap_memory("cpu")
     assert calls == []
     compile_ahead.cap_memory("cuda")
-    assert calls == [0.1]
+    compile_ahead.cap_memory("cuda:1")
+    assert calls == [(0.1, 0), (0.1, 1)]
 
 
 def test_the_planned_parameters_are_the_loaded_models():

@@ -196,9 +196,11 @@ def cap_memory(device: str) -> None:
         return
     import torch
 
+    # set_per_process_memory_fraction takes no index-less "cuda": the device's index, resolved.
     dev = torch.device(device)
-    total = torch.cuda.mem_get_info(dev)[1]
-    torch.cuda.set_per_process_memory_fraction(min(1.0, int(cap) / total), dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = torch.cuda.mem_get_info(index)[1]
+    torch.cuda.set_per_process_memory_fraction(min(1.0, int(cap) / total), index)
 
 
 class CompileAhead:
