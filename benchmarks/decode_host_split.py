@@ -1,0 +1,154 @@
+"""Where one stream's plain decode step goes, on the engine thread: the step's wall time (from
+one step's start to the next's) beside the parts the host spends on it, and on CUDA beside the
+decode graph's own GPU time (CUDA events around each replay).
+
+    python benchmarks/decode_host_split.py                      # the default model, this device
+    python benchmarks/decode_host_split.py --shape 27b --format 4bit   # random weights, GPU
+
+A step's wall time minus its graph's GPU time is what the GPU waits for the host in a plain
+decode step (read-back, sampling, delivery, planning, the next replay's inputs and launch): the
+gap between the client's decode time per token and the in-process GPU step. Medians over the
+decode steps of a few 1-stream requests of --tokens tokens (the first two steps of each left
+out). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _timed(acc: dict[str, list[float]], obj: object, name: str, key: str | None = None) -> None:
+    """Wrap ``obj.name`` so that each call's host time is appended to ``acc[key or name]``."""
+    f = getattr(obj, name)
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            acc[key or name].append(time.perf_counter() - t)
+
+    setattr(obj, name, timed)
+
+
+def _gpu_timed(events: list[tuple[torch.cuda.Event, torch.cuda.Event]], graphs: object) -> None:
+    """Record CUDA events around each decode-graph replay (read after the request ends)."""
+    f = graphs.run
+
+    def timed(*a, **k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = f(*a, **k)
+        end.record()
+        events.append((start, end))
+        return out
+
+    graphs.run = timed
+
+
+def _engine(args):
+    from headstart.engine.config import EngineConfig
+    from headstart.engine.engine import Engine
+
+    if args.shape is None:
+        from headstart.loading import load
+
+        loaded = load()
+        return Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(4, 1024))
+    from gpu_engine import _tokenizer, config, random_weights
+
+    from headstart.models.qwen35.model import Qwen35Model
+
+    quant = args.format == "4bit"
+    cfg = config(args.shape, quant)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    model = Qwen35Model(cfg, random_weights(cfg, quant, gen), torch.bfloat16, "cuda")
+    return Engine(model, _tokenizer(), (), EngineConfig(4, 1024))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default=None, help="a random-weight shape (gpu_engine.py's)")
+    ap.add_argument("--format", default="bf16", choices=["bf16", "4bit"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=3)
+    args = ap.parse_args()
+    from headstart.engine.engine import Failed, Finish
+    from headstart.engine.request import EngineRequest
+    from headstart.sampling import SamplingParams
+
+    engine = _engine(args)
+    acc: dict[str, list[float]] = collections.defaultdict(list)
+    begun: list[float] = []
+    for name, key in (
+        ("_draw", "sampling (on CUDA: waits for the forward)"),
+        ("_per_request", "delivery"),
+    ):
+        _timed(acc, engine, name, key)
+    _timed(acc, engine.runner, "run", "runner: inputs and launch (on CPU: the forward)")
+    _timed(acc, engine.scheduler, "plan", "planning")
+    step = engine._run_step
+
+    def marked(work):
+        begun.append(time.perf_counter())
+        return step(work)
+
+    engine._run_step = marked
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    graphs = getattr(engine.runner, "decode_graphs", None)
+    if graphs is not None:
+        _gpu_timed(events, graphs)
+    engine.start()
+    walls: list[float] = []
+    gpu: list[float] = []
+    kept: dict[str, list[float]] = collections.defaultdict(list)
+    for r in range(args.requests + 1):  # the first request warms up and is not counted
+        done = threading.Event()
+
+        def sink(ev, done=done):
+            if isinstance(ev, (Finish, Failed)):
+                done.set()
+
+        acc.clear(), begun.clear(), events.clear()
+        prompt = [1000 + 7 * r + i for i in range(31)]
+        params = SamplingParams(temperature=0.0)
+        engine.submit(EngineRequest(f"r{r}", prompt, params, args.tokens, sink))
+        if not done.wait(300):
+            raise SystemExit("the request did not finish")
+        if r == 0:
+            continue
+        # Step 0 is the prompt; the decode steps follow, the first two left out.
+        walls += [b - a for a, b in itertools.pairwise(begun[3:])]
+        for key, v in acc.items():
+            kept[key] += v[3:]
+        if events:
+            torch.cuda.synchronize()
+            gpu += [s.elapsed_time(e) / 1e3 for s, e in events[2:]]
+    engine.stop()
+
+    def ms(v: list[float]) -> str:
+        return f"{1e3 * statistics.median(v):8.3f}" if v else "       -"
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"one stream's plain decode steps, {args.shape or 'default model'}, {device}")
+    print(f"{'part':48s} {'median ms':>9s}  n")
+    print(f"{'step, start to next start (wall)':48s} {ms(walls)}  {len(walls)}")
+    if gpu:
+        print(f"{'decode graph on the GPU (CUDA events)':48s} {ms(gpu)}  {len(gpu)}")
+    for key in sorted(kept):
+        print(f"{key:48s} {ms(kept[key])}  {len(kept[key])}")
+
+
+if __name__ == "__main__":
+    main()
