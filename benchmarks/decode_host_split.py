@@ -120,7 +120,9 @@ def main() -> None:
             if isinstance(ev, (Finish, Failed)):
                 done.set()
 
-        acc.clear(), begun.clear(), events.clear()
+        acc.clear()
+        begun.clear()
+        events.clear()
         prompt = [1000 + 7 * r + i for i in range(31)]
         params = SamplingParams(temperature=0.0)
         engine.submit(EngineRequest(f"r{r}", prompt, params, args.tokens, sink))

@@ -30,7 +30,23 @@ import torch
 from headstart.batch import ForwardBatch
 from headstart.state import StateGroup, StatePool
 
-__all__ = ["CausalLM", "ChatFormat", "ForwardOutput", "LMConfig", "ModelFamily", "ToolCallParsing"]
+__all__ = [
+    "CausalLM",
+    "ChatFormat",
+    "ForwardOutput",
+    "LMConfig",
+    "ModelFamily",
+    "ToolCallParsing",
+    "dense_copy_budget",
+]
+
+
+def dense_copy_budget(fraction: float, free: int, total: int) -> int:
+    """Bytes a loader's dense prefill copies may take by default: ``fraction`` of the device's
+    ``total`` memory, and never more than half of what is ``free`` before loading (another
+    process may hold part of the GPU). One rule for the loader and for what ``serve`` plans
+    before the load (``ModelFamily.dense_fraction``)."""
+    return int(min(fraction * total, free / 2))
 
 
 @dataclass

@@ -147,8 +147,11 @@ def load_plan(path: Path, params: int, free: int, total: int, dense_fraction: fl
     """The checkpoint's weight files where it has them, else (random weights, ``--load-format
     dummy``) its ``params`` at the bits of its quantization block (scales and biases included)
     or two bytes each; plus, for quantized weights, the dense prefill copies (two bytes a
-    weight) where they fit ``dense_fraction`` of the device and half of what is free, the
-    loader's rule, applied to the memory free before the processes take any."""
+    weight) where they fit the loader's budget
+    (:func:`~headstart.models.contract.dense_copy_budget`), applied to the memory free before
+    the processes take any."""
+    from headstart.models.contract import dense_copy_budget
+
     cfg = json.loads((path / "config.json").read_text())
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     q = next((c[k] for c in (cfg, text) for k in ("quantization", "quantization_config")
@@ -160,7 +163,7 @@ def load_plan(path: Path, params: int, free: int, total: int, dense_fraction: fl
         held = sum(f.stat().st_size for f in files)
     else:
         held = int(params * (bits / 8 + 4 / group)) if quantized else 2 * params
-    dense = quantized and 2 * params <= min(dense_fraction * total, free / 2)
+    dense = quantized and 2 * params <= dense_copy_budget(dense_fraction, free, total)
     return LoadPlan(held + (2 * params if dense else 0), dense)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 
+from headstart.models.contract import dense_copy_budget
 from headstart.models.qwen35.config import ModelConfig
 from headstart.models.qwen35.weights import Weight
 from headstart.ops.quant_matmul import cpu as cpu_quant
@@ -114,8 +115,7 @@ def dense_budget(device: torch.device) -> int:
     (another process may hold part of the GPU)."""
     if device.type != "cuda":
         return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return int(min(DENSE_FRACTION * total, free / 2))
+    return dense_copy_budget(DENSE_FRACTION, *torch.cuda.mem_get_info(device))
 
 
 EMBED = "embed_tokens.weight"
