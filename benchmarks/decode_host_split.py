@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--format", default="bf16", choices=["bf16", "4bit"])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument(
+        "--no-ahead", action="store_true", help="plan every decode step after the last one's"
+    )
     args = ap.parse_args()
     from headstart.engine.engine import Failed, Finish
     from headstart.engine.request import EngineRequest
@@ -98,13 +101,17 @@ def main() -> None:
         _timed(acc, engine, name, key)
     _timed(acc, engine.runner, "run", "runner: inputs and launch (on CPU: the forward)")
     _timed(acc, engine.scheduler, "plan", "planning")
-    step = engine._run_step
+    engine.decode_ahead = engine.decode_ahead and not args.no_ahead
 
-    def marked(work):
-        begun.append(time.perf_counter())
-        return step(work)
+    def marked(f):
+        def run(*a, **k):
+            begun.append(time.perf_counter())
+            return f(*a, **k)
 
-    engine._run_step = marked
+        return run
+
+    for name in ("_run_step", "_step_ahead"):  # a step planned, or one launched ahead
+        setattr(engine, name, marked(getattr(engine, name)))
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     graphs = getattr(engine.runner, "decode_graphs", None)
     if graphs is not None:
@@ -143,7 +150,8 @@ def main() -> None:
         return f"{1e3 * statistics.median(v):8.3f}" if v else "       -"
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"one stream's plain decode steps, {args.shape or 'default model'}, {device}")
+    ahead = "launched ahead" if engine.decode_ahead else "planned one by one"
+    print(f"one stream's plain decode steps ({ahead}), {args.shape or 'default model'}, {device}")
     print(f"{'part':48s} {'median ms':>9s}  n")
     print(f"{'step, start to next start (wall)':48s} {ms(walls)}  {len(walls)}")
     if gpu:

@@ -38,7 +38,7 @@ from headstart.engine.spec.proposal import STATS, DraftJob, Speculator
 from headstart.engine.spec.round import device_greedy
 from headstart.engine.spec.verification import Draft
 from headstart.engine.step_log import StepClock
-from headstart.models.contract import CausalLM
+from headstart.models.contract import CausalLM, ForwardOutput
 from headstart.penalties import TokenHistory
 from headstart.sampling import Sampler, SampleResult, SamplingParams, make_generator
 from headstart.tokenizer import Tokenizer
@@ -55,6 +55,19 @@ class _Rounds:
     tokens it may still emit), and when the step that launched them began."""
 
     streams: list[tuple[Live, int, int]]
+    since: float
+
+
+@dataclass
+class _Decodes:
+    """A plain decode step launched ahead: its work (one decoding row per stream, in the
+    order of ``lives``), the forward's output (views of graph outputs, valid until the next
+    run), and when the read-back before its launch happened."""
+
+    work: list[Work]
+    lives: list[Live]
+    step: Step
+    out: ForwardOutput
     since: float
 
 
@@ -95,7 +108,12 @@ class Engine:
         )
         self.runner.warm_up()
         self._live: dict[str, Live] = {}  # engine thread only
-        self._ahead: _Rounds | None = None  # whole rounds launched, not yet collected
+        # A step launched ahead, not yet collected: whole rounds, or plain decode rows.
+        self._ahead: _Rounds | _Decodes | None = None
+        # Launch a plain decode step before the last one's tokens are delivered (see
+        # _launch_decodes). Only where the forward runs asynchronously: on a CPU it would hold
+        # every token back by a whole forward. Tests turn it on to check it there.
+        self.decode_ahead = model.device.type == "cuda"
         self._inbox = Inbox(self.num_slots, self.max_queue, self.context)
         self._thread = threading.Thread(target=self._loop, name="headstart-engine", daemon=True)
         self._warmed = threading.Event()  # the engine thread's own warm-up has run
@@ -266,15 +284,19 @@ class Engine:
         self._in_step(self._run_step, work)
 
     def _step_ahead(self, launch: bool = True) -> None:
-        """A step of the whole rounds launched ahead: collect and deliver them (launching the
-        next ones first, unless ``launch`` is False or the step could change)."""
-        rounds, self._ahead = self._ahead, None
+        """The step launched ahead: collect and deliver it (launching the next one first,
+        unless ``launch`` is False or the step could change)."""
+        ahead, self._ahead = self._ahead, None
         self.steps += 1
+        if isinstance(ahead, _Rounds):
+            collect, lives = self._collect_rounds, [lv for lv, _, _ in ahead.streams]
+        else:
+            collect, lives = self._collect_decodes, ahead.lives
         try:
-            self._in_step(self._collect_rounds, rounds, launch)
+            self._in_step(collect, ahead, launch)
         except Exception as e:  # as for a failed step: its requests fail, the engine goes on
             log.exception("engine step failed")
-            self._fail_all([lv for lv, _, _ in rounds.streams if lv.req.id in self._live], e)
+            self._fail_all([lv for lv in lives if self._live.get(lv.req.id) is lv], e)
 
     def _in_step(self, run: Callable[..., None], *args: object) -> None:
         self._finals = []
@@ -321,10 +343,11 @@ class Engine:
         due = self.cache.snapshots_due(committed, last_rows)
         sampling = [j for j in plain if work[j].samples]
         if sampling:
-            self._sample_and_deliver(
-                [self._live[work[j].seq.id] for j in sampling],
-                out.logits[[step.last_row(j) for j in sampling]],
-            )
+            lives = [self._live[work[j].seq.id] for j in sampling]
+            drawn = self._draw_for(lives, out.logits[[step.last_row(j) for j in sampling]])
+            if not drafts and not due and not taps and len(sampling) == len(work):
+                self._ahead = self._launch_decodes(work, lives, drawn, time.perf_counter())
+            self._deliver_drawn(lives, drawn)
         clock.mark()
         self.cache.take_snapshots(due, out.logits, features)
         clock.log(self.steps, work)
@@ -337,6 +360,63 @@ class Engine:
         if self.spec is not None and all(len(w.tokens) == 1 and w.samples for w in work):
             # A decode step, whole: what a round costs beyond its windows is measured here.
             self.spec.observe_step(time.perf_counter() - began, bool(drafts))
+
+    def _launch_decodes(
+        self, work: list[Work], lives: list[Live], drawn: list[Drawn], now: float
+    ) -> _Decodes | None:
+        """Launch the next plain decode step, fed the tokens just drawn, before they are
+        delivered, and return it, when the next step would be exactly that: ``work`` is one
+        decoding row of every running stream, nothing waits to be admitted or commanded, and
+        no stream can end on these tokens (every draw succeeded, no stop token among them, no
+        stop strings, room left for two more). Otherwise None: the next step is planned as
+        usual. The device then computes it while this thread delivers the tokens (detokenize,
+        stop checks, the sinks) and plans: as :meth:`_launch_next` does for whole rounds."""
+        if (
+            not self.decode_ahead
+            or self._inbox.pending
+            or self.scheduler.num_waiting
+            or len(work) != self.scheduler.num_running
+        ):
+            return None
+        ahead = []
+        for w, live, d in zip(work, lives, drawn, strict=True):
+            if isinstance(d, Exception) or live.features is not None:
+                return None
+            token = d[0].token_ids[d[1]]
+            out = live.out
+            if (
+                len(w.tokens) != 1
+                or w.start < len(w.seq.prompt)
+                or w.start + 1 >= self.context
+                or token in out.stop_ids
+                or live.req.params.stop
+                or out.max_new_tokens - out.produced < 2
+            ):
+                return None
+            ahead.append(Work(w.seq, w.start + 1, (token,), samples=True))
+        step = Step.of(ahead, {}, taps=False)
+        return _Decodes(ahead, lives, step, self.runner.run(step), now)
+
+    def _collect_decodes(self, decodes: _Decodes, launch: bool = True) -> None:
+        """Collect a plain decode step launched ahead: draw its tokens (waiting for the
+        device), launch the next one when nothing can change it (``launch``), deliver. The
+        rows of streams that ended since its launch (a broken sink) are dropped: their slots
+        are handed out only after this, and later work on them runs after it on the device."""
+        clock = StepClock()
+        self.scheduler.step_done(decodes.work)
+        kept = [j for j, lv in enumerate(decodes.lives) if self._live.get(lv.req.id) is lv]
+        if not kept:
+            return
+        lives = [decodes.lives[j] for j in kept]
+        work = [decodes.work[j] for j in kept]
+        clock.mark()
+        drawn = self._draw_for(lives, decodes.out.logits[kept])
+        done = time.perf_counter()
+        self._ahead = self._launch_decodes(work, lives, drawn, done) if launch else None
+        self._deliver_drawn(lives, drawn)
+        clock.log(self.steps, work)
+        if self.spec is not None:  # launched ahead, a step costs the time between read-backs
+            self.spec.observe_step(done - decodes.since, False)
 
     def _whole_rounds_fit(self, work: list[Work], jobs: dict[int, DraftJob | None]) -> bool:
         """Whether this step can run as whole device rounds (engine/spec/round.py): every row
@@ -469,12 +549,19 @@ class Engine:
         return draw_rows(self.sampler, logits, params, rngs, histories)
 
     def _sample_and_deliver(self, lives: list[Live], logits: torch.Tensor) -> None:
-        drawn = self._draw(
+        self._deliver_drawn(lives, self._draw_for(lives, logits))
+
+    def _draw_for(self, lives: list[Live], logits: torch.Tensor) -> list[Drawn]:
+        """One token for each of ``lives`` from its row of ``logits`` (read back to the host)."""
+        return self._draw(
             logits,
             [lv.req.params for lv in lives],
             [lv.rng for lv in lives],
             [lv.history for lv in lives],
         )
+
+    def _deliver_drawn(self, lives: list[Live], drawn: list[Drawn]) -> None:
+        """Deliver each stream its drawn token; a row whose draw failed fails its request."""
         for live, d in zip(lives, drawn, strict=True):  # failed rows first, as they were drawn
             if isinstance(d, Exception):
                 self._fail(live, d)
