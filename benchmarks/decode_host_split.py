@@ -77,19 +77,57 @@ def _engine(args):
     return Engine(model, _tokenizer(), (), EngineConfig(4, 1024))
 
 
+def _measure(engine, args, acc, begun, events) -> dict[str, list[float]]:
+    """Run the requests; each part's times (seconds) over their decode steps."""
+    from headstart.engine.engine import Failed, Finish, Piece
+    from headstart.engine.request import EngineRequest
+    from headstart.sampling import SamplingParams
+
+    walls: list[float] = []
+    gpu: list[float] = []
+    tokens: list[float] = []
+    kept: dict[str, list[float]] = collections.defaultdict(list)
+    for r in range(args.requests + 1):  # the first request warms up and is not counted
+        done = threading.Event()
+        arrived: list[float] = []
+
+        def sink(ev, done=done, arrived=arrived):
+            if isinstance(ev, Piece):
+                arrived.append(time.perf_counter())
+            if isinstance(ev, (Finish, Failed)):
+                done.set()
+
+        acc.clear()
+        begun.clear()
+        events.clear()
+        prompt = [1000 + 7 * r + i for i in range(31)]
+        params = SamplingParams(temperature=0.0, ignore_eos=True)
+        engine.submit(EngineRequest(f"r{r}", prompt, params, args.tokens, sink))
+        if not done.wait(300):
+            raise SystemExit("the request did not finish")
+        if r == 0:
+            continue
+        # Step 0 is the prompt; the decode steps follow, the first two left out.
+        walls += [b - a for a, b in itertools.pairwise(begun[3:])]
+        tokens += [b - a for a, b in itertools.pairwise(arrived[3:])]
+        for key, v in acc.items():
+            kept[key] += v[3:]
+        if events:
+            torch.cuda.synchronize()
+            gpu += [s.elapsed_time(e) / 1e3 for s, e in events[2:]]
+    rows = {"step, start to next start (wall)": walls, "token to token, at the sink": tokens}
+    if gpu:
+        rows["decode graph on the GPU (CUDA events)"] = gpu
+    return rows | dict(sorted(kept.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default=None, help="a random-weight shape (gpu_engine.py's)")
     ap.add_argument("--format", default="bf16", choices=["bf16", "4bit"])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument(
-        "--no-ahead", action="store_true", help="plan every decode step after the last one's"
-    )
     args = ap.parse_args()
-    from headstart.engine.engine import Failed, Finish
-    from headstart.engine.request import EngineRequest
-    from headstart.sampling import SamplingParams
 
     engine = _engine(args)
     acc: dict[str, list[float]] = collections.defaultdict(list)
@@ -101,7 +139,6 @@ def main() -> None:
         _timed(acc, engine, name, key)
     _timed(acc, engine.runner, "run", "runner: inputs and launch (on CPU: the forward)")
     _timed(acc, engine.scheduler, "plan", "planning")
-    engine.decode_ahead = engine.decode_ahead and not args.no_ahead
 
     def marked(f):
         def run(*a, **k):
@@ -117,47 +154,24 @@ def main() -> None:
     if graphs is not None:
         _gpu_timed(events, graphs)
     engine.start()
-    walls: list[float] = []
-    gpu: list[float] = []
-    kept: dict[str, list[float]] = collections.defaultdict(list)
-    for r in range(args.requests + 1):  # the first request warms up and is not counted
-        done = threading.Event()
-
-        def sink(ev, done=done):
-            if isinstance(ev, (Finish, Failed)):
-                done.set()
-
-        acc.clear()
-        begun.clear()
-        events.clear()
-        prompt = [1000 + 7 * r + i for i in range(31)]
-        params = SamplingParams(temperature=0.0)
-        engine.submit(EngineRequest(f"r{r}", prompt, params, args.tokens, sink))
-        if not done.wait(300):
-            raise SystemExit("the request did not finish")
-        if r == 0:
-            continue
-        # Step 0 is the prompt; the decode steps follow, the first two left out.
-        walls += [b - a for a, b in itertools.pairwise(begun[3:])]
-        for key, v in acc.items():
-            kept[key] += v[3:]
-        if events:
-            torch.cuda.synchronize()
-            gpu += [s.elapsed_time(e) / 1e3 for s, e in events[2:]]
+    # Steps planned one by one, then (where the engine launches them ahead: CUDA) ahead.
+    modes = [False, True] if engine.decode_ahead else [False]
+    columns = {}
+    for ahead in modes:
+        engine.decode_ahead = ahead
+        columns[ahead] = _measure(engine, args, acc, begun, events)
     engine.stop()
 
     def ms(v: list[float]) -> str:
-        return f"{1e3 * statistics.median(v):8.3f}" if v else "       -"
+        return f"{1e3 * statistics.median(v):9.3f}" if v else "        -"
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    ahead = "launched ahead" if engine.decode_ahead else "planned one by one"
-    print(f"one stream's plain decode steps ({ahead}), {args.shape or 'default model'}, {device}")
-    print(f"{'part':48s} {'median ms':>9s}  n")
-    print(f"{'step, start to next start (wall)':48s} {ms(walls)}  {len(walls)}")
-    if gpu:
-        print(f"{'decode graph on the GPU (CUDA events)':48s} {ms(gpu)}  {len(gpu)}")
-    for key in sorted(kept):
-        print(f"{key:48s} {ms(kept[key])}  {len(kept[key])}")
+    print(f"one stream's plain decode steps, {args.shape or 'default model'}, {device}")
+    names = {False: "planned", True: "ahead"}
+    print(f"{'part, median ms':48s}" + "".join(f" {names[a]:>9s}" for a in modes) + "  n")
+    for key in columns[False]:
+        cells = "".join(f" {ms(columns[a].get(key, []))}" for a in modes)
+        print(f"{key:48s}{cells}  {len(columns[False][key])}")
 
 
 if __name__ == "__main__":
