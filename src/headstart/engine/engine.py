@@ -9,7 +9,10 @@ a request gets nothing more; an aborted request gets nothing at all. A failure i
 part of a step (sampling, output, a verify round) ends that request alone; a failure of a whole
 step fails the requests of that step, and the engine goes on. A step: commands, admission (with
 prompt-cache restores), the plan, drafts, one ``ModelRunner`` run, sampling or verification and
-delivery per request, then snapshots.
+delivery per request, then snapshots. When the next step is certain (decode rows of every
+stream, nothing arriving, no stream able to end), it is launched before this one's tokens are
+delivered, so the device computes while this thread delivers: whole drafting rounds, and on
+CUDA plain decode steps.
 """
 
 from __future__ import annotations
