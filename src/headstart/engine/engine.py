@@ -386,14 +386,12 @@ class Engine:
             if isinstance(d, Exception) or live.features is not None:
                 return None
             token = d[0].token_ids[d[1]]
-            out = live.out
             if (
                 len(w.tokens) != 1
                 or w.start < len(w.seq.prompt)
                 or w.start + 1 >= self.context
-                or token in out.stop_ids
-                or live.req.params.stop
-                or out.max_new_tokens - out.produced < 2
+                or _may_stop_on(live, (token,))
+                or live.out.max_new_tokens - live.out.produced < 2
             ):
                 return None
             ahead.append(Work(w.seq, w.start + 1, (token,), samples=True))
@@ -471,11 +469,9 @@ class Engine:
             return None
         streams = []
         for (live, start, room), tokens in zip(rounds.streams, said, strict=True):
-            out = live.out
             if (
                 self._live.get(live.req.id) is not live
-                or live.req.params.stop
-                or any(t in out.stop_ids for t in tokens)
+                or _may_stop_on(live, tokens)
                 or room - len(tokens) < 2
             ):
                 return None
@@ -633,6 +629,13 @@ class Engine:
         self._inbox.ended()
         if final is not None:
             _send_final(live.req, final)
+
+
+def _may_stop_on(live: Live, tokens: Sequence[int]) -> bool:
+    """Whether delivering ``tokens`` could end ``live`` before its length limit: a stop token
+    among them, or stop strings to match (a step launched ahead of their delivery must not
+    have been fed past the end)."""
+    return bool(live.req.params.stop) or any(t in live.out.stop_ids for t in tokens)
 
 
 def _failed(e: Exception) -> Failed:
