@@ -588,3 +588,57 @@ def test_host_tier_copier_on_the_gpu_returns_the_cached_answer(ckpt, engines):
     got, finish = ask(first, "return")
     assert finish.cached_tokens == len(first) and got == want
     assert e.stats()["cache_host_hits"] == 1
+
+
+def test_decode_steps_launched_ahead_equal_steps_planned_one_by_one(ckpt, engines):
+    """On the GPU, where plain decode steps are launched before the last one's tokens are
+    delivered (from the decode graphs): four streams ending at different steps, one on a stop
+    token mid-stream, get the same tokens and leave every slot bit for bit as with steps
+    planned one by one (a step fed past a stream's end would have written its slot)."""
+    from engine_helpers import Collector
+
+    from headstart.engine.config import EngineConfig
+    from headstart.engine.engine import EngineRequest, wait_idle
+    from headstart.sampling import SamplingParams
+
+    model = Qwen35Model.load(ckpt, dtype=torch.bfloat16, device="cuda")
+    tok = tiny.small_tokenizer(512)
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([7, 30, 70, 3])]
+    limits = [20, 9, 16, 24]
+
+    def run(ahead: bool, stop: tuple[int, ...]):
+        e = engines(model, tok, (), EngineConfig(4, 256), start=False)
+        assert e.runner.decode_graphs is not None and e.decode_ahead  # on by default on CUDA
+        e.decode_ahead = ahead
+        collected = [0]
+        real = e._collect_decodes
+
+        def counted(*a, **k):
+            collected[0] += 1
+            return real(*a, **k)
+
+        e._collect_decodes = counted
+        e.start()
+        cs = [Collector() for _ in prompts]
+        for i, (ids, n, c) in enumerate(zip(prompts, limits, cs, strict=True)):
+            params = SamplingParams(
+                temperature=0, ignore_eos=True, stop_token_ids=stop if i == 3 else ()
+            )
+            e.submit(EngineRequest(f"a{i}", ids, params, n, c))
+        for c in cs:
+            assert c.done.wait(120)
+        assert wait_idle(e)
+        pool = e.runner.pool
+        slots = [{k: v.clone() for k, v in pool.slot_state(s, 256).items()} for s in range(4)]
+        e.stop()  # one engine on the GPU at a time
+        return [(c.tokens, c.finish.reason) for c in cs], slots, collected[0]
+
+    probe, _, _ = run(False, ())
+    stop = (probe[3][0][11],)  # stream 3 stops at this token, mid-stream
+    want, want_slots, none = run(False, stop)
+    got, got_slots, collected = run(True, stop)
+    assert got == want and want[3][1] == "stop"
+    assert none == 0 and collected > 5
+    for s in range(4):
+        for k, v in want_slots[s].items():
+            assert torch.equal(got_slots[s][k], v), (s, k)
