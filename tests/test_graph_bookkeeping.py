@@ -625,3 +625,48 @@ def test_warm_shards_deal_out_every_graph_once(engines, target, tokenizer):
     shards = [graphs((i, 2)) for i in range(2)]
     assert len(every) >= 4 and all(shards)
     assert shards[0] | shards[1] == every and not shards[0] & shards[1]
+
+
+def test_decode_steps_launched_ahead_from_graphs_end_and_cache_as_planned(
+    target, tokenizer, engines
+):
+    """Plain decode steps launched before the last one's tokens are delivered, from the
+    decode graphs (whose outputs the next replay overwrites): streams that end on different
+    lengths and on a stop token met mid-stream give what steps planned one by one give, and
+    the prompt cache's final snapshots, taken with a step in flight, serve grown prompts the
+    same."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[:4]
+
+    def run(e, prompts, params):
+        cs = [Collector() for _ in prompts]
+        for i, (ids, p, c) in enumerate(zip(prompts, params, cs, strict=True)):
+            e.submit(EngineRequest(f"d{i}", ids, p, p.max_tokens, c))
+        for c in cs:
+            assert c.done.wait(120) and isinstance(c.events[-1], Finish)
+        assert wait_idle(e)
+        return [(c.tokens, c.events[-1].reason) for c in cs]
+
+    cache = CacheConfig(bytes=1 << 24)
+    plain = emulated(engines, target, tokenizer, cache=cache)
+    plain.decode_ahead = False
+    stop = run(plain, prompts[1:2], [greedy])[0][0][13]
+    params = [
+        greedy,
+        replace(greedy, stop_token_ids=(stop,)),
+        replace(greedy, max_tokens=7),
+        replace(greedy, max_tokens=19),
+    ]
+    expected = run(plain, prompts, params)
+    assert expected[1][1] == "stop"
+    e = emulated(engines, target, tokenizer, cache=cache)
+    e.decode_ahead = True
+    collected = []
+    real = e._collect_decodes
+    e._collect_decodes = lambda *a: collected.append(1) or real(*a)
+    assert run(e, prompts, params) == expected
+    assert len(collected) > 5
+    grown = [p + out + [7, 9] for p, (out, _) in zip(prompts, expected, strict=True)]
+    hits = e.stats()["cache_hits"]
+    assert run(e, grown, [greedy] * 4) == run(plain, grown, [greedy] * 4)
+    assert e.stats()["cache_hits"] > hits
