@@ -69,7 +69,6 @@ class _Decodes:
 
     work: list[Work]
     lives: list[Live]
-    step: Step
     out: ForwardOutput
     since: float
 
@@ -395,8 +394,7 @@ class Engine:
             ):
                 return None
             ahead.append(Work(w.seq, w.start + 1, (token,), samples=True))
-        step = Step.of(ahead, {}, taps=False)
-        return _Decodes(ahead, lives, step, self.runner.run(step), now)
+        return _Decodes(ahead, lives, self.runner.run(Step.of(ahead, {}, taps=False)), now)
 
     def _collect_decodes(self, decodes: _Decodes, launch: bool = True) -> None:
         """Collect a plain decode step launched ahead: draw its tokens (waiting for the
