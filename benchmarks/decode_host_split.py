@@ -6,10 +6,12 @@ decode graph's own GPU time (CUDA events around each replay).
     python benchmarks/decode_host_split.py --shape 27b --format 4bit   # random weights, GPU
 
 A step's wall time minus its graph's GPU time is what the GPU waits for the host in a plain
-decode step (read-back, sampling, delivery, planning, the next replay's inputs and launch): the
-gap between the client's decode time per token and the in-process GPU step. Medians over the
-decode steps of a few 1-stream requests of --tokens tokens (the first two steps of each left
-out). Prints a table last.
+decode step (read-back, sampling, delivery, planning, the next replay's inputs and launch).
+Medians over the decode steps of a few 1-stream requests of --tokens tokens (the first two
+steps of each left out), and the time between tokens as the request's sink receives them. On
+CUDA the same engine runs the requests twice: with every step planned after the last one's
+tokens are delivered, then with steps launched ahead of that delivery (``Engine.decode_ahead``,
+the default there), one column each. Prints a table last.
 """
 
 from __future__ import annotations
