@@ -68,7 +68,8 @@ EOF
 }
 
 # The client's decode time per token (median over the receipt $1's requests that decoded):
-# beside a short prompt's TTFT, the decode step the issue's targets are counted in.
+# beside a short prompt's TTFT, the decode step the issue's targets are counted in; and its
+# TTFT split at the response's headers.
 client_decode() {
   python3 - "$1/requests.json" <<'EOF'
 import json, statistics, sys
@@ -80,6 +81,15 @@ rows = [dict(zip(d["fields"], r)) if isinstance(r, list) else r for r in d["requ
 ms = [1e3 / r["decode_tok_s"] for r in rows if r.get("decode_tok_s")]
 if ms:
     print(f"client decode: median {statistics.median(ms):.2f} ms a token over {len(ms)} requests")
+# Where the client's TTFT went: to the response's headers (the request's way in), then to the
+# first token (its way out); the median, and the request with the slowest first token.
+split = [(1e3 * (r["t_head"] - r["t_send"]), 1e3 * (r["t_first"] - r["t_head"]))
+         for r in rows if r.get("t_head") is not None and r.get("t_first") is not None]
+if split:
+    ins, outs = zip(*split)
+    slow = max(split, key=sum)
+    print(f"client ttft split: headers {statistics.median(ins):.1f} ms after the send, first token "
+          f"{statistics.median(outs):.1f} ms after them (medians); slowest: {slow[0]:.1f} + {slow[1]:.1f}")
 EOF
 }
 

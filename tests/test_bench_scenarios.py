@@ -25,6 +25,7 @@ from server_proc import serving
 from headstart import cli
 from headstart.bench.check import check_receipt, verify
 from headstart.bench.env import sha256_file
+from headstart.bench.rows import STAMPS
 from headstart.bench.scenario_run import TRANSFER_COUNTERS, counter_growth, parse_counters
 from headstart.bench.scenario_summary import (
     SERVER_COUNTERS,
@@ -146,6 +147,8 @@ def test_burst_first_and_later(runs):
     recs = records(runs["burst"])
     # 2 arms x 2 orders x (first + 2 repeats) x 3 streams
     assert len(recs) == 2 * 2 * 3 * 3 and answered(recs, 3)
+    # The response's headers come back after the send and before the first token.
+    assert all(r["t_send"] < r["t_head"] <= r["t_first"] for r in recs)
     config = json.loads((runs["burst"] / "config.json").read_text())
     assert [launch["exit_status"] for launch in config["launches"] if launch["arm"] == "cmd"] == [
         0,
@@ -373,7 +376,7 @@ def test_check_fails_on_an_early_long_prompt(copy):
     def early(recs):  # as if the long prompt had not waited for the decoders
         long = next(r for r in recs if r["role"] == "long")
         shift = long["t_send"] - next(r for r in recs if r["role"] == "decoder")["t_send"]
-        for k in ("t_send", "t_first", "t_last", "t_done"):
+        for k in STAMPS:
             long[k] -= shift
         long["times"] = [t - shift for t in long["times"]]
 

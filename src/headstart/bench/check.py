@@ -126,7 +126,7 @@ def _row_values(rows: list[R.Row], report: CheckReport) -> None:
                 v is None or r[f] is None or not same(r[f], v)
             ):
                 derived.append(f"{_describe(r)}: {f} is {r[f]!r}, its timestamps give {v!r}")
-        times = [r[k] for k in ("t_send", "t_first", "t_last", "t_done") if r[k] is not None]
+        times = [r[k] for k in R.STAMPS if r[k] is not None]
         if times != sorted(times):
             order.append(f"{_describe(r)}: timestamps out of order {times}")
         if r["error"] or r["status"] != 200:

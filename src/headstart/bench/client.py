@@ -143,6 +143,7 @@ async def measure(
     """
     out = Output()
     row: Row = {
+        "t_head": None,
         "t_first": None,
         "t_last": None,
         "t_done": None,
@@ -157,6 +158,9 @@ async def measure(
     send = time.perf_counter()
     try:
         async with client.post(url, data=payload, headers=headers) as r:
+            # The status line and headers are in: a server sends them once it has taken the
+            # request, so a late first token splits into its way in and its way out.
+            row["t_head"] = time.perf_counter()
             row["status"] = r.status
             if r.status != 200:
                 body = (await r.read()).decode(errors="replace")
@@ -168,7 +172,7 @@ async def measure(
     if not row["error"] and row["t_done"] is None:
         row["error"] = "stream ended without data: [DONE]"
     row["t_send"] = send - t0
-    for k in ("t_first", "t_last", "t_done"):
+    for k in ("t_head", "t_first", "t_last", "t_done"):
         if row[k] is not None:
             row[k] -= t0
     row["fingerprint"] = out.fingerprint()

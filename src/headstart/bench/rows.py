@@ -31,6 +31,7 @@ SCHEMA: dict[str, type] = {
     "stream": int,  # index of this request within its burst
     "request_sha": str,  # sha256 of the request body without "model": same body, same output
     "t_send": float,  # just before the request was sent
+    "t_head": float,  # the response's status line and headers received
     "t_first": float,  # first delta carrying a token (text, or logprobs/tool calls)
     "t_last": float,  # last such delta
     "t_done": float,  # data: [DONE]
@@ -47,6 +48,8 @@ SCHEMA: dict[str, type] = {
     "error": str,  # empty when the request succeeded
 }
 FIELDS: tuple[str, ...] = tuple(SCHEMA)
+#: A request's timestamps, in the order they happen (each one that happened).
+STAMPS = ("t_send", "t_head", "t_first", "t_last", "t_done")
 #: Fields computed from others; ``bench check`` recomputes and compares them.
 DERIVED = ("ttft_s", "decode_tok_s", "e2e_s")
 #: The fields that name a row; a receipt must hold each key exactly once.

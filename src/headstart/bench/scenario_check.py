@@ -133,7 +133,7 @@ def _values(records: list[Record], report: CheckReport) -> None:
                 v is None or r[f] is None or not same(r[f], v)
             ):
                 derived.append(f"{_describe(r)}: {f} is {r[f]!r}, its timestamps give {v!r}")
-        stamps = [r[k] for k in ("t_send", "t_first", "t_last", "t_done") if r[k] is not None]
+        stamps = [r[k] for k in R.STAMPS if r[k] is not None]
         times = r["times"]
         if stamps != sorted(stamps) or times != sorted(times):
             order.append(f"{_describe(r)}: timestamps out of order")

@@ -54,6 +54,7 @@ RECORD_SCHEMA: dict[str, type] = {
     "max_tokens": int,
     "request_sha": str,  # sha256 of the body without "model" (``workload.request_sha``)
     "t_send": float,
+    "t_head": float,
     "t_first": float,
     "t_last": float,
     "t_done": float,
