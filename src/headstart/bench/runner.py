@@ -28,7 +28,7 @@ from tqdm import tqdm
 from headstart.bench import env as envmod
 from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, wait_ready
 from headstart.bench.check import CheckReport, check_receipt
-from headstart.bench.client import burst, open_session
+from headstart.bench.client import burst, collector_paused, open_session
 from headstart.bench.receipt import run_title, write_receipt
 from headstart.bench.rows import Row
 from headstart.bench.scenarios import Scenario
@@ -116,15 +116,16 @@ async def _workload(
             if model is not None:
                 body = {"model": model, **body}
             for phase, streams, rep in schedule(plan.streams, plan.bursts):
-                results = await burst(
-                    client,
-                    target.url + prompt.endpoint,
-                    body,
-                    streams,
-                    t0,
-                    headers,
-                    on_done=target.done,
-                )
+                with collector_paused():
+                    results = await burst(
+                        client,
+                        target.url + prompt.endpoint,
+                        body,
+                        streams,
+                        t0,
+                        headers,
+                        on_done=target.done,
+                    )
                 for i, (row, output) in enumerate(results):
                     sink.rows.append(
                         {

@@ -38,10 +38,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import gc
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,7 +49,7 @@ import aiohttp
 from headstart.bench import env as envmod
 from headstart.bench.arms import arm_orders
 from headstart.bench.check import check_receipt
-from headstart.bench.client import measure, open_session, token_ids
+from headstart.bench.client import collector_paused, measure, open_session, token_ids
 from headstart.bench.receipt import write_scenario_receipt
 from headstart.bench.runner import Plan, Target, auth_headers, finish, new_run_id, run_arms
 from headstart.bench.scenario_summary import (
@@ -161,21 +160,6 @@ class Lanes:
     async def aclose(self) -> None:
         for c in self.clients:
             await c.close()
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Collect now, then keep Python's cycle collector off until the block ends: a collection
-    the allocations of 16 streams trigger would stall every stream this client reads, and
-    their times would carry it (as timeit does, measured code runs without it)."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)
