@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,21 +123,6 @@ def _pieces(choice: dict[str, Any]) -> tuple[str, str]:
         return choice.get("text") or "", ""
     reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
     return delta.get("content") or "", reasoning
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Collect now, then keep Python's cycle collector off until the block ends: a collection
-    the allocations of 16 streams trigger would stall every stream this client reads, and
-    their times would carry it (as timeit does, measured code runs without it)."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def measure(

@@ -28,12 +28,13 @@ from tqdm import tqdm
 from headstart.bench import env as envmod
 from headstart.bench.arms import ArmProcess, ArmSpec, arm_orders, model_id, server_info, wait_ready
 from headstart.bench.check import CheckReport, check_receipt
-from headstart.bench.client import burst, collector_paused, open_session
+from headstart.bench.client import burst, open_session
 from headstart.bench.receipt import run_title, write_receipt
 from headstart.bench.rows import Row
 from headstart.bench.scenarios import Scenario
 from headstart.bench.summary import format_table
 from headstart.bench.workload import Prompt, Sampling, request_body, request_sha, salt_for, schedule
+from headstart.collector import collector_paused
 
 
 @dataclass
@@ -116,7 +117,7 @@ async def _workload(
             if model is not None:
                 body = {"model": model, **body}
             for phase, streams, rep in schedule(plan.streams, plan.bursts):
-                with collector_paused():
+                with collector_paused():  # no collection stalls a measured burst
                     results = await burst(
                         client,
                         target.url + prompt.endpoint,

@@ -49,7 +49,7 @@ import aiohttp
 from headstart.bench import env as envmod
 from headstart.bench.arms import arm_orders
 from headstart.bench.check import check_receipt
-from headstart.bench.client import collector_paused, measure, open_session, token_ids
+from headstart.bench.client import measure, open_session, token_ids
 from headstart.bench.receipt import write_scenario_receipt
 from headstart.bench.runner import Plan, Target, auth_headers, finish, new_run_id, run_arms
 from headstart.bench.scenario_summary import (
@@ -70,6 +70,7 @@ from headstart.bench.scenarios import (
     token_body,
 )
 from headstart.bench.workload import COMPLETIONS, Sampling, request_sha
+from headstart.collector import collector_paused
 from headstart.errors import HeadstartError
 
 #: headstart's prompt-cache transfer counters on ``/metrics`` (``server/metrics.py``), by the
@@ -223,7 +224,8 @@ class _Arm:
         """Warm one lane per request, wait at a barrier, send them together; with ``beside``
         the last request (the long prompt) goes once every other one is decoding. Returns
         their records in request order. The client's cycle collector runs before the step,
-        never inside it (:func:`collector_paused`)."""
+        never inside it: a collection that 16 streams' allocations trigger would stall every
+        stream this client reads, and their times would carry it."""
         with collector_paused():
             return await self._step(reqs, beside)
 

@@ -11,7 +11,6 @@ runs it, the outputs come back laid out as the eager forward's.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +21,7 @@ from functools import cached_property
 import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
+from headstart.collector import collector_paused
 from headstart.engine.config import EngineConfig
 from headstart.engine.cpu_programs import DecodePrograms, offered, verify_widths
 from headstart.engine.scheduler import Work
@@ -32,22 +32,6 @@ from headstart.parallel.peers import Call, lockstep
 from headstart.parallel.snapshots import SnapshotTwins
 
 log = logging.getLogger("headstart.engine")
-
-
-@contextmanager
-def _no_collection() -> Iterator[None]:
-    """Python's cycle collector off while graphs are captured, after one collection: a
-    collection inside a capture runs the finalizers of whatever dead objects it finds (an
-    earlier engine's graphs and buffers), and a CUDA free among them invalidates the capture.
-    torch stopped collecting at the start of each capture (it is slow for many captures)."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 # Every batch shape the runner can capture; a model's ``kernels.graph_shapes`` may name fewer.
@@ -195,7 +179,10 @@ class ModelRunner:
             with sharded(self.graph_config.shard):
                 with _phase("warm-up of the eager paths"):
                     self.warm_eager(self.scratch)
-                with _no_collection():
+                # A collection inside a capture runs the finalizers of the dead objects it finds
+                # (an earlier engine's graphs and buffers), and a CUDA free among them breaks the
+                # capture; torch stopped collecting at each capture's start (slow for many).
+                with collector_paused():
                     self._capture()
         if self.compiled:
             with _phase("CPU decode steps compiled"):
