@@ -72,7 +72,7 @@ def configs(sweep: bool) -> list[PrefillConfig]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", type=int, nargs="+", default=[256, 496, 2048, 8192])
+    ap.add_argument("--ms", type=int, nargs="+", default=[496, 1024, 2048, 8192])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()

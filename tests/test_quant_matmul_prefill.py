@@ -71,7 +71,8 @@ def test_grouped_order_and_tile_heights():
 
 def test_quant_matmul_routes_prefill_rows():
     """Above 64 rows ``quant_matmul`` multiplies through the prefill kernel (the same bits),
-    through dequantize + matmul with ``prefill_kernel`` off, and through the dense copy where
+    through dequantize + matmul with ``prefill_kernel`` off or above ``prefill_kernel_rows``,
+    and through the dense copy where
     the weight keeps one; at 64 rows and fewer through the MMA kernel, whatever the knob."""
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(192, 256, generator=g) * 0.05).to(DEV)
@@ -84,6 +85,8 @@ def test_quant_matmul_routes_prefill_rows():
     dense = dequantize_prepared(p)
     off = quant_matmul(x, p, QmmConfig(prefill_kernel=False))
     assert torch.equal(off, (x.reshape(120, 256) @ dense.T).reshape(3, 40, 192))
+    capped = quant_matmul(x, p, QmmConfig(prefill_kernel_rows=119))
+    assert torch.equal(capped, off)
     kept = prepare(qt, layout="mma", dense=torch.bfloat16)
     assert torch.equal(quant_matmul(x, kept), off)
     small = x.reshape(120, 256)[:64]

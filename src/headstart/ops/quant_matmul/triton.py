@@ -205,6 +205,9 @@ class QmmConfig:
     # (``prefill.py``: each weight tile dequantized in registers for tl.dot) instead of
     # dequantizing the whole weight to x's dtype for cuBLAS on every call.
     prefill_kernel: bool = True
+    # ... up to this many rows of x; above it, dequantize + cuBLAS (whose GEMM alone is faster
+    # once the unpacking pass is a small part of the call).
+    prefill_kernel_rows: int = 1 << 30
 
 
 @dataclass
@@ -1621,7 +1624,13 @@ def quant_matmul(
     half = x.dtype in (torch.bfloat16, torch.float16)
     if M > MAX_FUSED_M or (p.layout == "mma" and not half):
         w = p.dense if p.dense is not None and p.dense.dtype == x.dtype else None
-        if w is None and p.layout == "mma" and half and cfg.prefill_kernel:
+        if (
+            w is None
+            and p.layout == "mma"
+            and half
+            and cfg.prefill_kernel
+            and cfg.prefill_kernel_rows >= M
+        ):
             return prefill_matmul(x2, p).reshape(*lead, p.n)
         return (x2 @ (w if w is not None else dequantize_prepared(p, x.dtype)).T).reshape(
             *lead, p.n
