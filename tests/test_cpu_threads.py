@@ -60,6 +60,24 @@ def test_threads_below_one_is_refused():
         serve._check_args(args)
 
 
+@pytest.mark.parametrize("ms", [0.0, -1.0, float("nan"), 2000.0])
+def test_switch_interval_out_of_range_is_refused(ms):
+    args = argparse.Namespace(
+        port=8888,
+        max_body_mib=8.0,
+        body_timeout=30.0,
+        tensor_parallel=1,
+        switch_interval_ms=ms,
+        header_timeout=10.0,
+        keep_alive_timeout=5.0,
+        shutdown_timeout=10.0,
+    )
+    with pytest.raises(HeadstartError, match="--switch-interval-ms must be in"):
+        serve._check_args(args)
+    args.switch_interval_ms = 0.5
+    serve._check_args(args)
+
+
 def test_size_threads_returns_the_steps_thread_counts(threads_kept, monkeypatch):
     monkeypatch.setattr(serve, "usable_cores", lambda: 4)
     assert serve._size_threads(_args()) == ThreadConfig(decode=3, prefill=4)

@@ -136,6 +136,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(0: start at once)",
     )
     p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="how long a thread waiting for the interpreter waits before it asks the running "
+        "one to let go (sys.setswitchinterval; default: Python's 5 ms). The event loop, the "
+        "engine thread and the body parsers take turns: a shorter interval hands a burst's "
+        "requests over sooner",
+    )
+    p.add_argument(
         "--max-batched-tokens",
         type=int,
         default=None,
@@ -356,6 +366,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise HeadstartError(f"--tensor-parallel must be >= 1, not {args.tensor_parallel}")
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise HeadstartError(f"--threads must be >= 1, not {args.threads}")
+    ms = getattr(args, "switch_interval_ms", None)
+    if ms is not None and not 0 < ms <= 1000:  # also refuses nan
+        raise HeadstartError(f"--switch-interval-ms must be in (0, 1000], not {ms:g}")
     for flag in ("header_timeout", "keep_alive_timeout", "shutdown_timeout"):
         value = getattr(args, flag)
         if not value >= 0:  # also refuses nan
@@ -768,6 +781,9 @@ def _serve_loaded(
     from headstart.loading import load
     from headstart.server.api import ServerState, create_app
     from headstart.server.metrics import Metrics
+
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     from headstart.server.request_log import RequestLog
 
     log.info("loading %s ...", args.model or "the embedded default model")

@@ -113,7 +113,7 @@ if HAVE_TRITON:
         w_base = w_ptr + tile * CHUNKS * (BN * 8)
         sb_base = sb_ptr + tile * (CHUNKS // 2) * (BN * 2)
         m = pid_m * BM + tl.arange(0, BM)
-        kk = tl.arange(0, MMA_CHUNK)
+        kk = tl.arange(0, 64)  # MMA_CHUNK (a kernel reads only constexpr globals)
         x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
         if W_AS_A:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -125,8 +125,8 @@ if HAVE_TRITON:
             s, b = _halves(sbw, SB_F16)
             q = (w[:, None, :, None, None] >> shifts) & 15  # [R, 2, 16, 2, 2]
             wt = q.to(tl.float32) * s[:, :, None, None, None] + b[:, :, None, None, None]
-            wt = tl.reshape(wt.to(x_ptr.dtype.element_ty), (BN, MMA_CHUNK))
-            k = c * MMA_CHUNK + kk
+            wt = tl.reshape(wt.to(x_ptr.dtype.element_ty), (BN, 64))
+            k = c * 64 + kk
             xt = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
             if FP32_DOT:  # Triton's CPU interpreter multiplies bf16 dots' raw bits
                 xt = xt.to(tl.float32)

@@ -204,7 +204,7 @@ class QmmConfig:
     # MMA layout, more than 64 rows of x and no dense copy: the prefill kernel
     # (``prefill.py``: each weight tile dequantized in registers for tl.dot) instead of
     # dequantizing the whole weight to x's dtype for cuBLAS on every call.
-    prefill_kernel: bool = True
+    prefill_kernel: bool = False
     # ... up to this many rows of x; above it, dequantize + cuBLAS (whose GEMM alone is faster
     # once the unpacking pass is a small part of the call).
     prefill_kernel_rows: int = 1 << 30
