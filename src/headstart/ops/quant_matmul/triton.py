@@ -12,8 +12,7 @@ weight. That is memory-bound: the time floor is the bytes of packed words + scal
 the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 16 rows of
 x, or 32 with ``QmmConfig.mma_rows``) for M <= 64 and keeps the per-weight work to about one
 integer instruction, so that the arithmetic hides under the loads. Larger M (prefill) is
-compute-bound and goes to cuBLAS on a dense copy where the weight keeps one, else to the prefill
-kernel (``prefill.py``, MMA layout) or dequantize + cuBLAS.
+compute-bound and goes to dequantize + cuBLAS.
 
 Two layouts, both made once by :func:`prepare`: "mma" for 4-bit weights with groups of 64 or 128
 (the checkpoints this server runs; the fast path) and "tiled" for every other format (2/8-bit,
@@ -83,7 +82,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headstart.ops.quant_matmul.prefill import prefill_matmul
 from headstart.ops.triton_support import HAVE_TRITON, INTERPRET, pdl_options, sm_count, tl, triton
 from headstart.quant import QuantizedTensor, unpack
 
@@ -201,13 +199,6 @@ class QmmConfig:
     # projections (H100, BENCHMARKS.md, session 28: 28.7 / 26.0 / 48.7 / 41.3 / 18.7 us
     # against 29.7 / 30.1 / 49.9 / 48.0 / 20.6), while the pair prefetch stays best at M <= 16.
     x_chunk_ahead_wide: bool = True
-    # MMA layout, more than 64 rows of x and no dense copy: the prefill kernel
-    # (``prefill.py``: each weight tile dequantized in registers for tl.dot) instead of
-    # dequantizing the whole weight to x's dtype for cuBLAS on every call.
-    prefill_kernel: bool = False
-    # ... up to this many rows of x; above it, dequantize + cuBLAS (whose GEMM alone is faster
-    # once the unpacking pass is a small part of the call).
-    prefill_kernel_rows: int = 1 << 30
 
 
 @dataclass
@@ -1610,8 +1601,7 @@ def quant_matmul(
     """``x [..., K] @ W^T -> [..., N]`` in x's dtype (bf16 or fp16), fp32 accumulation.
 
     Rows <= 64: one fused Triton launch reading the packed weight once (per 16 rows of x). More
-    rows: cuBLAS on the dense copy when the weight has one in x's dtype, else (MMA layout,
-    ``QmmConfig.prefill_kernel``) the prefill kernel of ``prefill.py``, else dequantize to x's
+    rows: cuBLAS on the dense copy when the weight has one in x's dtype, else dequantize to x's
     dtype (a Triton pass) and cuBLAS."""
     cfg = config or p.config
     lead = x.shape[:-1]
@@ -1621,17 +1611,8 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    half = x.dtype in (torch.bfloat16, torch.float16)
-    if M > MAX_FUSED_M or (p.layout == "mma" and not half):
+    if M > MAX_FUSED_M or (p.layout == "mma" and x.dtype not in (torch.bfloat16, torch.float16)):
         w = p.dense if p.dense is not None and p.dense.dtype == x.dtype else None
-        if (
-            w is None
-            and p.layout == "mma"
-            and half
-            and cfg.prefill_kernel
-            and cfg.prefill_kernel_rows >= M
-        ):
-            return prefill_matmul(x2, p).reshape(*lead, p.n)
         return (x2 @ (w if w is not None else dequantize_prepared(p, x.dtype)).T).reshape(
             *lead, p.n
         )
