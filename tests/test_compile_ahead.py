@@ -85,12 +85,14 @@ def test_the_server_decides_its_dense_copies_before_the_processes_start(monkeypa
         assert args.prefill_weights == "auto"
         assert _start_compile_ahead(args) is None  # no process fits
         assert args.prefill_weights == want
+        assert args.dense_top_up  # still the server's choice: copies beside the state pool
     args = p.parse_args(
         ["--model", str(random_27b), "--device", "cuda", "--prefill-weights", "dense"]
     )
     monkeypatch.setattr(compile_ahead, "gpu_plan", lambda path, device, n: plan)
     _start_compile_ahead(args)
     assert args.prefill_weights == "dense"  # asked for: kept
+    assert not getattr(args, "dense_top_up", False)
 
 
 def test_no_process_for_a_small_model():

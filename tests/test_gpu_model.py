@@ -247,6 +247,30 @@ def test_dense_prefill_copies_change_no_bit(tmp_path):
     assert t_dense == t_packed and torch.equal(rows_dense, rows_packed)
 
 
+def test_dense_copies_added_after_the_load_change_no_bit(tmp_path):
+    """``keep_dense_copies`` (what ``serve`` calls beside the state pool on an 80 GB GPU) gives
+    the first layers that fit its budget dense copies, the others none, and a 200-row prefill
+    and the decode steps after it keep the bits of the model without copies."""
+    ref = tiny.causal_lm(seed=43, **SHAPE)
+    path = tiny.save_mlx(ref, tiny.dequantized_copy(ref, 4, 64)[1], tmp_path / "q4", 4, 64)
+    packed = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda", dense_bytes=0)
+    partial = Qwen35Model.load(path, dtype=torch.bfloat16, device="cuda", dense_bytes=0)
+    layer0 = sum(
+        2 * t.n * t.k for k, t in partial.w.items() if k.startswith("layers.0.") and hasattr(t, "n")
+    )
+    assert partial.keep_dense_copies(layer0) == 1
+    copies = [k for k, t in partial.w.items() if getattr(t, "dense", None) is not None]
+    copied = {k.split(".")[1] for k in copies}
+    assert copied == {"0"}
+    assert partial.keep_dense_copies(layer0 - 1) == 1  # the next layer's do not fit: kept
+    ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    t_packed, rows_packed = greedy(packed, ids, 4)
+    t_partial, rows_partial = greedy(partial, ids, 4)
+    assert t_packed == t_partial and torch.equal(rows_packed, rows_partial)
+    assert partial.keep_dense_copies(1 << 40) == SHAPE["num_hidden_layers"]
+    assert all(getattr(t, "dense", None) is not None for t in partial.w.values() if hasattr(t, "n"))
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_prompt_graph_replay_equals_eager_bit_for_bit(ckpt, tmp_path, monkeypatch, quantized):
     """Captured new prompts (1 and 3 streams per replay, several widths, sharing a memory pool

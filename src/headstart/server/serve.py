@@ -205,7 +205,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "dense", "packed"],
         help="4-bit checkpoints on the GPU: dense keeps a 16-bit copy of each layer weight for "
         "prefill matmuls (faster prompts, 4x the weights' memory more); packed unpacks per "
-        "prefill step; auto: dense when the copies fit 40%% of the GPU's memory",
+        "prefill step; auto: dense when the copies fit 40%% of the GPU's memory, else copies of "
+        "the first layers that fit beside the state pool",
     )
     p.add_argument(
         "--kernels",
@@ -550,8 +551,9 @@ def _step_tokens(model) -> int:
     return default_step_tokens(count() if count else None, model.device.type, compute)
 
 
-def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
-    """Refuse to start, with the numbers, when the state pool cannot fit; log what it takes."""
+def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> int:
+    """Refuse to start, with the numbers, when the state pool cannot fit; log what it takes.
+    Returns the pool's bytes."""
     import torch
 
     from headstart.state import StatePool
@@ -578,6 +580,40 @@ def _check_memory(model, parallel: int, context: int, cache_bytes: int) -> None:
                 f"{need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB of GPU memory is free; "
                 "lower --parallel or --context"
             )
+    return need
+
+
+def _keep_dense_copies(model, pool_bytes: int, cache_bytes: int) -> None:
+    """On CUDA, give the first layers' 4-bit weights dense prefill copies in what is left
+    beside the state pool, the prompt cache and :func:`dense_margin` (a family without
+    copies, or a load that kept them all, changes nothing). Why: at load the copies are kept
+    only when all of them fit, since the pool's size is not known yet; on an 80 GB GPU the 27B
+    copies do not, and each layer's copy saves its share of the weight unpacking that every
+    prefill matmul above 64 rows pays (BENCHMARKS.md)."""
+    import torch
+
+    keep = getattr(model, "keep_dense_copies", None)
+    if keep is None or model.device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(model.device)
+    budget = free - pool_bytes - cache_bytes - dense_margin(total)
+    before = torch.cuda.memory_allocated(model.device)
+    kept = keep(max(0, budget))
+    added = torch.cuda.memory_allocated(model.device) - before
+    if added > 0:
+        log.info(
+            "dense prefill copies: the first %d of %d layers, %.2f GiB beside the state pool",
+            kept,
+            model.cfg.num_hidden_layers,
+            added / 2**30,
+        )
+
+
+def dense_margin(total: int) -> int:
+    """GPU memory left free beside the state pool and the prompt cache when dense prefill
+    copies are added after the load: the engine's own (warm-up activations, CUDA graphs'
+    memory pools, cuBLAS and FLA workspaces), a tenth of the device and at least 4 GiB."""
+    return max(4 << 30, total // 10)
 
 
 def _served_name(model: str | None) -> str:
@@ -763,6 +799,8 @@ def _start_compile_ahead(args: argparse.Namespace) -> CompileAhead | None:
         # otherwise decide on what they leave free, and the processes would compile the
         # prefill path of their own (small) model's decision, not the server's.
         args.prefill_weights = "dense" if load.dense else "packed"
+        # Still the server's choice: copies of the first layers beside the state pool.
+        args.dense_top_up = True
     if n == 0:
         log.info("compile-ahead: no process, too little GPU memory free beside the load")
         return None
@@ -808,7 +846,10 @@ def _serve_loaded(
         # Its kernels go to Triton's cache before this warm-up would compile them, and the
         # memory it holds is free again before the state pool is sized against what is free.
         ahead.wait()
-    _check_memory(loaded.model, parallel, context, max(0, args.prompt_cache_mib) << 20)
+    cache_bytes = max(0, args.prompt_cache_mib) << 20
+    pool_bytes = _check_memory(loaded.model, parallel, context, cache_bytes)
+    if getattr(args, "dense_top_up", args.prefill_weights == "auto") and args.tensor_parallel == 1:
+        _keep_dense_copies(loaded.model, pool_bytes, cache_bytes)
     arena = loaded.model.arena
     if threads is not None and arena is not None:
         wide = decode_threads(threads, arena.nbytes, getattr(args, "threads", None))

@@ -30,7 +30,14 @@ from headstart.models.qwen35.attention import GatedAttention
 from headstart.models.qwen35.config import FULL, ModelConfig, load_config
 from headstart.models.qwen35.decode_step import decode_step
 from headstart.models.qwen35.gdn import GatedDeltaNet
-from headstart.models.qwen35.pipeline import UNPACK_BYTES, consume, dense_budget, unpack_fits
+from headstart.models.qwen35.pipeline import (
+    UNPACK_BYTES,
+    consume,
+    dense_budget,
+    layer_bytes,
+    layers_within,
+    unpack_fits,
+)
 from headstart.models.qwen35.speculative import GDNRecord, WindowRecords
 from headstart.models.qwen35.weights import Weight, load_weights, stand_ins
 from headstart.ops.linear import linear
@@ -69,7 +76,8 @@ class Qwen35Model:
         (else they stay packed and are unpacked per call; the GPU kernels read them packed).
         ``dense_bytes``: with other kernels, quantized layer weights also keep a copy unpacked
         to ``dtype`` for prefill-sized matmuls when all copies fit this many bytes (None: the
-        device's default, :func:`~headstart.models.qwen35.pipeline.dense_budget`; 0: never).
+        device's default, :func:`~headstart.models.qwen35.pipeline.dense_budget`; 0: never;
+        :meth:`keep_dense_copies` adds those of the first layers later).
 
         ``arena``: every final weight tensor (the head, the embedding table and the norms
         included) is a view into one allocation on ``device``, :attr:`arena`
@@ -100,7 +108,9 @@ class Qwen35Model:
         shapes = stand_ins(weights)  # meta: nothing is read or copied
         fused = self.kernels.fused_matmul
         unpack = not fused and unpack_fits(shapes, dtype, unpack_bytes)
-        dense = fused and unpack_fits(shapes, dtype, self.dense_bytes)
+        layers = cfg.num_hidden_layers
+        # All or none at load: the state pool is sized after the load (keep_dense_copies).
+        dense = layers if fused and unpack_fits(shapes, dtype, self.dense_bytes) else 0
         # Too big to unpack, in bf16 on the CPU: torch's int4 kernel reads the codes as they are.
         cpu_int4 = not unpack and cpu_quant.takes(dtype, self.device)
         # Small fp32 models on the CPU: decode reads the 4-bit codes, prefill the unpacked copy.
@@ -185,6 +195,31 @@ class Qwen35Model:
             arena,
             dense_bytes,
         )
+
+    def keep_dense_copies(self, budget: int) -> int:
+        """Give the prepared 4-bit weights of as many layers as fit ``budget`` bytes, from the
+        first, a dense copy in the model's dtype for prefill-sized matmuls (cuBLAS on it
+        instead of unpacking the weight on every call); layers that have copies count as kept.
+        Returns the layers that have copies now. For ``serve`` once the state pool's size is
+        known: the copies that all-or-none at load could not afford, in what is left."""
+        if not self.kernels.fused_matmul:
+            return 0
+        from headstart.ops.quant_matmul.triton import PreparedQuant, dequantize_prepared
+
+        layers = self.cfg.num_hidden_layers
+
+        def missing(t: object) -> bool:
+            return isinstance(t, PreparedQuant) and t.dense is None
+
+        per_layer = layer_bytes(self.w, self.dtype, layers, missing)
+        if not any(per_layer):  # every copy there already, or no 4-bit weight at all
+            return layers if any(isinstance(t, PreparedQuant) for t in self.w.values()) else 0
+        kept = layers_within(per_layer, budget)
+        for name, t in self.w.items():
+            index = name.split(".")[1] if name.startswith("layers.") else ""
+            if missing(t) and index.isdigit() and int(index) < kept:
+                t.dense = dequantize_prepared(t, self.dtype)
+        return kept
 
     def num_parameters(self) -> int:
         """Weights a token's forward multiplies by (the embedding table only as the head):

@@ -10,6 +10,7 @@ arena, so it depends only on shapes and dtypes, never on values.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -30,6 +31,8 @@ __all__ = [
     "consume",
     "dense_budget",
     "fuse_layer",
+    "layer_bytes",
+    "layers_within",
     "unpack_fits",
 ]
 
@@ -103,9 +106,11 @@ def fuse_layer(weights: MutableMapping[str, Weight], i: int, convert: Convert = 
 
 
 # On the GPU, prefill-sized matmuls on a 4-bit weight unpack it whole per call (at 27B on an
-# H200 that is 18 ms of a 72 ms burst step) unless a dense copy is kept. Copies are kept when all
-# of them fit this fraction of the device's memory, leaving the rest to the packed weights (which
-# decode reads) and the state pool: at 27B, 51 GB of copies fit a 141 GB H200, not an 80 GB GPU.
+# H200 that is 18 ms of a 72 ms burst step) unless a dense copy is kept. At load, copies are
+# kept when all of them fit this fraction of the device's memory, leaving the rest to the
+# packed weights (which decode reads) and the state pool: at 27B, 51 GB of copies fit a 141 GB
+# H200, not an 80 GB GPU. There ``serve`` keeps those of the first layers that fit beside the
+# state pool once its size is known (``Qwen35Model.keep_dense_copies``).
 DENSE_FRACTION = 0.4
 
 
@@ -120,6 +125,33 @@ def dense_budget(device: torch.device) -> int:
 
 EMBED = "embed_tokens.weight"
 HEAD = "lm_head.weight"
+
+
+def layer_bytes(
+    weights: Mapping[str, Any], dtype: torch.dtype, num_layers: int, copyable: Callable[[Any], bool]
+) -> list[int]:
+    """Bytes a dense ``dtype`` copy of each layer's ``copyable`` weights takes (``layers.<i>.``
+    names; their ``shape`` only, so meta stand-ins do)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    per_layer = [0] * num_layers
+    for k, t in weights.items():
+        head, _, rest = k.partition(".")
+        index = rest.partition(".")[0]
+        if head == "layers" and index.isdigit() and int(index) < num_layers and copyable(t):
+            per_layer[int(index)] += t.shape[0] * t.shape[1] * size
+    return per_layer
+
+
+def layers_within(per_layer: list[int], budget: int) -> int:
+    """How many layers, from the first, fit ``budget`` bytes together (0 where none has bytes)."""
+    if not any(per_layer):
+        return 0
+    kept = used = 0
+    for nbytes in per_layer:
+        if used + nbytes > budget:
+            break
+        used, kept = used + nbytes, kept + 1
+    return kept
 
 
 def unpack_fits(weights: Mapping[str, Weight], dtype: torch.dtype, budget: int) -> bool:
@@ -139,7 +171,7 @@ def consume(
     unpack: bool,
     unpack_bytes: int,
     place: Callable[[str, Weight], Weight],
-    dense: bool = False,
+    dense: int = 0,
     cpu_int4: bool = False,
     packed_f32: bool = False,
 ) -> tuple[dict[str, Weight], Weight]:
@@ -148,8 +180,9 @@ def consume(
     ``kernels`` (the embedding table stays as loaded: rows are looked up), and handed to
     ``place``. Returns (name -> weight, head); a tied head is its own prepared copy of the
     embedding table, or the table itself where preparing changes nothing. ``dense``: the
-    prepared layer weights also keep a copy unpacked to ``dtype`` for prefill (the head does
-    not: it multiplies only the rows whose logits are asked for). ``cpu_int4``: 4-bit weights
+    prepared weights of the first ``dense`` layers also keep a copy unpacked to ``dtype`` for
+    prefill (:func:`dense_layers`; the head does not: it multiplies only the rows whose logits
+    are asked for). ``cpu_int4``: 4-bit weights
     left packed go to torch's int4 CPU kernel's layout (bf16 models on the CPU).
     ``packed_f32`` (with ``unpack``, fp32 on the CPU): the 4-bit weights our fp32 kernel takes
     keep their codes for decode beside the unpacked copy (:class:`~headstart.ops.quant_matmul.
@@ -162,24 +195,24 @@ def consume(
 
     w: dict[str, Weight] = {}
 
-    def take(keys: list[str]) -> None:
+    def take(keys: list[str], copy: bool = False) -> None:
         for k in keys:  # each original is dropped once its placed form exists
             t = convert(k, weights.pop(k))
             if k == EMBED:
                 w[k] = place(k, t)
             else:
-                w[k] = place(k, prepare(k, t))
+                w[k] = place(k, prepare(k, t, copy))
 
-    def prepare(k: str, t: Weight) -> Weight:
+    def prepare(k: str, t: Weight, copy: bool = False) -> Weight:
         if packed_f32 and isinstance(t, QuantizedTensor) and cpu_f32.fits(t):
             return cpu_f32.prepare(t)
         if cpu_int4 and isinstance(t, QuantizedTensor) and cpu_quant.fits(t):
             return cpu_quant.prepare(t)
-        return kernels.prepare(t, dense=dtype if dense and k != HEAD else None)
+        return kernels.prepare(t, dense=dtype if copy else None)
 
     for i in range(cfg.num_hidden_layers):
         fuse_layer(weights, i, convert)
-        take([k for k in weights if k.startswith(f"layers.{i}.")])
+        take([k for k in weights if k.startswith(f"layers.{i}.")], copy=i < dense)
     take(list(weights))
     if not cfg.tie_word_embeddings:
         return w, w[HEAD]
