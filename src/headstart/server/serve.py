@@ -819,10 +819,10 @@ def _serve_loaded(
     from headstart.loading import load
     from headstart.server.api import ServerState, create_app
     from headstart.server.metrics import Metrics
-
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     from headstart.server.request_log import RequestLog
+
+    if getattr(args, "switch_interval_ms", None) is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
     log.info("loading %s ...", args.model or "the embedded default model")
     loaded = load(
