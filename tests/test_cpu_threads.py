@@ -45,37 +45,30 @@ def test_size_threads_leaves_gpu_and_tensor_parallel_alone(threads_kept):
     assert torch.get_num_threads() == 2
 
 
-def test_threads_below_one_is_refused():
-    args = argparse.Namespace(
+def _flags(**changed) -> argparse.Namespace:
+    """serve's flags that ``_check_args`` reads, at their defaults but for ``changed``."""
+    flags = dict(
         port=8888,
         max_body_mib=8.0,
         body_timeout=30.0,
         tensor_parallel=1,
-        threads=0,
         header_timeout=10.0,
         keep_alive_timeout=5.0,
         shutdown_timeout=10.0,
     )
+    return argparse.Namespace(**{**flags, **changed})
+
+
+def test_threads_below_one_is_refused():
     with pytest.raises(HeadstartError, match="--threads must be >= 1"):
-        serve._check_args(args)
+        serve._check_args(_flags(threads=0))
 
 
 @pytest.mark.parametrize("ms", [0.0, -1.0, float("nan"), 2000.0])
 def test_switch_interval_out_of_range_is_refused(ms):
-    args = argparse.Namespace(
-        port=8888,
-        max_body_mib=8.0,
-        body_timeout=30.0,
-        tensor_parallel=1,
-        switch_interval_ms=ms,
-        header_timeout=10.0,
-        keep_alive_timeout=5.0,
-        shutdown_timeout=10.0,
-    )
     with pytest.raises(HeadstartError, match="--switch-interval-ms must be in"):
-        serve._check_args(args)
-    args.switch_interval_ms = 0.5
-    serve._check_args(args)
+        serve._check_args(_flags(switch_interval_ms=ms))
+    serve._check_args(_flags(switch_interval_ms=0.5))
 
 
 def test_size_threads_returns_the_steps_thread_counts(threads_kept, monkeypatch):
