@@ -10,7 +10,8 @@
 # scenarios, each with its bench options after commas (default: burst long turn beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
 # FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
 # on it; SERVE_FLAGS adds serve flags (RESTART_FLAGS instead, for the restart); TIMELINE=1
-# runs the server through benchmarks/request_timeline.py and prints each scenario's timeline.
+# runs the server through benchmarks/request_timeline.py and prints each scenario's timeline
+# (for bursts also one line a burst: when its bodies were read, submitted, admitted, answered).
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
@@ -110,6 +111,8 @@ run_scenarios() {
     if [ -n "${TIMELINE:-}" ]; then
       sleep 2.5  # the timeline file is rewritten every 2 s
       python3 benchmarks/request_timeline.py --show "$log.timeline" "$((seen + 1))" | tail -"${TAIL:-14}"
+      # A burst's phases, one line a burst (every burst the server has seen so far).
+      [ "$name" = burst ] && python3 benchmarks/request_timeline.py --bursts "$log.timeline"
     fi
     seen=$(wc -l <"$log.requests" 2>/dev/null || echo 0)
   done

@@ -7,7 +7,9 @@ admission, prefix lookup, restore, the step, delivery to the event loop); every 
 it appends the new marks to FILE (JSON lines). Diagnostics only: the marks cost a few
 microseconds each. ``python benchmarks/request_timeline.py --show FILE [FIRST]`` prints one line
 per request from the FIRST-th on, in milliseconds, for attributing TTFT between the HTTP side,
-the engine's bookkeeping and the forward.
+the engine's bookkeeping and the forward (sequential requests); ``--bursts FILE [N]`` one line
+per burst of N (16) requests sent together: when their bodies were read, the last submitted,
+the engine's gather ended, the burst admitted, and its first tokens reached the event loop.
 """
 
 from __future__ import annotations
@@ -192,9 +194,70 @@ def show(path: str, first: int = 1) -> None:
                         print(f"    {name}: {where}")
 
 
+def bursts(events: list[tuple[str, float]], size: int, gap: float = 0.03) -> list[dict]:
+    """One row per burst of at least ``size`` requests (bodies read less than ``gap`` seconds
+    apart), in milliseconds from its first body read: when the ``size``-th body was read, the
+    last request submitted, the engine's gather ended and the admission began after it, and
+    when the first and the ``size``-th first token reached the loop."""
+    reads = [t for name, t in events if name == "body1"]
+    groups: list[list[float]] = []
+    for t in reads:
+        if groups and t - groups[-1][-1] < gap:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    rows = []
+    for group in groups:
+        if len(group) < size:
+            continue
+        # From the first body read: the app-call marks cannot tell a burst's requests from
+        # others arriving beside them (the client's other calls).
+        start = group[0]
+
+        def first(name: str, after: float, n: int = 1) -> list[float]:
+            return [t for mark, t in events if mark == name and t >= after][:n]
+
+        submits = first("submit1", start, size)
+        if len(submits) < size:
+            continue
+        admit = first("admit0", submits[-1])
+        quiet = [t for mark, t in events if mark == "quiet1" and admit and start <= t <= admit[0]]
+        # Take marks carry no request id: the first ``size`` after the admission are the
+        # burst's first tokens (each request's first, as its later ones come a step later).
+        takes = first("take1", admit[0], size) if admit else []
+        ms = lambda t: 1e3 * (t - start)  # noqa: E731
+        rows.append(
+            {
+                f"{size}th body read": ms(group[size - 1]),
+                "last submitted": ms(submits[-1]),
+                "gather ended": ms(quiet[-1]) if quiet else float("nan"),
+                "admitted": ms(admit[0]) if admit else float("nan"),
+                "first token": ms(takes[0]) if takes else float("nan"),
+                f"{size}th first token": ms(takes[-1]) if len(takes) == size else float("nan"),
+            }
+        )
+    return rows
+
+
+def show_bursts(path: str, size: int) -> None:
+    """Print :func:`bursts` of FILE's events, one line a burst."""
+    with open(path) as f:
+        events = [tuple(json.loads(line)) for line in f]
+    rows = bursts(events, size)
+    if not rows:
+        print(f"no burst of {size} requests in {path}")
+        return
+    print("burst " + " ".join(f"{c:>16s}" for c in rows[0]))
+    for j, row in enumerate(rows, 1):
+        print(f"{j:5d} " + " ".join(f"{v:16.2f}" for v in row.values()))
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--show"]:
         show(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+        return 0
+    if sys.argv[1:2] == ["--bursts"]:
+        show_bursts(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 16)
         return 0
     if sys.argv[1:2] != ["--timeline"]:
         print(__doc__)
