@@ -181,9 +181,9 @@ def consume(
     ``place``. Returns (name -> weight, head); a tied head is its own prepared copy of the
     embedding table, or the table itself where preparing changes nothing. ``dense``: the
     prepared weights of the first ``dense`` layers also keep a copy unpacked to ``dtype`` for
-    prefill (:func:`dense_layers`; the head does not: it multiplies only the rows whose logits
-    are asked for). ``cpu_int4``: 4-bit weights
-    left packed go to torch's int4 CPU kernel's layout (bf16 models on the CPU).
+    prefill (the head does not: it multiplies only the rows whose logits are asked for).
+    ``cpu_int4``: 4-bit weights left packed go to torch's int4 CPU kernel's layout (bf16 models
+    on the CPU).
     ``packed_f32`` (with ``unpack``, fp32 on the CPU): the 4-bit weights our fp32 kernel takes
     keep their codes for decode beside the unpacked copy (:class:`~headstart.ops.quant_matmul.
     cpu_f32.CpuPacked`)."""
