@@ -35,6 +35,7 @@ from headstart.models.qwen35.pipeline import (
     consume,
     dense_budget,
     layer_bytes,
+    layer_of,
     layers_within,
     unpack_fits,
 )
@@ -216,8 +217,8 @@ class Qwen35Model:
             return layers if any(isinstance(t, PreparedQuant) for t in self.w.values()) else 0
         kept = layers_within(per_layer, budget)
         for name, t in self.w.items():
-            index = name.split(".")[1] if name.startswith("layers.") else ""
-            if missing(t) and index.isdigit() and int(index) < kept:
+            i = layer_of(name)
+            if missing(t) and i is not None and i < kept:
                 t.dense = dequantize_prepared(t, self.dtype)
         return kept
 

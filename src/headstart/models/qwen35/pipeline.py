@@ -32,6 +32,7 @@ __all__ = [
     "dense_budget",
     "fuse_layer",
     "layer_bytes",
+    "layer_of",
     "layers_within",
     "unpack_fits",
 ]
@@ -127,6 +128,13 @@ EMBED = "embed_tokens.weight"
 HEAD = "lm_head.weight"
 
 
+def layer_of(name: str) -> int | None:
+    """The layer index of a ``layers.<i>.`` weight name; None for any other name."""
+    head, _, rest = name.partition(".")
+    index = rest.partition(".")[0]
+    return int(index) if head == "layers" and index.isdigit() else None
+
+
 def layer_bytes(
     weights: Mapping[str, Any], dtype: torch.dtype, num_layers: int, copyable: Callable[[Any], bool]
 ) -> list[int]:
@@ -135,10 +143,9 @@ def layer_bytes(
     size = torch.tensor([], dtype=dtype).element_size()
     per_layer = [0] * num_layers
     for k, t in weights.items():
-        head, _, rest = k.partition(".")
-        index = rest.partition(".")[0]
-        if head == "layers" and index.isdigit() and int(index) < num_layers and copyable(t):
-            per_layer[int(index)] += t.shape[0] * t.shape[1] * size
+        i = layer_of(k)
+        if i is not None and i < num_layers and copyable(t):
+            per_layer[i] += t.shape[0] * t.shape[1] * size
     return per_layer
 
 
@@ -201,9 +208,9 @@ def consume(
             if k == EMBED:
                 w[k] = place(k, t)
             else:
-                w[k] = place(k, prepare(k, t, copy))
+                w[k] = place(k, prepare(t, copy))
 
-    def prepare(k: str, t: Weight, copy: bool = False) -> Weight:
+    def prepare(t: Weight, copy: bool = False) -> Weight:
         if packed_f32 and isinstance(t, QuantizedTensor) and cpu_f32.fits(t):
             return cpu_f32.prepare(t)
         if cpu_int4 and isinstance(t, QuantizedTensor) and cpu_quant.fits(t):
@@ -216,7 +223,7 @@ def consume(
     take(list(weights))
     if not cfg.tie_word_embeddings:
         return w, w[HEAD]
-    head = prepare(HEAD, w[EMBED])
+    head = prepare(w[EMBED])
     if (
         not kernels.fused_matmul
         and isinstance(head, QuantizedTensor)
