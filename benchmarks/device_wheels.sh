@@ -11,5 +11,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$top/.whl" fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 \
   pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 \
-  opentelemetry-api==1.45.2 orjson==3.13.0
+  opentelemetry-api==1.45.2 orjson==3.13.0 httptools==0.9.0
 ls -1 "$top/.whl"

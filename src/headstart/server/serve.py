@@ -37,7 +37,7 @@ import anyio
 import uvicorn
 
 from headstart.errors import HeadstartError
-from headstart.server.connection import uvicorn_connection_options
+from headstart.server.connection import parser_names, uvicorn_connection_options
 
 if TYPE_CHECKING:
     from headstart.engine.config import ThreadConfig
@@ -347,6 +347,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds an idle kept-alive connection stays open after a response "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--http-parser",
+        choices=parser_names(),
+        default=parser_names()[0],
+        help="how request heads are parsed: httptools (llhttp, in C) or h11 (pure Python); "
+        "both apply the same timeouts and bounds (default: %(default)s)",
     )
     p.add_argument(
         "--metrics-open",
@@ -996,7 +1003,9 @@ def _serve_loaded(
         log_level="warning",
         timeout_graceful_shutdown=5,
         access_log=False,
-        **uvicorn_connection_options(args.header_timeout, args.keep_alive_timeout),
+        **uvicorn_connection_options(
+            args.header_timeout, args.keep_alive_timeout, args.http_parser
+        ),
     )
     engine.start()
     log.info(
