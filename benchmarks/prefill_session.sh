@@ -11,7 +11,8 @@
 # FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
 # on it; SERVE_FLAGS adds serve flags (RESTART_FLAGS instead, for the restart); TIMELINE=1
 # runs the server through benchmarks/request_timeline.py and prints each scenario's timeline
-# (for bursts also one line a burst: when its bodies were read, submitted, admitted, answered).
+# (for bursts also one line a burst, from the client's first send: when its bodies were read,
+# submitted, admitted, answered on the server, and the client's last first token).
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
@@ -112,7 +113,9 @@ run_scenarios() {
       sleep 2.5  # the timeline file is rewritten every 2 s
       python3 benchmarks/request_timeline.py --show "$log.timeline" "$((seen + 1))" | tail -"${TAIL:-14}"
       # A burst's phases, one line a burst (every burst the server has seen so far).
-      [ "$name" = burst ] && python3 benchmarks/request_timeline.py --bursts "$log.timeline"
+      # Counted from the client's sends (this scenario's receipt: its bursts; earlier ones nan).
+      [ "$name" = burst ] && python3 benchmarks/request_timeline.py --bursts "$log.timeline" 16 \
+        --receipt "$receipts/$shape-$tag"
     fi
     seen=$(wc -l <"$log.requests" 2>/dev/null || echo 0)
   done

@@ -9,7 +9,10 @@ microseconds each. ``python benchmarks/request_timeline.py --show FILE [FIRST]``
 per request from the FIRST-th on, in milliseconds, for attributing TTFT between the HTTP side,
 the engine's bookkeeping and the forward (sequential requests); ``--bursts FILE [N]`` one line
 per burst of N (16) requests sent together: when their bodies were read, the last submitted,
-the engine's gather ended, the burst admitted, and its first tokens reached the event loop.
+the engine's gather ended, the burst admitted, and its first tokens reached the event loop;
+with ``--receipt DIR`` (the ``headstart bench --scenario burst`` receipt of the same bursts,
+sent from the same host) counted from the client's first send, with the client's last first
+token beside them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import atexit
 import functools
 import inspect
 import json
+import pathlib
 import sys
 import threading
 import time
@@ -194,11 +198,43 @@ def show(path: str, first: int = 1) -> None:
                         print(f"    {name}: {where}")
 
 
-def bursts(events: list[tuple[str, float]], size: int, gap: float = 0.03) -> list[dict]:
+def client_bursts(receipt: str) -> list[tuple[float, float]]:
+    """(first send, last first token) of each burst in a ``headstart bench --scenario burst``
+    receipt folder, in seconds on the client's ``time.perf_counter`` clock (the receipt's
+    ``perf_counter_t0`` plus the rows' times), in send order. A failed request's missing first
+    token makes the burst's last one nan."""
+    folder = pathlib.Path(receipt)
+    t0 = json.loads((folder / "config.json").read_text())["perf_counter_t0"]
+    data = json.loads((folder / "requests.json").read_text())
+    fields = data.get("fields")
+    rows = [
+        dict(zip(fields, r, strict=True)) if isinstance(r, list) else r for r in data["requests"]
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("role") == "burst":
+            groups.setdefault((r["arm"], r["order"], r["rep"]), []).append(r)
+    out = []
+    for recs in groups.values():
+        firsts = [r["t_first"] for r in recs]
+        last = float("nan") if None in firsts else t0 + max(firsts)
+        out.append((t0 + min(r["t_send"] for r in recs), last))
+    return sorted(out)
+
+
+def bursts(
+    events: list[tuple[str, float]],
+    size: int,
+    gap: float = 0.03,
+    client: list[tuple[float, float]] | None = None,
+) -> list[dict]:
     """One row per burst of at least ``size`` requests (bodies read less than ``gap`` seconds
     apart), in milliseconds from its first body read: when the ``size``-th body was read, the
     last request submitted, the engine's gather ended and the admission began after it, and
-    when the first and the ``size``-th first token reached the loop."""
+    when the first and the ``size``-th first token reached the loop. With ``client`` (from
+    :func:`client_bursts`, same host), each burst sent at most 100 ms before its first body
+    read is matched to it, and the row counts from the client's first send instead, with the
+    first body read and the client's last first token beside the server's marks."""
     reads = [t for name, t in events if name == "body1"]
     groups: list[list[float]] = []
     for t in reads:
@@ -225,9 +261,13 @@ def bursts(events: list[tuple[str, float]], size: int, gap: float = 0.03) -> lis
         # Take marks carry no request id: the first ``size`` after the admission are the
         # burst's first tokens (each request's first, as its later ones come a step later).
         takes = first("take1", admit[0], size) if admit else []
-        ms = lambda t: 1e3 * (t - start)  # noqa: E731
+        sent = [c for c in client or () if start - 0.1 <= c[0] <= start]
+        origin = sent[-1][0] if sent else start
+        ms = lambda t: 1e3 * (t - origin)  # noqa: E731
+        row = {"first body read": ms(start)} if client is not None else {}
         rows.append(
-            {
+            row
+            | {
                 f"{size}th body read": ms(group[size - 1]),
                 "last submitted": ms(submits[-1]),
                 "gather ended": ms(quiet[-1]) if quiet else float("nan"),
@@ -236,14 +276,19 @@ def bursts(events: list[tuple[str, float]], size: int, gap: float = 0.03) -> lis
                 f"{size}th first token": ms(takes[-1]) if len(takes) == size else float("nan"),
             }
         )
+        if client is not None:  # nan where no client burst matched
+            rows[-1]["client's last"] = ms(sent[-1][1]) if sent else float("nan")
+            if not sent:
+                rows[-1]["first body read"] = float("nan")
     return rows
 
 
-def show_bursts(path: str, size: int) -> None:
-    """Print :func:`bursts` of FILE's events, one line a burst."""
+def show_bursts(path: str, size: int, receipt: str | None = None) -> None:
+    """Print :func:`bursts` of FILE's events, one line a burst; with ``receipt`` (a bench
+    burst receipt folder), counted from the client's sends."""
     with open(path) as f:
         events = [tuple(json.loads(line)) for line in f]
-    rows = bursts(events, size)
+    rows = bursts(events, size, client=client_bursts(receipt) if receipt else None)
     if not rows:
         print(f"no burst of {size} requests in {path}")
         return
@@ -257,7 +302,13 @@ def main() -> int:
         show(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
         return 0
     if sys.argv[1:2] == ["--bursts"]:
-        show_bursts(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 16)
+        args = sys.argv[2:]
+        receipt = None
+        if "--receipt" in args:
+            at = args.index("--receipt")
+            receipt = args[at + 1]
+            del args[at : at + 2]
+        show_bursts(args[0], int(args[1]) if len(args) > 1 else 16, receipt)
         return 0
     if sys.argv[1:2] != ["--timeline"]:
         print(__doc__)

@@ -122,9 +122,15 @@ def runs(url_server, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, args in argv.items():
         out[name] = tmp / name
+        before = time.perf_counter()
         rc = bench("--scenario", name, *args, "--max-tokens", "3", *QUIET, "--out", str(out[name]))
         assert rc == 0, check_receipt(out[name]).text()
+        CLOCK[name] = (before, time.perf_counter())
     return out
+
+
+#: Scenario -> this process's perf_counter before and after its run.
+CLOCK: dict[str, tuple[float, float]] = {}
 
 
 @pytest.mark.slow
@@ -150,6 +156,11 @@ def test_burst_first_and_later(runs):
     # The response's headers come back after the send and before the first token.
     assert all(r["t_send"] < r["t_head"] <= r["t_first"] for r in recs)
     config = json.loads((runs["burst"] / "config.json").read_text())
+    # The rows' times count from perf_counter_t0 on this host's perf_counter clock, so a
+    # server's own marks can be put beside them.
+    before, after = CLOCK["burst"]
+    t0 = config["perf_counter_t0"]
+    assert before <= t0 and t0 + max(r["t_done"] for r in recs) <= after
     assert [launch["exit_status"] for launch in config["launches"] if launch["arm"] == "cmd"] == [
         0,
         0,

@@ -13,8 +13,10 @@ Layout (every file but the manifest is listed in the manifest with its sha256)::
     ttft.png        TTFT per arm and stream count (absent without matplotlib)
     logs/ARM-oK.log each command arm's server output, per order
 
-A scenario run (``--scenario``; config.json has ``"kind": "scenario"``) writes the manifest,
-config.json, env.json and logs as above, and::
+A scenario run (``--scenario``; config.json has ``"kind": "scenario"``, and
+``"perf_counter_t0"``: the client's ``time.perf_counter`` at the rows' time 0, which a server on
+the same Linux host reads on the same clock) writes the manifest, config.json, env.json and logs
+as above, and::
 
     requests.json   every request's record (scenario_summary.record_schema), the arrival
                     time of each of its deltas included (and in agent the ids it generated)

@@ -340,6 +340,10 @@ def run_scenario(plan: Plan, argv: list[str]) -> int:
     records: list[Record] = []
     total = requests_per_arm(sc) * len(plan.arms) * plan.orders
     t0 = time.perf_counter()
+    # Every time in the rows counts from t0 on this clock: on Linux CLOCK_MONOTONIC, which a
+    # server on the same host reads too, so its own marks can be put beside the client's
+    # (benchmarks/request_timeline.py --bursts FILE --receipt DIR).
+    config["perf_counter_t0"] = t0
 
     async def work(target: Target) -> None:
         await _scenario_work(sc, plan, run_id, t0, records, target)
