@@ -76,7 +76,16 @@ class _HeadDeadline:
 
     def _init_deadline(self) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
+        self._awaiting = True  # a request head is awaited (each protocol says when)
         self._head_bytes = False  # some bytes of the awaited head have arrived
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
@@ -90,7 +99,7 @@ class _HeadDeadline:
 
     def _header_timed_out(self) -> None:
         self._header_timer = None
-        if self.transport.is_closing() or not self._awaiting_head():
+        if self.transport.is_closing() or not self._awaiting:
             return
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a response is still being written (an early one, before its body was read)
@@ -104,9 +113,6 @@ class _HeadDeadline:
             self.transport.write(_TIMEOUT_RESPONSE)
         self.transport.close()
 
-    def _awaiting_head(self) -> bool:
-        raise NotImplementedError
-
 
 class H11HeadPolicy(_HeadDeadline, H11Protocol):
     """uvicorn's h11 protocol with the module's policy; h11 itself bounds the head's size
@@ -114,17 +120,9 @@ class H11HeadPolicy(_HeadDeadline, H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._init_deadline()
-        # True from connection start, and from the end of each response, until the next
+        # Awaiting from connection start, and from the end of each response, until the next
         # request's head has been parsed.
-        self._awaiting = True
-
-    def _awaiting_head(self) -> bool:
-        return self._awaiting
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_header_timer()
+        self._init_deadline()
 
     def data_received(self, data: bytes) -> None:
         if self._awaiting:
@@ -153,10 +151,6 @@ class H11HeadPolicy(_HeadDeadline, H11Protocol):
             self._head_bytes = False
         super().on_response_complete()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
-        super().connection_lost(exc)
-
 
 if HttpToolsProtocol is not None:
 
@@ -173,20 +167,14 @@ if HttpToolsProtocol is not None:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            # Awaiting from connection start until the first head is parsed, then from each
+            # later head's first byte until it is parsed.
             self._init_deadline()
-            self._in_head = True  # a fresh connection awaits its first head
             self._head_size = 0
-
-        def _awaiting_head(self) -> bool:
-            return self._in_head
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._in_head:
+            if self._awaiting:
                 # The whole read counts: when a pipelined head begins inside it, so does the
                 # end of the request before (a false 400 needs a pipelining client whose
                 # previous body and this head together pass the bound in one read).
@@ -197,7 +185,7 @@ if HttpToolsProtocol is not None:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head = self._head_bytes = True
+            self._awaiting = self._head_bytes = True
             self._head_size = 0
             if self._header_timer is None:
                 # A later request's first byte; uvicorn's keep-alive timer, which bounded the
@@ -205,13 +193,9 @@ if HttpToolsProtocol is not None:
                 self._arm_header_timer()
 
         def on_headers_complete(self) -> None:
-            self._in_head = self._head_bytes = False
+            self._awaiting = self._head_bytes = False
             self._cancel_header_timer()
             super().on_headers_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
 
 else:  # pragma: no cover
     HttpToolsHeadPolicy = None  # type: ignore[assignment,misc]
