@@ -158,11 +158,11 @@ if HttpToolsProtocol is not None:
         """uvicorn's httptools protocol with the module's policy.
 
         llhttp reports a head through callbacks as it parses: ``on_message_begin`` at its first
-        byte, ``on_headers_complete`` at its end.
-        The head is awaited from the connection's start until the first head is complete, and
-        from each later head's first byte until it is complete. httptools holds a header's
-        value until the header ends, so the size bound counts the bytes read while a head is
-        incomplete, not the parsed pieces: past :data:`MAX_HEADER_BYTES` the request gets 400.
+        byte, ``on_headers_complete`` at its end. The head is awaited from the connection's
+        start until the first head is complete, and from each later head's first byte until it
+        is complete. httptools holds a header's value until the header ends, so the size bound
+        counts the bytes read while a head is incomplete, not the parsed pieces: past
+        :data:`MAX_HEADER_BYTES` the request gets 400.
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
