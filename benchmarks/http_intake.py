@@ -69,13 +69,8 @@ async def _bursts(port: int, streams: int, bursts: int, arrivals: mp.Queue) -> l
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
+    from headstart.bench.arms import free_port
     from headstart.server.connection import parser_names
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -85,7 +80,7 @@ def main() -> None:
     print(f"{args.streams} requests at once, medians over {args.bursts - 5} bursts, ms")
     print(f"{'parser':10} {'first body':>11} {'last body':>10} {'last end':>9}")
     for parser in parser_names():
-        port, arrivals = _free_port(), mp.Queue()
+        port, arrivals = free_port(), mp.Queue()
         server = mp.Process(target=_serve, args=(parser, port, arrivals), daemon=True)
         server.start()
         try:

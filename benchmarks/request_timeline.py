@@ -203,13 +203,11 @@ def client_bursts(receipt: str) -> list[tuple[float, float]]:
     receipt folder, in seconds on the client's ``time.perf_counter`` clock (the receipt's
     ``perf_counter_t0`` plus the rows' times), in send order. A failed request's missing first
     token makes the burst's last one nan."""
+    from headstart.bench.receipt import load_records
+
     folder = pathlib.Path(receipt)
     t0 = json.loads((folder / "config.json").read_text())["perf_counter_t0"]
-    data = json.loads((folder / "requests.json").read_text())
-    fields = data.get("fields")
-    rows = [
-        dict(zip(fields, r, strict=True)) if isinstance(r, list) else r for r in data["requests"]
-    ]
+    rows = load_records((folder / "requests.json").read_text(), "burst")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("role") == "burst":
@@ -262,24 +260,24 @@ def bursts(
         # burst's first tokens (each request's first, as its later ones come a step later).
         takes = first("take1", admit[0], size) if admit else []
         sent = [c for c in client or () if start - 0.1 <= c[0] <= start]
-        origin = sent[-1][0] if sent else start
+        match = sent[-1] if sent else None  # (first send, last first token)
+        origin = match[0] if match else start
         ms = lambda t: 1e3 * (t - origin)  # noqa: E731
-        row = {"first body read": ms(start)} if client is not None else {}
-        rows.append(
-            row
-            | {
-                f"{size}th body read": ms(group[size - 1]),
-                "last submitted": ms(submits[-1]),
-                "gather ended": ms(quiet[-1]) if quiet else float("nan"),
-                "admitted": ms(admit[0]) if admit else float("nan"),
-                "first token": ms(takes[0]) if takes else float("nan"),
-                f"{size}th first token": ms(takes[-1]) if len(takes) == size else float("nan"),
-            }
-        )
+        nan = float("nan")
+        row = {}
         if client is not None:  # nan where no client burst matched
-            rows[-1]["client's last"] = ms(sent[-1][1]) if sent else float("nan")
-            if not sent:
-                rows[-1]["first body read"] = float("nan")
+            row["first body read"] = ms(start) if match else nan
+        row |= {
+            f"{size}th body read": ms(group[size - 1]),
+            "last submitted": ms(submits[-1]),
+            "gather ended": ms(quiet[-1]) if quiet else nan,
+            "admitted": ms(admit[0]) if admit else nan,
+            "first token": ms(takes[0]) if takes else nan,
+            f"{size}th first token": ms(takes[-1]) if len(takes) == size else nan,
+        }
+        if client is not None:
+            row["client's last"] = ms(match[1]) if match else nan
+        rows.append(row)
     return rows
 
 

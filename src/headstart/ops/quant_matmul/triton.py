@@ -12,7 +12,8 @@ weight. That is memory-bound: the time floor is the bytes of packed words + scal
 the memory bandwidth. :func:`quant_matmul` reads each weight byte once per call (per 16 rows of
 x, or 32 with ``QmmConfig.mma_rows``) for M <= 64 and keeps the per-weight work to about one
 integer instruction, so that the arithmetic hides under the loads. Larger M (prefill) is
-compute-bound and goes to dequantize + cuBLAS.
+compute-bound and goes to cuBLAS, on a dense copy where the weight keeps one, else on the weight
+dequantized for the call.
 
 Two layouts, both made once by :func:`prepare`: "mma" for 4-bit weights with groups of 64 or 128
 (the checkpoints this server runs; the fast path) and "tiled" for every other format (2/8-bit,
