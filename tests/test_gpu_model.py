@@ -8,6 +8,7 @@ import torch
 
 from headstart.batch import ForwardBatch, SeqChunk
 from headstart.models.qwen35.model import Qwen35Model
+from headstart.models.qwen35.pipeline import layer_of
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -268,7 +269,10 @@ def test_dense_copies_added_after_the_load_change_no_bit(tmp_path):
     t_partial, rows_partial = greedy(partial, ids, 4)
     assert t_packed == t_partial and torch.equal(rows_packed, rows_partial)
     assert partial.keep_dense_copies(1 << 40) == SHAPE["num_hidden_layers"]
-    assert all(getattr(t, "dense", None) is not None for t in partial.w.values() if hasattr(t, "n"))
+    # Every layer's 4-bit weights have copies now; the head (in ``w`` when untied) never does.
+    layer_weights = [t for k, t in partial.w.items() if layer_of(k) is not None and hasattr(t, "n")]
+    assert layer_weights and all(t.dense is not None for t in layer_weights)
+    assert getattr(partial.head, "dense", None) is None
 
 
 @pytest.mark.parametrize("quantized", [False, True])
