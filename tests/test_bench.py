@@ -494,7 +494,8 @@ def test_prompt_files(tmp_path):
 class HeldBack(BaseHTTPRequestHandler):
     """A stream whose first token's text is held back (part of a character): its chunk has
     empty text and, when logprobs were asked for, the token in ``logprobs``; the text comes
-    ``DELAY_S`` later with the second token."""
+    ``DELAY_S`` later with the second token. A request with ``"user": "silent"`` gets no chunk
+    at all for the held token (a server that sends only text)."""
 
     protocol_version = "HTTP/1.0"
     DELAY_S = 0.25
@@ -515,7 +516,7 @@ class HeldBack(BaseHTTPRequestHandler):
         def lp(token: str) -> dict | None:
             return {"tokens": [token], "token_logprobs": [-1.0]} if "logprobs" in req else None
 
-        if "logprobs" in req:
+        if req.get("user") != "silent":
             send({"index": 0, "text": "", "logprobs": lp("token_id:175")})
         time.sleep(self.DELAY_S)
         send({"index": 0, "text": "\ufffd5", "logprobs": lp("token_id:20")})
@@ -523,10 +524,12 @@ class HeldBack(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
-@pytest.mark.parametrize("logprobs", [True, False])
-def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
-    """TTFT is the first token's arrival: a chunk with empty text that carries the token in
-    its logprobs counts (as vLLM's benchmark counts it); one with nothing in it would not."""
+@pytest.mark.parametrize("mode", ["logprobs", "empty", "silent"])
+def test_ttft_counts_a_token_whose_text_is_held_back(mode):
+    """TTFT is the first token's arrival: a chunk with empty text counts, with the token in
+    its logprobs or without (as vLLM's benchmark counts it); with no chunk for the held token
+    the first token is the second's arrival. The closing chunk (empty text, finish_reason) is
+    no token."""
     import asyncio
 
     from headstart.bench.client import measure, open_session, token_ids
@@ -535,8 +538,10 @@ def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions"
     body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
-    if logprobs:
+    if mode == "logprobs":
         body["logprobs"] = 0
+    if mode == "silent":
+        body["user"] = "silent"
 
     async def one():
         async with open_session(1, 10) as client:
@@ -548,11 +553,12 @@ def test_ttft_counts_a_token_whose_text_is_held_back(logprobs):
         httpd.shutdown()
         httpd.server_close()
     assert not row["error"]
-    if logprobs:
-        assert row["ttft_s"] < HeldBack.DELAY_S / 2 and row["n_deltas"] == 2
-        assert token_ids(out.tokens) == [175, 20]
-    else:
+    if mode == "silent":
         assert row["ttft_s"] >= HeldBack.DELAY_S and row["n_deltas"] == 1
+    else:
+        assert row["ttft_s"] < HeldBack.DELAY_S / 2 and row["n_deltas"] == 2
+    if mode == "logprobs":
+        assert token_ids(out.tokens) == [175, 20]
     assert "".join(out.content) == "\ufffd5"
 
 

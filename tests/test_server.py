@@ -138,6 +138,30 @@ def test_completions_prompt_shapes(client, server):
     assert "".join(x.choices[0].text for x in s) == c.choices[0].text
 
 
+def test_a_token_whose_text_is_held_back_gets_its_chunk_when_computed(client):
+    """A streamed completions token whose text is held back (here byte 0xE4 alone, the start
+    of a three-byte character, forced by logit_bias) still gets its chunk, with empty text, as
+    vLLM sends it: a client sees its first token when it is computed, not a step later. The
+    closing chunk carries the text that was held."""
+    from headstart.loading import default_model_dir
+    from headstart.tokenizer import Tokenizer
+
+    lead = Tokenizer.from_dir(default_model_dir()).token_to_id("\u00e4")  # GPT-2 map: 0xE4
+    assert lead is not None
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=[10, 20, 30],
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        logit_bias={str(lead): 100},
+        extra_body={"ignore_eos": True},
+    )
+    choices = [c.choices[0] for c in stream if c.choices]
+    assert [(c.text, c.finish_reason) for c in choices[:2]] == [("", None), ("", None)]
+    assert choices[-1].finish_reason == "length" and "\ufffd" in choices[-1].text
+
+
 def test_sixteen_concurrent_greedy_equal_alone(server):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

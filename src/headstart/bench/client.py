@@ -217,13 +217,17 @@ async def _read_stream(
         for choice in chunk.get("choices") or ():
             content, reasoning = _pieces(choice)
             # A token counts when it arrives, text or not: one whose text a server holds back
-            # (part of a character) comes with its logprobs entry alone, or as a tool-call
-            # delta; vLLM's benchmark too counts the first chunk with a choice.
+            # (part of a character) comes with its logprobs entry alone, as a tool-call delta,
+            # or as a chunk with empty text (vLLM's server and ours send one a token); vLLM's
+            # benchmark too counts the first chunk with a choice. A closing chunk
+            # (finish_reason, no text) is no token, nor a chat stream's opening role delta
+            # (some servers send it before any token is computed).
             tokens = _take_tokens(choice, out)
             calls = (choice.get("delta") or {}).get("tool_calls")
-            if choice.get("finish_reason"):
-                row["finish_reason"] = str(choice["finish_reason"])
-            if content or reasoning or tokens or calls:
+            finish = choice.get("finish_reason")
+            if finish:
+                row["finish_reason"] = str(finish)
+            if content or reasoning or tokens or calls or (not finish and _empty_text(choice)):
                 out.content.append(content)
                 out.reasoning.append(reasoning)
                 row["n_deltas"] += 1
@@ -232,6 +236,15 @@ async def _read_stream(
                 row["t_last"] = now
                 if on_delta is not None:
                     on_delta(now - t0)
+
+
+def _empty_text(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries text that is there and empty: a completions ``text``
+    of "", or a chat delta's ``content`` of "" in a delta that is not the opening role one."""
+    delta = choice.get("delta")
+    if delta is None:
+        return choice.get("text") == ""
+    return delta.get("content") == "" and "role" not in delta
 
 
 async def _drain(lines: AsyncIterator[str]) -> None:

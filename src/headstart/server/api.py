@@ -356,8 +356,9 @@ class _Generation:
             if entry
             else None
         )
-        if not (text or logprobs or finish_reason):
-            return []
+        # Every token gets its chunk, even one whose text is held back (part of a character,
+        # or the start of a stop string): the client learns the token has come, and a first
+        # token is counted when it is computed, not a decode step later (vLLM does the same).
         return [
             P.completion_chunk(
                 request_id=self.id,
