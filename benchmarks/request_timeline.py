@@ -9,7 +9,8 @@ microseconds each. ``python benchmarks/request_timeline.py --show FILE [FIRST]``
 per request from the FIRST-th on, in milliseconds, for attributing TTFT between the HTTP side,
 the engine's bookkeeping and the forward (sequential requests); ``--bursts FILE [N]`` one line
 per burst of N (16) requests sent together: when their bodies were read, the last submitted,
-the engine's gather ended, the burst admitted, and its first tokens reached the event loop;
+the engine's gather ended, the burst admitted, its first tokens reached the event loop, its
+step's snapshots were taken, and the next step's first token came;
 with ``--receipt DIR`` (the ``headstart bench --scenario burst`` receipt of the same bursts,
 sent from the same host) counted from the client's first send, with the client's last first
 token beside them.
@@ -37,8 +38,9 @@ _COLUMNS = (
     ("restore", "restore0", "restore1"),
     ("to step", "admit1", "step0"),  # planning, drafts, the batch
     ("forward", "run0", "run1"),  # the first step's runner: host enqueue (GPU: not waited for)
-    ("to deliver", "run1", "deliver0"),  # snapshots due (and later steps of a long prompt)
-    ("sample+send", "deliver0", "deliver1"),  # on a GPU this waits for the forward
+    ("to draw", "run1", "draw0"),  # snapshots due (and later steps of a long prompt)
+    ("draw", "draw0", "draw1"),  # on a GPU this waits for the forward, then samples
+    ("send", "deliver0", "deliver1"),  # detokenize, stop checks, hand to the loop
     ("to loop", "deliver1", "take0"),  # the event loop picks the token up
     ("ttft", "gen0", "take1"),  # what the request log's ttft_s measures
     ("from head", "http0", "take1"),  # the server's whole part of what a client sees
@@ -150,7 +152,7 @@ def _rows(events: list[tuple[str, float]], stalls: list = ()) -> list[dict[str, 
         while k < len(events) and events[k][0] != "take1":
             mark, when = events[k]
             # the delivery that reached this request is the last before its first token
-            if mark.startswith("deliver") or mark not in seen:
+            if mark.startswith(("draw", "deliver")) or mark not in seen:
                 seen[mark] = when
             k += 1
         if k < len(events):
@@ -229,7 +231,9 @@ def bursts(
     """One row per burst of at least ``size`` requests (bodies read less than ``gap`` seconds
     apart), in milliseconds from its first body read: when the ``size``-th body was read, the
     last request submitted, the engine's gather ended and the admission began after it, and
-    when the first and the ``size``-th first token reached the loop. With ``client`` (from
+    when the first and the ``size``-th first token reached the loop, how long the snapshots
+    taken after them took (the prompt cache's, on the engine thread), when that step ended,
+    and when the next step's first token reached the loop. With ``client`` (from
     :func:`client_bursts`, same host), each burst sent at most 100 ms before its first body
     read is matched to it, and the row counts from the client's first send instead, with the
     first body read and the client's last first token beside the server's marks."""
@@ -259,6 +263,13 @@ def bursts(
         # Take marks carry no request id: the first ``size`` after the admission are the
         # burst's first tokens (each request's first, as its later ones come a step later).
         takes = first("take1", admit[0], size) if admit else []
+        # Once the first tokens are handed to the loop, the step that made them takes its
+        # snapshots and ends; the next step's delivery brings the burst's second tokens.
+        delivered = first("deliver1", admit[0], 2) if admit else []
+        snap = first("snap0", delivered[0]) if delivered else []
+        snap += first("snap1", snap[0]) if snap else []
+        ended = first("step1", delivered[0]) if delivered else []
+        second = first("take1", delivered[1]) if len(delivered) == 2 else []
         sent = [c for c in client or () if start - 0.1 <= c[0] <= start]
         match = sent[-1] if sent else None  # (first send, last first token)
         origin = match[0] if match else start
@@ -274,6 +285,9 @@ def bursts(
             "admitted": ms(admit[0]) if admit else nan,
             "first token": ms(takes[0]) if takes else nan,
             f"{size}th first token": ms(takes[-1]) if len(takes) == size else nan,
+            "snapshots took": 1e3 * (snap[1] - snap[0]) if len(snap) == 2 else nan,
+            "step ended": ms(ended[0]) if ended else nan,
+            "next token": ms(second[0]) if second else nan,
         }
         if client is not None:
             row["client's last"] = ms(match[1]) if match else nan
@@ -324,9 +338,11 @@ def main() -> int:
         (api._Generation, "take", "take"),
         (engine.Engine, "_admit", "admit"),
         (engine.Engine, "_run_step", "step"),
-        (engine.Engine, "_sample_and_deliver", "deliver"),
+        (engine.Engine, "_draw_for", "draw"),
+        (engine.Engine, "_deliver_drawn", "deliver"),
         (prompt_cache_tiers.PromptCache, "match_prefix", "match"),
         (prompt_cache_tiers.PromptCache, "restore", "restore"),
+        (prompt_cache_tiers.PromptCache, "take_snapshots", "snap"),
         (runner.ModelRunner, "run", "run"),
         (inbox.Inbox, "wait_quiet", "quiet"),
         (host_copies.HostCopies, "_copy", "copy"),
