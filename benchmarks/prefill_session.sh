@@ -4,8 +4,9 @@
 # so no checkpoint is written). Run from the repository root on the device machine, after
 # `bash benchmarks/device_wheels.sh` here and with `.whl` carried:
 #   bash benchmarks/prefill_session.sh [2b] [27b]
-# Results: /tmp/receipts/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases;
-# .requests beside it: the server's request log, whose TTFTs each table is followed by),
+# Results: /tmp/receipts/<shape>-<scenario>/ (receipts), $OUT/<shape>-serve.log (start-up phases),
+# $OUT/<shape>-details.tar.gz (the server's request logs, whose TTFTs each table is followed by,
+# the timelines, and each receipt's requests.json),
 # and every scenario's table on stdout, with the client's decode time per token. SCENARIOS="burst long,--prompt-tokens,500" picks
 # scenarios, each with its bench options after commas (default: burst long turn beside); RESTART=1 then starts the server a second time on the same machine (Triton's and
 # FLA's caches warm), logs that start in $OUT/<shape>-restart.log and runs RESTART_SCENARIOS
@@ -136,4 +137,9 @@ for shape in $shapes; do
       && run_scenarios ${RESTART_SCENARIOS:-}
     stop
   fi
+  # The device returns only a few files a call: one archive a shape holds the request logs,
+  # the timelines and each scenario's per-request receipt (every token's arrival time).
+  (cd "$out" && tar czf "$shape-details.tar.gz" --remove-files "$shape"-*.requests \
+    $(ls "$shape"-*.timeline* 2>/dev/null) \
+    -C "$receipts" $(cd "$receipts" && ls -d "$shape"-*/requests.json 2>/dev/null)) 2>/dev/null
 done
