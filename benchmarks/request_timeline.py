@@ -173,17 +173,20 @@ def _rows(events: list[tuple[str, float]], stalls: list = ()) -> list[dict[str, 
     return rows
 
 
+def _lines(path: str) -> list[tuple]:
+    """The records of a JSON-lines file this tool wrote (the timeline, its stalls)."""
+    with open(path) as f:
+        return [tuple(json.loads(line)) for line in f]
+
+
 def show(path: str, first: int = 1) -> None:
     """Print the table of FILE's requests from the ``first``-th on; then, for each request
     that some stall overlapped, the stalls (FILE.stalls, written beside FILE)."""
-    with open(path) as f:
-        events = [tuple(json.loads(line)) for line in f]
     try:
-        with open(path + ".stalls") as f:
-            stalls = [tuple(json.loads(line)) for line in f]
+        stalls = _lines(path + ".stalls")
     except OSError:
         stalls = []
-    rows = _rows(events, stalls)
+    rows = _rows(_lines(path), stalls)
     print("req " + " ".join(f"{c:>10s}" for c, _, _ in _COLUMNS))
     for j, row in enumerate(rows, 1):
         if j >= first:
@@ -298,9 +301,7 @@ def bursts(
 def show_bursts(path: str, size: int, receipt: str | None = None) -> None:
     """Print :func:`bursts` of FILE's events, one line a burst; with ``receipt`` (a bench
     burst receipt folder), counted from the client's sends."""
-    with open(path) as f:
-        events = [tuple(json.loads(line)) for line in f]
-    rows = bursts(events, size, client=client_bursts(receipt) if receipt else None)
+    rows = bursts(_lines(path), size, client=client_bursts(receipt) if receipt else None)
     if not rows:
         print(f"no burst of {size} requests in {path}")
         return
