@@ -131,6 +131,7 @@ for shape in $shapes; do
   # burst first: its first burst is the server's first after start-up.
   run_scenarios ${SCENARIOS:-burst long turn beside}
   stop
+  grep -h "drained" "$out/$shape-serve.log" | cut -c25-  # the GPU memory the run peaked at
   if [ -n "${RESTART:-}" ]; then
     echo "== $shape restart"
     SERVE_FLAGS="${RESTART_FLAGS:-${SERVE_FLAGS:-}}" start_server "$shape" "$out/$shape-restart.log" \

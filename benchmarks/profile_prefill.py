@@ -265,7 +265,13 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="attn,matmul,shapes,graphs,profile",
-        help="also: prof31, prof31pad, ops31, ops31pad, profcont",
+        help="also: prof31, prof31pad, ops31, ops31pad, profcont, profburst",
+    )
+    ap.add_argument(
+        "--dense-gib",
+        type=float,
+        default=0.0,
+        help="4-bit: give the first layers dense prefill copies in this many GiB (serve's top-up)",
     )
     ap.add_argument("--top", type=int, default=14, help="rows of each kernel / op table")
     args = ap.parse_args()
@@ -278,6 +284,9 @@ def main() -> None:
     model = Qwen35Model(cfg, random_weights(cfg, quant, gen), torch.bfloat16, "cuda")
     pool = model.new_state_pool(17, args.context)
     lines = [f"{args.shape} {args.format}: built in {time.perf_counter() - t0:.1f} s"]
+    if args.dense_gib > 0:
+        kept = model.keep_dense_copies(int(args.dense_gib * 2**30))
+        lines.append(f"dense prefill copies: the first {kept} layers")
     parts = args.parts.split(",")
     if "attn" in parts:
         attention_probe(cfg, lines)
@@ -303,6 +312,11 @@ def main() -> None:
             profile_ops(model, pool, lines, "padded 31 in 32 x1", batch)
     if "ops31" in parts:  # the torch calls behind the short prompt's small kernels
         profile_ops(model, pool, lines, "fresh 31 x1", [SeqChunk(0, 0, tok[:31])])
+    if "profburst" in parts:  # 16 new 31-token prompts, padded to 32 as serve's graphs run them
+        ids = torch.tensor([t for j in range(16) for t in (*tok[j : j + 31], 0)], device="cuda")
+        slots = torch.arange(16, device="cuda")
+        batch = ForwardBatch.padded_of(ids, slots, torch.full_like(slots, 31), 32)
+        profile_case(model, pool, lines, "burst 16x31 padded to 32", batch)
     if "profcont" in parts:  # an agent turn's chunk on a short and on a long history
         for start in (2063, args.context - 600):
             chunk = [SeqChunk(0, start, tok[:501])]

@@ -306,3 +306,52 @@ def test_help_shows_the_flags_with_defaults():
     ]:
         assert flag in entries, sorted(entries)
         assert f"default: {default})" in entries[flag], entries[flag]
+
+
+def test_start_up_warms_every_parsing_worker_and_each_route_parse(caplog):
+    """Before the first request the pool has all its threads (it starts them one a request,
+    on the first burst) and each generation route's parse has run, through the real tokenizer
+    and chat template; nothing reaches the engine (there is none here). A state whose parse
+    fails still starts: the warm-up logs it and returns."""
+    import asyncio
+
+    from headstart.engine.config import EngineConfig
+    from headstart.engine.engine import Engine
+    from headstart.loading import load
+    from headstart.server import api
+    from headstart.server.metrics import Metrics
+
+    loaded = load()
+    # Not started: the checks read its limits only.
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(1, 256))
+    calls = []
+    prepare_chat = api._PREPARE[api.CHAT_PATH][1]
+
+    def counted(state, body):
+        calls.append(json.loads(body))
+        return prepare_chat(state, body)
+
+    def state(tokenizer):
+        return api.ServerState(
+            engine=engine,
+            tokenizer=tokenizer,
+            model_name="m",
+            context=256,
+            generation_defaults={},
+            metrics=Metrics(slots=1),
+        )
+
+    warmed = state(loaded.tokenizer)
+    original = api._prepare_chat
+    api._prepare_chat = counted
+    try:
+        asyncio.run(api.warm_request_path(warmed))
+    finally:
+        api._prepare_chat = original
+    assert len(warmed.workers._threads) == api.PREP_WORKERS
+    assert [c["messages"][0]["role"] for c in calls] == ["user"]
+    assert "warming up the request path failed" not in caplog.text  # every parse passed
+    broken = state(None)  # every parse fails on the missing tokenizer
+    asyncio.run(api.warm_request_path(broken))
+    assert len(broken.workers._threads) == api.PREP_WORKERS
+    assert "warming up the request path failed" in caplog.text

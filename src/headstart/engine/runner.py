@@ -40,10 +40,22 @@ GRAPH_SHAPES = frozenset({"decode", "prompts", "continuations", "windows"})
 
 @contextmanager
 def _phase(what: str) -> Iterator[None]:
-    """Log how long a start-up phase took (what start-up is spent on)."""
+    """Log how long a start-up phase took (what start-up is spent on) and, on a GPU, the
+    memory it leaves (what sizes the margin beside the state pool: serve's dense copies)."""
     started = time.monotonic()
     yield
-    log.info("%s in %.1fs", what, time.monotonic() - started)
+    log.info("%s in %.1fs%s", what, time.monotonic() - started, gpu_memory_note())
+
+
+def gpu_memory_note() -> str:
+    """On CUDA (once initialized): the current device's free memory and the peak the caching
+    allocator has reserved so far; empty elsewhere."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ""
+    free, total = torch.cuda.mem_get_info()
+    peak = torch.cuda.max_memory_reserved()
+    gib = 2**30
+    return f" (GPU: {free / gib:.2f} of {total / gib:.2f} GiB free, peak reserved {peak / gib:.2f})"
 
 
 def chunk_of(w: Work, draft: Draft | None = None) -> SeqChunk:

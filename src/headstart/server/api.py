@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +51,8 @@ log = logging.getLogger("headstart.server")
 R = TypeVar("R")
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+#: Threads that parse, render and tokenize request bodies (``ServerState.workers``).
+PREP_WORKERS = 4
 
 
 @dataclass
@@ -71,7 +76,7 @@ class ServerState:
     # Parsing, template rendering and tokenization run here, off the event loop.
     workers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="headstart-prep"
+            max_workers=PREP_WORKERS, thread_name_prefix="headstart-prep"
         )
     )
     created: int = field(default_factory=lambda: int(time.time()))
@@ -506,6 +511,32 @@ def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
         if isinstance(prompt, str):
             _check_text_size(state, [prompt], "prompt")
     return _Prepared(req, P.completion_prompts(state.tokenizer, req))
+
+
+async def warm_request_path(state: ServerState) -> None:
+    """Before the first request: start every parsing worker and run each generation route's
+    parsing once (a completions body of token ids, one of text, a chat body), nothing sent to
+    the engine. Why: the pool starts its threads one a request, on the first burst, and the
+    first parse of each route runs code for the first time; both held the event loop and the
+    engine thread's admission of the first burst of new prompts after start-up (BENCHMARKS.md).
+    A failure here is logged and changes nothing else."""
+    started = threading.Barrier(PREP_WORKERS)
+
+    def meet() -> None:  # each task holds its thread until all have one: the pool starts them all
+        started.wait(timeout=5.0)
+
+    bodies = (
+        (_prepare_completion, {"model": state.model_name, "prompt": [1, 2, 3], "max_tokens": 1}),
+        (_prepare_completion, {"prompt": "Hello", "max_tokens": 1, "stream": True}),
+        (_prepare_chat, {"messages": [{"role": "user", "content": "Hello"}], "stream": True}),
+    )
+    try:
+        await asyncio.gather(*(_off_loop(state, meet) for _ in range(PREP_WORKERS)))
+        for prepare, body in bodies:
+            with contextlib.suppress(P.APIError):  # refused (say, no chat template): it ran
+                await _off_loop(state, prepare, state, json.dumps(body).encode())
+    except Exception:  # a slower first request, never a failed start-up
+        log.exception("warming up the request path failed")
 
 
 def _check_size(state: ServerState, prompts: int, n: int) -> None:

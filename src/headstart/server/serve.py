@@ -472,7 +472,9 @@ class _Drain:
             self._announced = True
             log.info("draining: %d requests active, %gs to finish", active, self.timeout_s)
         if active == 0:
-            log.info("drained after %.1fs", now - self.started_at)
+            from headstart.engine.runner import gpu_memory_note
+
+            log.info("drained after %.1fs%s", now - self.started_at, gpu_memory_note())
             return True
         if self._ended_at is None:
             if now - self.started_at >= self.timeout_s:
@@ -619,7 +621,11 @@ def _keep_dense_copies(model, pool_bytes: int, cache_bytes: int) -> None:
 def dense_margin(total: int) -> int:
     """GPU memory left free beside the state pool and the prompt cache when dense prefill
     copies are added after the load: the engine's own (warm-up activations, CUDA graphs'
-    memory pools, cuBLAS and FLA workspaces), a tenth of the device and at least 4 GiB."""
+    memory pools, cuBLAS and FLA workspaces), a tenth of the device and at least 4 GiB;
+    ``HEADSTART_DENSE_MARGIN_GIB`` sets it instead (to measure a smaller one)."""
+    asked = os.environ.get("HEADSTART_DENSE_MARGIN_GIB", "")
+    with contextlib.suppress(ValueError):
+        return int(float(asked) * 2**30)
     return max(4 << 30, total // 10)
 
 
@@ -824,7 +830,7 @@ def _serve_loaded(
 ) -> int:
     from headstart.engine.engine import Engine
     from headstart.loading import load
-    from headstart.server.api import ServerState, create_app
+    from headstart.server.api import ServerState, create_app, warm_request_path
     from headstart.server.metrics import Metrics
     from headstart.server.request_log import RequestLog
 
@@ -989,6 +995,7 @@ def _serve_loaded(
         # Loads anyio's asyncio backend now: Starlette imports it on first use, and the import
         # held the event loop for milliseconds in the first burst of requests after start-up.
         await anyio.sleep(0)
+        await warm_request_path(state)
         yield
 
     app = create_app(state, lifespan)
