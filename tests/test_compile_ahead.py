@@ -64,6 +64,21 @@ def test_warm_only_starts_up_on_the_cut_model_and_exits(tmp_path):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--warm-only" in cmd and "--load-format" in cmd
+    # Its log names its phases, which the server sums up beside the process's time.
+    summary = compile_ahead.phase_summary(done.stderr)
+    assert "loaded cut" in summary and "engine ready" in summary, done.stderr[-2000:]
+
+
+def test_the_phase_summary_lists_each_timed_phase_in_order():
+    text = (
+        "2026-12-07 09:47:05,632 headstart.serve: loaded m (qwen35) in 15.9s\n"
+        "2026-12-07 09:47:05,700 headstart.serve: state pool: 16 streams x 16384 tokens\n"
+        "2026-12-07 09:47:54,143 headstart.engine: prompt graphs in 6.04s (GPU: 4.30 GiB free)\n"
+        "a traceback line in 3s\n"
+    )
+    summary = compile_ahead.phase_summary(text)
+    assert summary == " (loaded m (qwen35) 15.9s; prompt graphs 6.0s)"
+    assert compile_ahead.phase_summary("no phase here") == ""
 
 
 def test_no_process_for_the_cpu_or_without_graphs():

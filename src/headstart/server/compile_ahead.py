@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,7 +73,8 @@ def command(args: argparse.Namespace, folder: Path, step_tokens: int) -> list[st
     cmd += ["--load-format", "dummy", "--device", str(args.device), "--kernels", args.kernels]
     cmd += ["--prefill-weights", args.prefill_weights, "--max-batched-tokens", str(step_tokens)]
     cmd += ["--prompt-cache-mib", "0", "--prompt-cache-host-mib", "0", "--no-drafter"]
-    cmd += ["--log-level", "warning"]
+    # Info: its phase timings go to its log, which the server sums up (phase_summary).
+    cmd += ["--log-level", "info"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     for flag in ("parallel", "context", "prefill_graph_rows"):
@@ -206,6 +208,17 @@ def cap_memory(device: str) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, int(cap) / total), index)
 
 
+_PHASE = re.compile(r"^\S+ \S+ headstart\.\w+: (.+?) in ([0-9.]+)s\b", re.M)
+
+
+def phase_summary(log_text: str) -> str:
+    """The start-up phases a process logged ("<phase> in <x>s" lines), as one parenthesised
+    list: where a compile-ahead process's time went (its shard's compiling lands in the phase
+    that first runs each kernel); empty when it logged none."""
+    phases = [f"{what} {float(secs):.1f}s" for what, secs in _PHASE.findall(log_text)]
+    return f" ({'; '.join(phases)})" if phases else ""
+
+
 class CompileAhead:
     """The compiling processes, started by :meth:`start` and waited for by :meth:`wait`: the
     same start-up of the cut model, its shapes dealt out among them (``--warm-shard``)."""
@@ -275,10 +288,10 @@ class CompileAhead:
                 proc.kill()
                 proc.wait()
             took = time.monotonic() - self.started
+            err = (Path(self.tmp.name) / f"stderr-{i}.log").read_text(errors="replace")
             if proc.returncode == 0:
-                log.info("compile-ahead process %d done in %.1fs", i, took)
+                log.info("compile-ahead process %d done in %.1fs%s", i, took, phase_summary(err))
             else:
-                err = (Path(self.tmp.name) / f"stderr-{i}.log").read_text(errors="replace")
                 tail = " | ".join(err.strip().splitlines()[-3:])
                 log.warning(
                     "compile-ahead process %d ended %s after %.1fs: %s",
