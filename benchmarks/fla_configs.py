@@ -7,6 +7,10 @@ instead of tuning (``{kernel}.json`` with ``autotune_entries``, looked up by the
 prints how many tunings the log holds and the seconds they took.
 
     python benchmarks/fla_configs.py SERVE_LOG [--out DIR] [--triton-version 3.6.0]
+
+``--fill DIR --from OTHER`` instead adds to DIR's files every key OTHER's files hold and DIR's
+do not (DIR's own entries win): a GPU of the same architecture tuned for fewer shapes (the
+H100's set held one key a kernel, 27B's plain chunk, so its other shapes tuned at start-up).
 """
 
 from __future__ import annotations
@@ -57,12 +61,40 @@ def parse(log: str) -> tuple[dict[str, dict], float, int]:
     return files, seconds, count
 
 
+def fill(into: Path, source: Path) -> dict[str, int]:
+    """Add to each ``{kernel}.json`` in ``into`` the entries of ``source``'s file of the same
+    kernel whose keys it lacks (a kernel only ``source`` has gets its file); kernel name ->
+    entries added."""
+    added: dict[str, int] = {}
+    for src in sorted(source.glob("*.json")):
+        other = json.loads(src.read_text())
+        dst = into / src.name
+        body = json.loads(dst.read_text()) if dst.exists() else {**other, "autotune_entries": {}}
+        entries = body["autotune_entries"]
+        new = {h: e for h, e in other["autotune_entries"].items() if h not in entries}
+        if new:
+            entries.update(new)
+            dst.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        added[other["kernel_name"]] = len(new)
+    return added
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("log")
+    ap.add_argument("log", nargs="?")
     ap.add_argument("--out", default=None)
     ap.add_argument("--triton-version", default="3.6.0")
+    ap.add_argument("--fill", type=Path, default=None, help="a GPU's config folder to add to")
+    ap.add_argument("--from", dest="source", type=Path, default=None)
     args = ap.parse_args()
+    if args.fill is not None:
+        if args.source is None:
+            ap.error("--fill needs --from")
+        for name, n in fill(args.fill, args.source).items():
+            print(f"  {name}: {n} keys added")
+        return
+    if args.log is None:
+        ap.error("a log, or --fill DIR --from OTHER")
     files, seconds, count = parse(Path(args.log).read_text(errors="replace"))
     print(f"{count} tunings of {len(files)} kernels, {seconds:.1f} s in all")
     for name, entries in sorted(files.items()):

@@ -47,6 +47,28 @@ def test_a_log_becomes_fla_config_entries_keyed_as_fla_hashes_them():
     assert len(entries) == 2
 
 
+def test_a_gpus_folder_is_filled_with_the_keys_another_holds_its_own_entries_kept(tmp_path):
+    files, _, _ = fla_configs.parse(LOG)
+    (h_plain, plain), (h_varlen, varlen) = sorted(files["chunk_fwd_kernel_o"].items())
+
+    def write(folder, kernel, entries):
+        folder.mkdir(exist_ok=True)
+        body = {"kernel_name": kernel, "triton_version": "3.6.0", "autotune_entries": entries}
+        (folder / f"{kernel}.json").write_text(json.dumps(body))
+
+    own = {**plain, "config": {**plain["config"], "num_warps": 2}}  # tuned here: stays
+    write(tmp_path / "h100", "chunk_fwd_kernel_o", {h_plain: own})
+    write(tmp_path / "h200", "chunk_fwd_kernel_o", {h_plain: plain, h_varlen: varlen})
+    write(tmp_path / "h200", "l2norm_fwd_kernel", {h_varlen: varlen})
+    added = fla_configs.fill(tmp_path / "h100", tmp_path / "h200")
+    assert added == {"chunk_fwd_kernel_o": 1, "l2norm_fwd_kernel": 1}
+    got = json.loads((tmp_path / "h100" / "chunk_fwd_kernel_o.json").read_text())
+    assert got["autotune_entries"] == {h_plain: own, h_varlen: varlen}
+    l2 = json.loads((tmp_path / "h100" / "l2norm_fwd_kernel.json").read_text())
+    assert l2["kernel_name"] == "l2norm_fwd_kernel" and list(l2["autotune_entries"]) == [h_varlen]
+    assert fla_configs.fill(tmp_path / "h100", tmp_path / "h200")["chunk_fwd_kernel_o"] == 0
+
+
 def test_shipped_configs_are_used_for_their_gpu_only(tmp_path, monkeypatch):
     monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
