@@ -30,6 +30,10 @@ log = logging.getLogger("headstart.kernels")
 # as FLA names it; written by benchmarks/fla_configs.py from a start-up's log). FLA tunes each
 # kernel once per model shape, over up to a few dozen configs, each compiled: most of what a
 # first start on a fresh machine spends warming up. vLLM ships its tuned MoE configs the same way.
+# The H100's folder holds its own tunings of 27B's plain chunk and, for every other key, the
+# H200's (the same sm90 architecture and SM count; `fla_configs.py --fill`): a key missing from
+# the folder is tuned at start-up, which made one compile-ahead process of a fresh H100 29 s
+# slower than the others at 27B (BENCHMARKS.md, session 35).
 SHIPPED_CONFIGS = Path(__file__).with_name("fla_configs")
 
 
