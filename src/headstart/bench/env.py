@@ -29,6 +29,7 @@ PACKAGES = (
     "headstart",
     "torch",
     "triton",
+    "fla-core",
     "flash-linear-attention",
     "numpy",
     "tokenizers",
