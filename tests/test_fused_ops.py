@@ -94,7 +94,10 @@ def test_gdn_gates_on_strided_rows(weights):
     g, beta = gpu_fused.gdn_gates(a, b, a_log, dt_bias)
     want_g, want_beta = pointwise.gdn_gates(a, b, a_log, dt_bias)
     assert g.dtype == want_g.dtype == torch.float32 and beta.dtype == want_beta.dtype == BF
-    torch.testing.assert_close(g, want_g, rtol=2e-5, atol=1e-30)  # relative at every scale
+    # Relative at every scale. exp(A_log) is rounded to A_log's dtype, as the reference does;
+    # a bf16 rounding toward zero under the interpreter is one bf16 step (2^-8) off.
+    rtol = 2e-5 if EXACT or weights is torch.float32 else 2**-7
+    torch.testing.assert_close(g, want_g, rtol=rtol, atol=1e-30)
     if EXACT:
         assert torch.equal(beta, want_beta)
     close(beta, want_beta)
@@ -104,7 +107,7 @@ def test_gdn_gates_on_strided_rows(weights):
     g_v, beta_v = gpu_fused.gdn_gates(a, b, a_log, dt_bias, valid)
     assert torch.equal(g_v[~valid], torch.zeros_like(g_v[~valid]))
     assert torch.equal(beta_v[~valid], torch.zeros_like(beta_v[~valid]))
-    torch.testing.assert_close(g_v[valid], want_g[valid], rtol=2e-5, atol=1e-30)
+    torch.testing.assert_close(g_v[valid], want_g[valid], rtol=rtol, atol=1e-30)
     close(beta_v[valid], want_beta[valid])
     want_gv, want_bv = pointwise.gdn_gates(a, b, a_log, dt_bias, valid)
     assert torch.equal(want_gv[~valid], g_v[~valid]) and torch.equal(
