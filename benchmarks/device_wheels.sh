@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Put every wheel the GPU machine lacks into .whl/ (git-ignored), for the `device` tool's
-# machine (Python 3.12, no package index): flash-linear-attention's kernels (fla-core), and the server stack that the
-# image does not carry (fastapi and what it imports). On the machine, before anything else:
+# machine (Python 3.12, no package index): flash-linear-attention's kernels (fla-core), and the
+# server stack that the image does not carry (fastapi and what it imports). On the machine, before anything else:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 set -euo pipefail

@@ -39,21 +39,23 @@ GRAPH_SHAPES = frozenset({"decode", "prompts", "continuations", "windows"})
 
 
 @contextmanager
-def _phase(what: str) -> Iterator[None]:
+def _phase(what: str, device: torch.device) -> Iterator[None]:
     """Log how long a start-up phase took (what start-up is spent on) and, on a GPU, the
-    memory it leaves (what sizes the margin beside the state pool: serve's dense copies)."""
+    memory it leaves on ``device`` (what sizes the margin beside the state pool: serve's
+    dense copies)."""
     started = time.monotonic()
     yield
-    log.info("%s in %.1fs%s", what, time.monotonic() - started, gpu_memory_note())
+    log.info("%s in %.1fs%s", what, time.monotonic() - started, gpu_memory_note(device))
 
 
-def gpu_memory_note() -> str:
-    """On CUDA (once initialized): the current device's free memory and the peak the caching
-    allocator has reserved so far; empty elsewhere."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+def gpu_memory_note(device: torch.device) -> str:
+    """On a CUDA ``device`` (its context made): its free memory and the peak the caching
+    allocator has reserved on it so far; empty elsewhere. The device is named, not taken as
+    the current one, which a model on ``cuda:1`` leaves at 0 (a context there costs memory)."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
         return ""
-    free, total = torch.cuda.mem_get_info()
-    peak = torch.cuda.max_memory_reserved()
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_reserved(device)
     gib = 2**30
     return f" (GPU: {free / gib:.2f} of {total / gib:.2f} GiB free, peak reserved {peak / gib:.2f})"
 
@@ -189,7 +191,7 @@ class ModelRunner:
             from headstart.engine.cuda_graph import sharded
 
             with sharded(self.graph_config.shard):
-                with _phase("warm-up of the eager paths"):
+                with _phase("warm-up of the eager paths", self.model.device):
                     self.warm_eager(self.scratch)
                 # A collection inside a capture runs the finalizers of the dead objects it finds
                 # (an earlier engine's graphs and buffers), and a CUDA free among them breaks the
@@ -197,7 +199,7 @@ class ModelRunner:
                 with collector_paused():
                     self._capture()
         if self.compiled:
-            with _phase("CPU decode steps compiled"):
+            with _phase("CPU decode steps compiled", self.model.device):
                 self.cpu_programs = DecodePrograms(
                     self.model,
                     self.pool,
@@ -252,13 +254,13 @@ class ModelRunner:
 
         g, model, pool, s, taps = self.graph_config, self.model, self.pool, self.scratch, self.taps
         shapes = getattr(model.kernels, "graph_shapes", GRAPH_SHAPES)
-        with _phase("decode graphs"):
+        with _phase("decode graphs", self.model.device):
             self.decode_graphs = DecodeGraphs(
                 model, pool, self.num_slots, s, taps, capture=g.capture
             )
         mempool = self.decode_graphs.mempool  # shared: no two graphs replay at once
         if g.prefill_tokens >= 1 and "prompts" in shapes:
-            with _phase("prompt graphs"):
+            with _phase("prompt graphs", self.model.device):
                 self.prompt_graphs = PromptGraphs(
                     model,
                     pool,
@@ -271,12 +273,12 @@ class ModelRunner:
                     mempool=mempool,
                 )
         if g.continuations and g.continuation_tokens >= 2 and "continuations" in shapes:
-            with _phase("continuation graphs"):
+            with _phase("continuation graphs", self.model.device):
                 self.continuation_graphs = ContinuationGraphs(
                     model, pool, g.continuation_tokens, s, taps, capture=g.capture, mempool=mempool
                 )
         if g.windows and self.spec is not None and self.spec.block >= 2 and "windows" in shapes:
-            with _phase("speculative graphs"):
+            with _phase("speculative graphs", self.model.device):
                 self._capture_rounds(mempool)
 
     def _capture_rounds(self, mempool: object) -> None:

@@ -474,7 +474,8 @@ class _Drain:
         if active == 0:
             from headstart.engine.runner import gpu_memory_note
 
-            log.info("drained after %.1fs%s", now - self.started_at, gpu_memory_note())
+            note = gpu_memory_note(engine.model.device)
+            log.info("drained after %.1fs%s", now - self.started_at, note)
             return True
         if self._ended_at is None:
             if now - self.started_at >= self.timeout_s:
