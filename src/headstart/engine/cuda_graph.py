@@ -27,6 +27,8 @@ tests check everything here but the capture itself.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,6 +38,8 @@ from headstart.batch import DecodeRows, ForwardBatch
 from headstart.models.contract import CausalLM, ForwardOutput
 from headstart.progress import progress
 from headstart.state import StatePool
+
+log = logging.getLogger("headstart.engine")
 
 
 def buckets_for(max_streams: int) -> list[int]:
@@ -61,24 +65,33 @@ class _Replayable:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: ForwardOutput | None = None
+        # Seconds of the capture's warm-up runs, the capture itself and the first launch
+        # (each to the GPU's end of it): what a start-up's graph phases are spent on.
+        self.seconds = (0.0, 0.0, 0.0)
         if capture:
+            started = time.perf_counter()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: autotuning and lazy init happen here
                 for _ in range(warmups):
                     fn()
             torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            warmed = time.perf_counter()
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of other threads (the server's, a test's) during a
             # capture must not invalidate it, only this thread's own.
             with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
                 self.out = fn()
+            captured = time.perf_counter()
             # A graph's first launch uploads it to the device: the first request after start-up
             # spent 23 ms launching its prompt graph at 27B, later ones about 1 ms. Launch it
             # once now (``launch``), over the same static buffers its warm-up ran on (so
             # nothing new is written).
             if launch:
                 self.graph.replay()
+                torch.cuda.synchronize()
+            self.seconds = (warmed - started, captured - warmed, time.perf_counter() - captured)
 
     def replay(self) -> ForwardOutput | None:
         if self.graph is None:
@@ -160,6 +173,16 @@ def _capture_each(
                 lambda key=key: forward(key), capture, mempool, warmups, launch
             )
             tick()
+    if capture and graphs:
+        warm, held, launched = (sum(g.seconds[i] for g in graphs.values()) for i in range(3))
+        log.info(
+            "%s: %d captured; warm-up runs %.1fs, captures %.1fs, first launches %.1fs",
+            label,
+            len(graphs),
+            warm,
+            held,
+            launched,
+        )
     return graphs
 
 
