@@ -559,7 +559,7 @@ def test_continuation_graph_replay_equals_eager(ckpt):
         )
     graphs = ContinuationGraphs(model, pools[2], 128, 3, taps=(0, 2))
     emulated = ContinuationGraphs(model, pools[1], 128, 3, taps=(0, 2), capture=False)
-    assert graphs.widths == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert graphs.widths == [2, 4, 8, 16, 32, 64, 128]
     filled = [17, 40]
     # 100 rows: two query blocks of the chunk attention kernel, padded to 128.
     for slot, n in ((0, 9), (1, 32), (0, 2), (1, 5), (1, 100)):

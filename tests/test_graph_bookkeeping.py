@@ -517,12 +517,28 @@ def test_span_batch_equals_a_continued_chunk(target, width):
 def test_continuation_widths():
     from headstart.engine.cuda_graph import continuation_widths
 
-    assert continuation_widths(64) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-    assert continuation_widths(100) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert continuation_widths(64) == [2, 4, 8, 16, 32, 64]
+    assert continuation_widths(100) == [2, 4, 8, 16, 32, 64, 100]
     assert continuation_widths(2) == [2]
+    assert continuation_widths(3) == [2, 3]
     # Past 256, every 128 tokens: long tool results pad by at most 128 rows.
-    assert continuation_widths(1024)[-8:] == [192, 256, 384, 512, 640, 768, 896, 1024]
-    assert continuation_widths(300)[-3:] == [192, 256, 300]
+    assert continuation_widths(1024) == [
+        2,
+        4,
+        8,
+        16,
+        32,
+        64,
+        128,
+        256,
+        384,
+        512,
+        640,
+        768,
+        896,
+        1024,
+    ]
+    assert continuation_widths(300)[-3:] == [128, 256, 300]
 
 
 def test_engine_with_continuation_graphs_equals_eager(target, tokenizer, engines):

@@ -643,13 +643,15 @@ class RoundGraphs:
 
 
 def continuation_widths(max_tokens: int, step: int = 128) -> list[int]:
-    """The padded widths of continued-chunk graphs: 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-    ``2 * step``, then every ``step`` tokens, up to ``max_tokens`` (included): at most half a
-    short chunk of padding and at most ``step`` rows of a long one (a tool result of 520
-    tokens pads to 640, not 768), a handful of graphs."""
+    """The padded widths of continued-chunk graphs: 2, 4, 8, 16, ... up to ``2 * step``, then
+    every ``step`` tokens, up to ``max_tokens`` (included): at most ``step`` rows of padding
+    on a long chunk (a tool result of 520 tokens pads to 640, not 1024). Why no widths between
+    the powers of two below ``2 * step``: a forward of that few rows costs about what reading
+    the weights costs, whatever its rows (27B: 16 GB of dense copies, 256 rows 14 TFLOP), while
+    each graph costs a capture at start-up (about 0.3 s at 27B)."""
     widths, p = {max_tokens}, 2
     while p < min(max_tokens, 2 * step):
-        widths.update(w for w in (p, p * 3 // 2) if w < max_tokens)
+        widths.add(p)
         p *= 2
     widths.update(range(2 * step, max_tokens, step))
     return sorted(w for w in widths if w >= 2)
