@@ -51,7 +51,7 @@ while time.time() < deadline:
         time.sleep(1)
 sys.exit(1)
 EOF
-  grep -E "step budget|ready in|loaded|dense| in [0-9.]+s" "$2" | cut -c25-
+  grep -E "step budget|ready in|loaded|dense|captured;| in [0-9.]+s" "$2" | cut -c25-
 }
 
 # The server's own TTFT (its request log, past line $2) beside the client's: what HTTP and the
