@@ -104,3 +104,18 @@ def test_every_shipped_config_file_reads_as_fla_reads_it():
         for h, entry in data["autotune_entries"].items():
             assert isinstance(entry["config"], dict)
             assert fla_configs._key_hash(entry["autotune_key"]) == h
+
+
+def test_kernel_modules_import_in_the_background(monkeypatch):
+    """import_in_background imports its modules in a daemon thread (the weights load meanwhile)
+    and stops quietly at one that fails to import (it fails again, with its error, where the
+    kernels first import it); what it imports by default is FLA's kernels."""
+    for name in ("colorsys", "wave"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    thread = fla.import_in_background(("colorsys", "no_such_module_here", "wave"))
+    assert thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert "colorsys" in sys.modules
+    assert "no_such_module_here" not in sys.modules and "wave" not in sys.modules
+    assert fla.KERNEL_MODULES == ("fla.ops.gated_delta_rule",)

@@ -266,14 +266,15 @@ def select_kernels(device: torch.device | str, want: str = "auto") -> Kernels:
         chosen = cpu_kernels()
     else:
         try:
-            if device.type == "cuda":
-                from headstart.ops.gated_delta.fla import use_shipped_configs
+            from headstart.ops.gated_delta import fla as fla_gdn
 
-                use_shipped_configs(device)
+            if device.type == "cuda":
+                fla_gdn.use_shipped_configs(device)
             import fla  # noqa: F401
             import triton  # noqa: F401
 
             chosen = gpu_kernels()
+            fla_gdn.import_in_background()  # while the weights load (after the configs' env)
         except ImportError as e:
             if want == "gpu":
                 raise

@@ -16,10 +16,12 @@ Non-goals: autograd.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -52,6 +54,32 @@ def use_shipped_configs(device: torch.device) -> Path | None:
     os.environ["FLA_CACHE_MODE"] = "strict"
     log.info("flash-linear-attention: tuned configs from %s", folder)
     return folder
+
+
+# FLA's kernel modules: importing them runs FLA's ``fla.ops`` and ``fla.modules`` package inits
+# (every op family it has) and imports torch's dynamo and inductor, seconds of one core.
+KERNEL_MODULES = ("fla.ops.gated_delta_rule",)
+
+
+def import_in_background(modules: tuple[str, ...] = KERNEL_MODULES) -> threading.Thread:
+    """Start importing ``modules`` in a daemon thread and return it. Why: the first prefill
+    imports them otherwise, inside the warm-up, after the weights' load, which a compile-ahead
+    process and the server both wait through; started at kernel selection, the import runs
+    while the weights load. A caller that imports one of them meanwhile waits for this import
+    (Python's per-module import locks); an import that fails here fails again, with its error,
+    where the kernels first use it."""
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # raised again where the kernels first import it
+                log.debug("background import of %s failed: %s", name, e)
+                return
+
+    thread = threading.Thread(target=run, name="fla-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def _fla_chunk():
