@@ -6,7 +6,9 @@ replays of 48 layers' worth of calls (each layer its own pool and inputs, as in 
 
 ``--launches``: also the step kernel at each (warps x Dv slice), at every row count;
 ``--chunks``: also FLA at those chunk sizes; ``--cases``: only these (streams x rows);
-``--fused``: also ``gdn_fresh_chunk`` (one fused chunk) at up to 32 rows.
+``--fused``: also ``gdn_fresh_chunk`` (one fused chunk) at up to 32 rows; ``--solve``: also
+``fla.gdn_fresh_padded`` (FLA's intra-chunk solve, then our outputs and final states) at up to
+64 rows.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="streams x rows, comma-separated")
     ap.add_argument("--shapes", default="27b,2b")
     ap.add_argument("--fused", action="store_true", help="also gdn_fresh_chunk (<= 32 rows)")
+    ap.add_argument("--solve", action="store_true", help="also gdn_fresh_padded (<= 64 rows)")
     args = ap.parse_args()
     chunks = [int(c) for c in args.chunks.split(",") if c]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c] or CASES
@@ -97,6 +100,11 @@ def main() -> None:
                 t = per_layer_us(fn, layers)
                 d = (fla.gdn_padded(*layers[0]).float() - fn(*layers[0])).abs().max().item()
                 print(f"      fused chunk: {t:8.1f} us  {d:.2e}")
+            if args.solve and L <= gpu_gdn.FRESH_PADDED_MAX_ROWS:
+                fn = fla.gdn_fresh_padded
+                t = per_layer_us(fn, layers)
+                d = (fla.gdn_padded(*layers[0]).float() - fn(*layers[0]).float()).abs().max()
+                print(f"      FLA solve + our outputs: {t:8.1f} us  {d.item():.2e}")
             for c in chunks:
                 fn = functools.partial(fla.gdn_padded, chunk_size=c)
                 t = per_layer_us(fn, layers)

@@ -13,6 +13,7 @@ in-place state updates are compared whole, slots that must not change exactly.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -310,6 +311,53 @@ def test_gdn_padded_takes_the_fused_chunk_for_one_new_prompt_of_17_to_32_rows():
     got = gpu_gdn.gdn_padded(q, k, v, g, beta, slots, pools[0])
     want = gpu_gdn.gdn_fresh_chunk(q, k, v, g, beta, slots, pools[1])
     assert torch.equal(got, want) and torch.equal(pools[0][slots], pools[1][slots])
+
+
+def _wy_solved(q, k, v, g, beta):
+    """What FLA's l2norm, chunk_local_cumsum and intra-chunk solve hand :func:`fresh_outputs`,
+    in PyTorch: q and k L2-normalised (eps 1e-6 on the sum of squares), g as log2 cumulative
+    decay, and u = (I + tril(beta_i k_i.k_j 2^(g_i - g_j), -1))^-1 (beta v) per head."""
+    qn, kn = (t.float() / (t.float().square().sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k))
+    gc = g.float().cumsum(1) / math.log(2)
+    L, Hv = g.shape[1:]
+    rep = Hv // k.shape[2]
+    kh = kn.repeat_interleave(rep, dim=2)  # [N, L, Hv, D]
+    kk = torch.einsum("nihd,njhd->nhij", kh, kh)
+    decay = torch.exp2(gc.transpose(1, 2)[..., :, None] - gc.transpose(1, 2)[..., None, :])
+    b = beta.float().transpose(1, 2)  # [N, Hv, L]
+    a = torch.tril(b[..., :, None] * kk * decay, -1)
+    eye = torch.eye(L, device=q.device)
+    bv = b[..., None] * v.float().transpose(1, 2)  # [N, Hv, L, Dv]
+    u = torch.linalg.solve_triangular(eye + a, bv, upper=False, unitriangular=True)
+    return qn, kn, gc, u.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("lens,L", [([17, 1, 32], 32), ([40, 64], 64), ([5, 20], 24)])
+def test_fresh_outputs_after_the_wy_solve_equal_the_reference(lens, L):
+    """New prompts of one chunk from a zero state: the outputs and final states from the WY
+    values (as FLA's solve gives them) against the chunked reference from the raw inputs, with
+    value heads sharing key heads; the slots' old contents (NaN) never read."""
+    N, Hv, D = len(lens), 4, 32
+    q, k, v, g, beta, slots, pools = _padded_prompts(lens, L, D, seed=90)
+    qn, kn, gc, u = _wy_solved(q, k, v, g, beta)
+    dt = BF if EXACT else torch.float32  # the interpreter's tl.dot misreads bf16 operands
+    got = gpu_gdn.fresh_outputs(qn.to(dt), kn.to(dt), u.to(dt), gc, slots, pools[0], D**-0.5)
+    want = _ref_gdn_padded(q, k, v, g, beta, slots, pools[1])
+    assert got.dtype == dt and got.shape == (N, L, Hv, D)
+    tol = 3e-2 if EXACT else 1e-3  # bf16 operands on the GPU, as FLA's
+    for j, n in enumerate(lens):
+        close(got[j, :n], want[j, :n], tol=tol)
+    torch.testing.assert_close(pools[0][slots], pools[1][slots], rtol=tol, atol=tol)
+    assert pools[0][1].isnan().all()
+
+
+def test_gdn_padded_takes_flas_solve_and_our_outputs_for_several_prompts_of_one_chunk():
+    fits = gpu_gdn.fresh_padded_fits
+    assert fits(2, 32, 128, 128) and fits(16, 17, 128, 128) and fits(16, 64, 16, 32)
+    assert not fits(1, 32, 128, 128)  # one prompt: the fused chunk (fresh_chunk_fits)
+    assert not fits(16, 16, 128, 128)  # the one-row steps
+    assert not fits(16, 65, 128, 128)  # more than one chunk: FLA's chunked form
+    assert not fits(16, 32, 96, 128) and not fits(16, 32, 128, 8)
 
 
 def test_attn_decode_inputs_writes_kv_and_returns_q():

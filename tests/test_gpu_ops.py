@@ -286,6 +286,47 @@ def test_gdn_padded(lens, L, Hk, Hv, D):
     assert pool[0].isnan().all()
 
 
+@pytest.mark.parametrize(
+    "lens,L,Hk,Hv,D",
+    [([31] * 15 + [7], 32, 16, 48, 128), ([20, 64, 1], 64, 16, 16, 128), ([17, 9], 24, 2, 4, 64)],
+)
+def test_gdn_fresh_padded_equals_flas_chunked_form(lens, L, Hk, Hv, D):
+    """Several new prompts of one chunk through FLA's solve and our outputs and final states
+    (``gdn_fresh_padded``, what ``gdn_padded`` takes for them) against FLA's whole chunked form
+    (``fla.gdn_padded``) and the recurrent reference; other slots untouched."""
+    from headstart.ops.gated_delta import triton as gpu_gdn
+    from headstart.ops.gated_delta.fla import gdn_fresh_padded, gdn_padded
+
+    pytest.importorskip("fla")
+    N = len(lens)
+    assert gpu_gdn.fresh_padded_fits(N, L, D, D)
+    g = gen(7 * N + L)
+    q = torch.randn(N, L, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(N, L, Hk, D, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(N, L, Hv, D, generator=g, device=DEV).to(torch.bfloat16)
+    decay = torch.nn.functional.logsigmoid(torch.randn(N, L, Hv, generator=g, device=DEV))
+    beta = torch.rand(N, L, Hv, generator=g, device=DEV).to(torch.bfloat16)
+    valid = torch.arange(L, device=DEV)[None, :] < torch.tensor(lens, device=DEV)[:, None]
+    decay, beta = (torch.where(valid[..., None], t, 0) for t in (decay, beta))
+    pools = [torch.full((N + 2, Hv, D, D), float("nan"), device=DEV) for _ in range(3)]
+    slots = torch.arange(N, device=DEV).flip(0) + 1
+    got = gdn_fresh_padded(q, k, v, decay, beta, slots, pools[0])
+    fla_o = gdn_padded(q, k, v, decay, beta, slots, pools[1])
+    via_padded = gpu_gdn.gdn_padded(q, k, v, decay, beta, slots, pools[2])
+    for j, n in enumerate(lens):
+        s = slots[j]
+        assert rel_err(got[j, :n], fla_o[j, :n]) <= 1e-2, j
+        assert rel_err(pools[0][s], pools[1][s]) <= 1e-2, j
+        zero = torch.zeros(Hv, D, D, device=DEV)
+        o_ref, s_ref = recurrent_gated_delta(
+            q[j, :n], k[j, :n], v[j, :n], decay[j, :n], beta[j, :n], zero
+        )
+        assert rel_err(got[j, :n], o_ref) <= 2e-2 and rel_err(pools[0][s], s_ref) <= 2e-2, j
+    assert torch.equal(via_padded, got) and torch.equal(pools[2][slots], pools[0][slots])
+    for p in pools:
+        assert p[0].isnan().all() and p[-1].isnan().all()
+
+
 # ----------------------------------------------------------------------------- attention
 
 

@@ -141,6 +141,35 @@ def gdn_prefill_varlen(
     return o[0].to(v.dtype)
 
 
+def gdn_fresh_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    state_pool: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`gdn_padded`'s contract for new prompts of one chunk (at most 64 padded rows)
+    from a zero state: FLA's L2 norms, cumulative decay and intra-chunk WY solve (its own
+    functions, as its chunked forward calls them), then
+    :func:`headstart.ops.gated_delta.triton.fresh_outputs` for the outputs and the final
+    states, written to the slots. o [N, L, Hv, Dv] in v's dtype."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from headstart.ops.gated_delta.triton import fresh_outputs
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q, _ = l2norm_fwd(q)
+    k, _ = l2norm_fwd(k)
+    g = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
+    _, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+    return fresh_outputs(q, k, u, g, slots, state_pool, q.shape[-1] ** -0.5)
+
+
 def gdn_padded(
     q: torch.Tensor,
     k: torch.Tensor,

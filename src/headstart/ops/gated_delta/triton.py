@@ -282,6 +282,61 @@ if HAVE_TRITON:
         s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
         tl.store(s_ptrs, S)
 
+    @triton.jit
+    def _fresh_outputs_kernel(
+        q_ptr,
+        k_ptr,
+        u_ptr,
+        g_ptr,
+        o_ptr,
+        slot_ptr,
+        state_ptr,
+        L,
+        scale,
+        stride_slot,
+        HK: tl.constexpr,
+        HV: tl.constexpr,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BV: tl.constexpr,
+        BT: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """One fresh stream's rows (at most BT, one chunk) for one value head and Dv slice,
+        given the chunk's WY values ``u`` (the state is zero, so FLA's ``v_new`` is ``u``):
+        the outputs ``scale * tril(q k^T * 2^(g_i - g_j)) u`` and the final state
+        ``(k * 2^(g_last - g))^T u`` written to the stream's slot, both as FLA's chunk_o and
+        chunk_h compute them (``g``: log2 cumulative decay; q and k L2-normalised)."""
+        pdl_wait(PDL)
+        pid = tl.program_id(0)  # stream * HV + value head
+        pv = tl.program_id(1)
+        i_n = pid // HV
+        i_hv = pid % HV
+        i_hk = i_hv // (HV // HK)
+        t = tl.arange(0, BT)
+        m = t < L
+        rows = (i_n * L + t).to(tl.int64)
+        dk = tl.arange(0, DK)
+        dv = pv * BV + tl.arange(0, BV)
+        qk_rows = rows[:, None] * (HK * DK) + i_hk * DK + dk[None, :]
+        b_q = tl.load(q_ptr + qk_rows, mask=m[:, None], other=0.0)
+        b_k = tl.load(k_ptr + qk_rows, mask=m[:, None], other=0.0)
+        uo_rows = rows[:, None] * (HV * DV) + i_hv * DV + dv[None, :]
+        b_u = tl.load(u_ptr + uo_rows, mask=m[:, None], other=0.0)
+        b_g = tl.load(g_ptr + rows * HV + i_hv, mask=m, other=0.0).to(tl.float32)
+
+        b_a = tl.dot(b_q, tl.trans(b_k)) * tl.exp2(b_g[:, None] - b_g[None, :])
+        b_a = tl.where((t[:, None] >= t[None, :]) & m[:, None] & m[None, :], b_a, 0.0)
+        b_o = tl.dot(b_a.to(b_u.dtype), b_u) * scale
+        tl.store(o_ptr + uo_rows, b_o.to(o_ptr.dtype.element_ty), mask=m[:, None])
+
+        g_last = tl.load(g_ptr + (i_n * L + L - 1).to(tl.int64) * HV + i_hv).to(tl.float32)
+        b_ud = b_u.to(tl.float32) * tl.where(m, tl.exp2(g_last - b_g), 0.0)[:, None]
+        b_s = tl.dot(tl.trans(b_k), b_ud.to(b_k.dtype))
+        slot = tl.load(slot_ptr + i_n).to(tl.int64)
+        s_ptrs = state_ptr + slot * stride_slot + i_hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+        tl.store(s_ptrs, b_s)
+
 
 def norm_fold_limit(device: torch.device) -> int:
     """Most (stream, value head) programs for which the output norm is applied inside the step
@@ -487,10 +542,16 @@ def gdn_padded(
     registers from the first row to the last and is written to the slot once), where FLA's
     chunked form costs about ten launches a layer plus a scatter of the final states. One
     prompt of up to :data:`FRESH_CHUNK_MAX_ROWS` rows from a zero state: one fused chunk
-    (:func:`gdn_fresh_chunk`, where :func:`fresh_chunk_fits`). Else FLA's."""
+    (:func:`gdn_fresh_chunk`, where :func:`fresh_chunk_fits`). Several prompts of one chunk
+    (:func:`fresh_padded_fits`): FLA's intra-chunk solve, then our outputs and final states
+    (:func:`headstart.ops.gated_delta.fla.gdn_fresh_padded`). Else FLA's."""
     N, L = q.shape[:2]
     if initial is None and fresh_chunk_fits(N, L, q.shape[3], v.shape[3]):
         return gdn_fresh_chunk(q, k, v, g, beta, slots, state_pool)
+    if initial is None and fresh_padded_fits(N, L, q.shape[3], v.shape[3]):
+        from headstart.ops.gated_delta.fla import gdn_fresh_padded
+
+        return gdn_fresh_padded(q, k, v, g, beta, slots, state_pool)
     if initial is not None or L > RECURRENT_MAX_ROWS:
         from headstart.ops.gated_delta.fla import gdn_padded as chunked
 
@@ -534,6 +595,78 @@ def fresh_chunk_fits(n: int, rows: int, dk: int, dv: int) -> bool:
         and tile(dk)
         and tile(dv)
     )
+
+
+# Several new prompts of more than RECURRENT_MAX_ROWS and at most this many rows (padded: one
+# chunk of FLA's) take FLA's intra-chunk solve and :func:`fresh_outputs` instead of FLA's whole
+# chunked form. Why: from a zero state in one chunk, FLA's chunk_h stores every chunk's (zero)
+# initial state, zero-fills the final states and leaves them for a scatter to the slots; at 27B,
+# 16 prompts of 32 rows, those took 52 + 16 + 44 of the 184 us a layer (BENCHMARKS.md, session 35).
+FRESH_PADDED_MAX_ROWS = 64
+
+
+def fresh_padded_fits(n: int, rows: int, dk: int, dv: int) -> bool:
+    """Whether ``n`` new prompts padded to ``rows`` rows take FLA's solve and
+    :func:`fresh_outputs` in :func:`gdn_padded` (head dims: powers of two of at least 16)."""
+
+    def tile(d: int) -> bool:
+        return d >= 16 and d & (d - 1) == 0
+
+    return (
+        n > FRESH_CHUNK_MAX_STREAMS
+        and RECURRENT_MAX_ROWS < rows <= FRESH_PADDED_MAX_ROWS
+        and tile(dk)
+        and tile(dv)
+    )
+
+
+def fresh_outputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    slots: torch.Tensor,
+    state_pool: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """New prompts padded to L <= 64 rows, one chunk each, from a zero state, after the WY
+    solve: q, k [N, L, Hk, Dk] L2-normalised; u [N, L, Hv, Dv] (the solved values); g [N, L,
+    Hv] fp32 log2 cumulative decay within the chunk. Writes each prompt's final state
+    ``(k * 2^(g_last - g))^T u`` to ``state_pool[slots]`` and returns o [N, L, Hv, Dv] in u's
+    dtype, ``scale * tril(q k^T * 2^(g_i - g_j)) u``: FLA's chunk_h and chunk_o from a zero
+    state, in one launch with no scatter."""
+    N, L, Hk, Dk = q.shape
+    Hv, Dv = u.shape[2], u.shape[3]
+    if L > FRESH_PADDED_MAX_ROWS:
+        raise ValueError(f"fresh_outputs takes at most {FRESH_PADDED_MAX_ROWS} rows, not {L}")
+    if state_pool.dtype != torch.float32 or state_pool[0].stride() != (Dk * Dv, Dv, 1):
+        raise ValueError("state_pool must be fp32 with contiguous [Hv, Dk, Dv] per slot")
+    q, k, u, g = (t.contiguous() for t in (q, k, u, g))
+    o = torch.empty_like(u)
+    if N == 0:
+        return o
+    BV = min(64, Dv)
+    _fresh_outputs_kernel[(N * Hv, Dv // BV)](
+        q,
+        k,
+        u,
+        g,
+        o,
+        slots,
+        state_pool,
+        L,
+        scale,
+        state_pool.stride(0),
+        HK=Hk,
+        HV=Hv,
+        DK=Dk,
+        DV=Dv,
+        BV=BV,
+        BT=max(16, triton.next_power_of_2(L)),
+        num_warps=4,
+        **pdl_options(u.device),
+    )
+    return o
 
 
 def gdn_fresh_chunk(
