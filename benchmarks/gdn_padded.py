@@ -8,7 +8,7 @@ replays of 48 layers' worth of calls (each layer its own pool and inputs, as in 
 ``--chunks``: also FLA at those chunk sizes; ``--cases``: only these (streams x rows);
 ``--fused``: also ``gdn_fresh_chunk`` (one fused chunk) at up to 32 rows; ``--solve``: also
 ``fla.gdn_fresh_padded`` (FLA's intra-chunk solve, then our outputs and final states) at up to
-64 rows.
+32 rows.
 """
 
 from __future__ import annotations

@@ -597,12 +597,15 @@ def fresh_chunk_fits(n: int, rows: int, dk: int, dv: int) -> bool:
     )
 
 
-# Several new prompts of more than RECURRENT_MAX_ROWS and at most this many rows (padded: one
-# chunk of FLA's) take FLA's intra-chunk solve and :func:`fresh_outputs` instead of FLA's whole
-# chunked form. Why: from a zero state in one chunk, FLA's chunk_h stores every chunk's (zero)
-# initial state, zero-fills the final states and leaves them for a scatter to the slots; at 27B,
-# 16 prompts of 32 rows, those took 52 + 16 + 44 of the 184 us a layer (BENCHMARKS.md, session 35).
-FRESH_PADDED_MAX_ROWS = 64
+# Several new prompts of more than RECURRENT_MAX_ROWS and at most this many rows (padded) take
+# FLA's intra-chunk solve and :func:`fresh_outputs` instead of FLA's whole chunked form. Why:
+# from a zero state in one chunk, FLA's chunk_h stores every chunk's (zero) initial state,
+# zero-fills the final states and leaves them for a scatter to the slots; at 27B, 16 prompts of
+# 32 rows, FLA's form took 155.5 us a layer and this one 70.3 (H200, BENCHMARKS.md, session 36).
+# Not 64 rows (one whole chunk of FLA's): there the launch (64-row tile, 32 Dv columns a
+# program) read or wrote out of bounds on an H200 (2 prompts x 64 rows, 27B heads), cause not
+# found; Triton's interpreter ran it correctly. FLA's form takes those.
+FRESH_PADDED_MAX_ROWS = 32
 
 
 def fresh_padded_fits(n: int, rows: int, dk: int, dv: int) -> bool:
@@ -629,7 +632,7 @@ def fresh_outputs(
     state_pool: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """New prompts padded to L <= 64 rows, one chunk each, from a zero state, after the WY
+    """New prompts padded to L <= 32 rows, one chunk each, from a zero state, after the WY
     solve: q, k [N, L, Hk, Dk] L2-normalised; u [N, L, Hv, Dv] (the solved values); g [N, L,
     Hv] fp32 log2 cumulative decay within the chunk. Writes each prompt's final state
     ``(k * 2^(g_last - g))^T u`` to ``state_pool[slots]`` and returns o [N, L, Hv, Dv] in u's
@@ -646,9 +649,9 @@ def fresh_outputs(
     if N == 0:
         return o
     BT = max(16, triton.next_power_of_2(L))
-    # At 8 warps and 27B's heads neither tile spills (ptxas, sm_90a): 84 registers at 32 rows
-    # and 64 Dv columns, 153 at 64 rows and 32 columns (64 and 64: 243; 4 warps spill there).
-    BV = min(64 if BT <= 32 else 32, Dv)
+    # At 8 warps and 27B's heads the tile does not spill (ptxas, sm_90a): 84 registers at 32
+    # rows and 64 Dv columns.
+    BV = min(64, Dv)
     _fresh_outputs_kernel[(N * Hv, Dv // BV)](
         q,
         k,
