@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="streams x rows, comma-separated")
     ap.add_argument("--shapes", default="27b,2b")
     ap.add_argument("--fused", action="store_true", help="also gdn_fresh_chunk (<= 32 rows)")
-    ap.add_argument("--solve", action="store_true", help="also gdn_fresh_padded (<= 64 rows)")
+    ap.add_argument("--solve", action="store_true", help="also gdn_fresh_padded (<= 32 rows)")
     args = ap.parse_args()
     chunks = [int(c) for c in args.chunks.split(",") if c]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c] or CASES

@@ -581,20 +581,21 @@ FRESH_CHUNK_MAX_ROWS = 32
 FRESH_CHUNK_MAX_STREAMS = 1
 
 
-def fresh_chunk_fits(n: int, rows: int, dk: int, dv: int) -> bool:
-    """Whether ``n`` new prompts padded to ``rows`` rows, with key and value heads of ``dk``
-    and ``dv`` dims, take :func:`gdn_fresh_chunk` in :func:`gdn_padded`: the measured range
-    above, and head dims its tiles take (powers of two, at least ``tl.dot``'s 16)."""
+def _one_tiled_chunk(rows: int, max_rows: int, dk: int, dv: int) -> bool:
+    """Rows past the one-row steps' range and within ``max_rows``, and head dims a kernel's
+    tiles take (powers of two, at least ``tl.dot``'s 16)."""
 
     def tile(d: int) -> bool:
         return d >= 16 and d & (d - 1) == 0
 
-    return (
-        n <= FRESH_CHUNK_MAX_STREAMS
-        and RECURRENT_MAX_ROWS < rows <= FRESH_CHUNK_MAX_ROWS
-        and tile(dk)
-        and tile(dv)
-    )
+    return RECURRENT_MAX_ROWS < rows <= max_rows and tile(dk) and tile(dv)
+
+
+def fresh_chunk_fits(n: int, rows: int, dk: int, dv: int) -> bool:
+    """Whether ``n`` new prompts padded to ``rows`` rows, with key and value heads of ``dk``
+    and ``dv`` dims, take :func:`gdn_fresh_chunk` in :func:`gdn_padded`: the measured range
+    above, and head dims its tiles take."""
+    return n <= FRESH_CHUNK_MAX_STREAMS and _one_tiled_chunk(rows, FRESH_CHUNK_MAX_ROWS, dk, dv)
 
 
 # Several new prompts of more than RECURRENT_MAX_ROWS and at most this many rows (padded) take
@@ -610,17 +611,9 @@ FRESH_PADDED_MAX_ROWS = 32
 
 def fresh_padded_fits(n: int, rows: int, dk: int, dv: int) -> bool:
     """Whether ``n`` new prompts padded to ``rows`` rows take FLA's solve and
-    :func:`fresh_outputs` in :func:`gdn_padded` (head dims: powers of two of at least 16)."""
-
-    def tile(d: int) -> bool:
-        return d >= 16 and d & (d - 1) == 0
-
-    return (
-        n > FRESH_CHUNK_MAX_STREAMS
-        and RECURRENT_MAX_ROWS < rows <= FRESH_PADDED_MAX_ROWS
-        and tile(dk)
-        and tile(dv)
-    )
+    :func:`fresh_outputs` in :func:`gdn_padded` (several prompts: one takes
+    :func:`gdn_fresh_chunk`)."""
+    return n > FRESH_CHUNK_MAX_STREAMS and _one_tiled_chunk(rows, FRESH_PADDED_MAX_ROWS, dk, dv)
 
 
 def fresh_outputs(
