@@ -128,13 +128,15 @@ def test_leaves_and_rebuild_keep_non_tensor_fields():
         (2, 32, (40, 96)),
     ],
 )
-@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quant_prepare_on_meta_matches_a_real_run(bits, group, shape, scale_dtype):
+    """The meta result is made from shapes alone (no repacking on the meta device): each
+    tensor's shape, dtype and strides, and every other field, are a real run's."""
     qt = quantize(torch.randn(*shape), bits, group, scale_dtype)
     real, meta = quant_matmul.prepare(qt), quant_matmul.prepare(to_meta(qt))
     for (field, r), (_, m) in zip(leaves(real), leaves(meta), strict=True):
         assert m.is_meta, field
-        assert (r.shape, r.dtype) == (m.shape, m.dtype), field
+        assert (r.shape, r.dtype, r.stride()) == (m.shape, m.dtype, m.stride()), field
     for f in dataclasses.fields(PreparedQuant):
         if not isinstance(getattr(real, f.name), torch.Tensor):
             assert getattr(real, f.name) == getattr(meta, f.name), f.name

@@ -32,6 +32,8 @@ def random_tensor(
 ):
     """One random weight (``bits``: MLX affine with groups of 64 where K allows; matrices in
     ``dtype``); on the meta device, no data."""
+    if device == "meta":
+        return _meta_tensor(shape, bits, dtype, name.endswith("conv1d.weight"))
     if len(shape) == 1:
         t = (
             torch.ones(shape, device=device)
@@ -43,17 +45,8 @@ def random_tensor(
         return (torch.randn(shape, device=device, generator=gen) * 0.3).to(dtype)
     if bits == 4 and shape[1] % 64 == 0:
         out, inp = shape
-        packed = (
-            torch.empty(out, inp // 8, dtype=torch.int32, device=device)
-            if device == "meta"
-            else torch.randint(
-                -(2**31),
-                2**31 - 1,
-                (out, inp // 8),
-                dtype=torch.int32,
-                device=device,
-                generator=gen,
-            )
+        packed = torch.randint(
+            -(2**31), 2**31 - 1, (out, inp // 8), dtype=torch.int32, device=device, generator=gen
         )
         # Uniform codes 0..15 around 7.5, scaled to a unit-variance output per row.
         scales = torch.full(
@@ -61,6 +54,20 @@ def random_tensor(
         )
         return QuantizedTensor(packed, scales, -7.5 * scales, 4, 64)
     return (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).to(dtype)
+
+
+def _meta_tensor(shape: tuple[int, ...], bits: int | None, dtype: torch.dtype, conv: bool):
+    """:func:`random_tensor`'s result on the meta device, made with ``torch.empty`` alone: a
+    random or arithmetic op there runs Python meta functions, and its first use imports
+    torch's compiler stack (seconds of every start-up's arena planning)."""
+    if len(shape) == 1:
+        return torch.empty(shape, device="meta")
+    if bits == 4 and shape[1] % 64 == 0 and not conv:
+        out, inp = shape
+        scales = torch.empty(out, inp // 64, dtype=torch.bfloat16, device="meta")
+        packed = torch.empty(out, inp // 8, dtype=torch.int32, device="meta")
+        return QuantizedTensor(packed, scales, torch.empty_like(scales), 4, 64)
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 @dataclass(frozen=True)

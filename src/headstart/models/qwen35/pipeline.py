@@ -9,6 +9,7 @@ arena, so it depends only on shapes and dtypes, never on values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -54,18 +55,29 @@ FUSED = {  # fused weight -> the checkpoint's projections it stacks along the ou
 }
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` along rows; on the meta device (arena planning) the result's shape alone:
+    an op there runs Python meta functions, and its first use imports torch's compiler stack
+    (seconds of a start-up)."""
+    if not parts[0].is_meta:
+        return torch.cat(parts, dim=0)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in parts))
+    rows = sum(t.shape[0] for t in parts)
+    return torch.empty(rows, *parts[0].shape[1:], dtype=dtype, device="meta")
+
+
 def _stack(parts: list[Weight]) -> Weight:
     if all(isinstance(t, torch.Tensor) for t in parts):
-        return torch.cat(parts, dim=0)
+        return _cat(parts)
     first = parts[0]
     assert all(
         isinstance(t, QuantizedTensor) and t.bits == first.bits and t.group_size == first.group_size
         for t in parts
     )
     return QuantizedTensor(
-        torch.cat([t.packed for t in parts]),
-        torch.cat([t.scales for t in parts]),
-        torch.cat([t.biases for t in parts]),
+        _cat([t.packed for t in parts]),
+        _cat([t.scales for t in parts]),
+        _cat([t.biases for t in parts]),
         first.bits,
         first.group_size,
     )

@@ -273,14 +273,51 @@ def prepare(
     return p
 
 
+def _scale_dtype(qt: QuantizedTensor) -> torch.dtype:
+    """The 16-bit float the layouts store scales and biases in: as stored, fp32 as bf16."""
+    return qt.scales.dtype if qt.scales.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _meta_prepared(
+    qt: QuantizedTensor,
+    config: QmmConfig | None,
+    block_n: int,
+    layout: str,
+    words: tuple[int, ...],
+    sb: tuple[int, ...],
+    counters: int,
+) -> PreparedQuant:
+    """A layout's result for a meta stand-in (arena planning): its tensors' shapes and dtypes,
+    made without running the repacking on the meta device. Why: there each of its ops goes
+    through Python meta functions (tens of ms a 27B weight, seconds a 27B load; BENCHMARKS.md)
+    and their first use imports torch's compiler stack."""
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.int32, device="meta")
+
+    N, K = qt.shape
+    sb_bf16 = _scale_dtype(qt) == torch.bfloat16
+    return PreparedQuant(
+        empty(*words),
+        empty(*sb),
+        block_n,
+        N,
+        K,
+        qt.bits,
+        qt.group_size,
+        sb_bf16,
+        empty(counters),
+        config or QmmConfig(),
+        layout,
+    )
+
+
 def _scale_bias_words(
     qt: QuantizedTensor, rows: int, cols: int, repeat: int
 ) -> tuple[torch.Tensor, bool]:
     """int32 ``[rows, cols]``: (scale | bias << 16) as 16-bit floats (bf16 or fp16 as stored;
     fp32 is rounded to bf16), each group repeated ``repeat`` times along K; zero padding."""
-    sdt = qt.scales.dtype
-    if sdt not in (torch.bfloat16, torch.float16):
-        sdt = torch.bfloat16
+    sdt = _scale_dtype(qt)
     N, n_groups = qt.scales.shape
     dev = qt.scales.device
     s = torch.zeros(rows, cols, dtype=sdt, device=dev)
@@ -310,6 +347,9 @@ def _prepare_mma(
     Np = nt * block_n
     nb = block_n // 16
     dev = qt.packed.device
+    if dev.type == "meta":
+        shapes = (nt, Cp, nb, 32, 4), (nt, Cp // 2, nb, 8, 4)
+        return _meta_prepared(qt, config, block_n, "mma", *shapes, nt * _MMA_M_TILES)
     words = torch.empty(nt, Cp, nb, 32, 4, dtype=torch.int32, device=dev)
     rows_per_chunk = max(block_n, rows_per_chunk // block_n * block_n)
     for r0 in range(0, Np, rows_per_chunk):
@@ -353,6 +393,10 @@ def _prepare_tiled(
     S = -(-K // (PW * G))
     Kp, Np = S * PW * G, -(-N // ROW_PAD) * ROW_PAD
     dev = qt.packed.device
+    if dev.type == "meta":
+        nt = Np // block_n
+        shapes = (nt, S, G, block_n), (nt, S, PW, block_n)
+        return _meta_prepared(qt, config, block_n, "tiled", *shapes, nt)
     words = torch.zeros(S * G, Np, dtype=torch.int32, device=dev)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=dev)
     for r0 in range(0, N, rows_per_chunk):
