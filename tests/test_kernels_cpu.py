@@ -71,3 +71,35 @@ def test_the_span_convolution_equals_the_reference(T, C):
     assert CPU.conv_span is cpu_conv.causal_conv and cpu_conv.available()
     torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
     assert torch.equal(new_tail, want_tail)
+
+
+def test_kernels_first_used_after_start_up_are_logged(monkeypatch, caplog):
+    """After start-up, Triton's cache-miss hook logs each new kernel specialization (a shape
+    the warm-up missed), the first ``limit`` of them, and lets Triton compile it as usual."""
+    import logging
+
+    triton = pytest.importorskip("triton")
+    from headstart.ops.triton_support import report_late_compiles
+
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(runtime, "jit_cache_hook", None)
+    report_late_compiles(logging.getLogger("headstart.test"), limit=2)
+    hook = runtime.jit_cache_hook
+    assert hook is not None
+    with caplog.at_level(logging.WARNING, logger="headstart.test"):
+        for i in range(3):  # the keywords JITFunction._call_hook passes
+            skip = hook(
+                key=i,
+                repr=f"_kernel[num_warps=4](x: *bf16, n: i32 {i})",
+                fn=None,
+                compile={},
+                is_manual_warmup=False,
+                already_compiled=False,
+            )
+            assert not skip  # a true result would make Triton skip the compile
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "kernel first used after start-up (not warmed): _kernel[num_warps=4](x: *bf16, n: i32 0)",
+        "kernel first used after start-up (not warmed): _kernel[num_warps=4](x: *bf16, n: i32 1)",
+        "further kernels first used after start-up are not logged",
+    ]

@@ -13,6 +13,7 @@ Triton's CPU interpreter (no inline PTX there), before sm_90, and with ``HEADSTA
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -70,3 +71,26 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     """Launch keywords of a kernel that takes a ``PDL`` constexpr and calls :func:`pdl_wait`."""
     on = pdl(device)
     return {"PDL": on, "launch_pdl": on}
+
+
+def report_late_compiles(log: logging.Logger, limit: int = 20) -> None:
+    """From now on, log a warning for each Triton kernel specialization this process compiles
+    or loads (the first ``limit`` of them): once start-up has warmed every shape the scheduler
+    makes, one is a shape the warm-up missed, whose first request pays for it (a compile, or a
+    disk-cache load and an autotuning pass). A no-op without Triton's runtime hooks."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return
+    seen = 0
+
+    def hook(**kw: object) -> None:  # Triton passes keywords: key, repr, fn, compile, ...
+        nonlocal seen
+        seen += 1
+        if seen <= limit:
+            what = str(kw.get("repr", "?"))[:300]
+            log.warning("kernel first used after start-up (not warmed): %s", what)
+        if seen == limit:
+            log.warning("further kernels first used after start-up are not logged")
+
+    runtime.jit_cache_hook = hook

@@ -962,6 +962,10 @@ def _serve_loaded(
         engine.cache.close()
         loaded.close()
         return 0
+    if loaded.model.device.type == "cuda":
+        from headstart.ops.triton_support import report_late_compiles
+
+        report_late_compiles(log)
     metrics = Metrics(slots=parallel)
     metrics.watch_prompt_cache(engine.stats)
     name = args.served_model_name or _served_name(args.model)
