@@ -86,20 +86,29 @@ def test_kernels_first_used_after_start_up_are_logged(monkeypatch, caplog):
     report_late_compiles(logging.getLogger("headstart.test"), limit=2)
     hook = runtime.jit_cache_hook
     assert hook is not None
+    fn = type("Info", (), {"name": "_kernel"})()
     with caplog.at_level(logging.WARNING, logger="headstart.test"):
-        for i in range(3):  # the keywords JITFunction._call_hook passes
+        for i in range(3):  # the keywords JITFunction._call_hook passes (Triton 3.6)
             skip = hook(
                 key=i,
-                repr=f"_kernel[num_warps=4](x: *bf16, n: i32 {i})",
-                fn=None,
-                compile={},
+                repr="_kernel[num_warps=4](x: *bf16)",
+                fn=fn,
+                compile={
+                    "signature": {"x": "*bf16", "n": "i32", "W": "constexpr"},
+                    "constants": {(2,): i},
+                    "configs": [{(0,): [["tt.divisibility", 16]], (1,): [["tt.equal_to", 1]]}],
+                    "num_warps": 4,
+                    "num_stages": 3,
+                },
                 is_manual_warmup=False,
                 already_compiled=False,
             )
             assert not skip  # a true result would make Triton skip the compile
     lines = [r.getMessage() for r in caplog.records]
+    first = "kernel first used after start-up (not warmed): _kernel[warps=4, stages=3](W={}, "
+    attrs = "x:[['tt.divisibility', 16]], n:[['tt.equal_to', 1]])"
     assert lines == [
-        "kernel first used after start-up (not warmed): _kernel[num_warps=4](x: *bf16, n: i32 0)",
-        "kernel first used after start-up (not warmed): _kernel[num_warps=4](x: *bf16, n: i32 1)",
+        first.format(0) + attrs,
+        first.format(1) + attrs,
         "further kernels first used after start-up are not logged",
     ]

@@ -88,9 +88,30 @@ def report_late_compiles(log: logging.Logger, limit: int = 20) -> None:
         nonlocal seen
         seen += 1
         if seen <= limit:
-            what = str(kw.get("repr", "?"))[:300]
-            log.warning("kernel first used after start-up (not warmed): %s", what)
+            log.warning("kernel first used after start-up (not warmed): %s", _specialization(kw))
         if seen == limit:
             log.warning("further kernels first used after start-up are not logged")
 
     runtime.jit_cache_hook = hook
+
+
+def _specialization(kw: dict) -> str:
+    """A kernel specialization as Triton's ``jit_cache_hook`` describes it: the kernel's name,
+    its warps and stages, each constexpr's value and each argument Triton specialized on (an
+    int equal to 1, or divisible by 16; a pointer's alignment): what tells two launches of one
+    kernel apart. Triton's own ``repr`` names the arguments' types only."""
+    comp = kw.get("compile")
+    fn = kw.get("fn")
+    if not isinstance(comp, dict):
+        return str(kw.get("repr", "?"))[:600]
+    names = list(comp.get("signature") or {})
+
+    def name(key: object) -> str:
+        i = key[0] if isinstance(key, tuple) and key else key
+        return names[i] if isinstance(i, int) and 0 <= i < len(names) else str(key)
+
+    parts = [f"{name(k)}={v}" for k, v in (comp.get("constants") or {}).items()]
+    attrs = (comp.get("configs") or [{}])[0] or {}
+    parts += [f"{name(k)}:{v}" for k, v in attrs.items()]
+    launch = f"warps={comp.get('num_warps')}, stages={comp.get('num_stages')}"
+    return f"{getattr(fn, 'name', '?')}[{launch}]({', '.join(parts)})"[:600]
