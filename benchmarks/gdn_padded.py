@@ -8,7 +8,11 @@ replays of 48 layers' worth of calls (each layer its own pool and inputs, as in 
 ``--chunks``: also FLA at those chunk sizes; ``--cases``: only these (streams x rows);
 ``--fused``: also ``gdn_fresh_chunk`` (one fused chunk) at up to 32 rows; ``--solve``: also
 ``fla.gdn_fresh_padded`` (FLA's intra-chunk solve, then our outputs and final states) at up to
-32 rows.
+``--max-rows`` rows (default: the path's limit, ``FRESH_PADDED_MAX_ROWS``); ``--once``: only
+``--solve``'s check, each case run once with no graphs or timing (for ``compute-sanitizer``):
+
+    compute-sanitizer --tool memcheck python benchmarks/gdn_padded.py --shapes 27b \
+        --cases 2x64,2x48 --solve --max-rows 64 --once
 """
 
 from __future__ import annotations
@@ -74,7 +78,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="27b,2b")
     ap.add_argument("--fused", action="store_true", help="also gdn_fresh_chunk (<= 32 rows)")
     ap.add_argument("--solve", action="store_true", help="also gdn_fresh_padded (<= 32 rows)")
+    ap.add_argument("--max-rows", type=int, default=0, help="gdn_fresh_padded's row limit")
+    ap.add_argument("--once", action="store_true", help="--solve's check only, once a case")
     args = ap.parse_args()
+    if args.max_rows:  # to try the path past its limit (module doc)
+        gpu_gdn.FRESH_PADDED_MAX_ROWS = args.max_rows
     chunks = [int(c) for c in args.chunks.split(",") if c]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c] or CASES
     launches = [tuple(int(x) for x in s.split("x")) for s in args.launches.split(",") if s]
@@ -83,6 +91,13 @@ def main() -> None:
     for name in args.shapes.split(","):
         Hk, Hv, D = SHAPES[name]
         for n, L in cases:
+            if args.once:
+                a = inputs(n, L, Hk, Hv, D, seed=0)
+                ref = fla.gdn_padded(*a).float()
+                d = (fla.gdn_fresh_padded(*a).float() - ref).abs().max().item()
+                torch.cuda.synchronize()
+                print(f"{name:5s} {n:3d} x {L:3d} solve + our outputs, once: {d:.2e}", flush=True)
+                continue
             layers = [inputs(n, L, Hk, Hv, D, seed=i) for i in range(LAYERS)]
             t_fla = per_layer_us(fla.gdn_padded, layers)
             steps = "-"
