@@ -191,6 +191,43 @@ def test_warm_up_paths_run_and_leave_no_trace(loaded, engines):
     assert c.done.wait(30) and c.tokens == alone(loaded, ids, params)
 
 
+@pytest.mark.slow
+def test_warm_up_runs_decode_rows_beside_a_chunk_at_every_count(loaded, engines, monkeypatch):
+    """The warm-up's mixed steps (decode rows beside a new prompt's chunk) run 1, 2, 4, ..
+    and every free slot's decode rows, each on its own slot, so a step of many decoding streams
+    beside a long prompt compiles nothing on its first use; a request afterwards (on a slot a
+    warm-up decode row wrote) answers as on a fresh engine."""
+    e = engines(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.eos_token_ids,
+        EngineConfig(6, 256, graphs=GraphConfig(enabled=False)),
+        start=False,
+    )
+    forward, steps = e.runner._forward, []
+
+    def spy(chunks, *a, **kw):
+        steps.append(list(chunks))
+        return forward(chunks, *a, **kw)
+
+    monkeypatch.setattr(e.runner, "_forward", spy)
+    e.runner.warm_eager(scratch=5)  # no graphs: no extra slot, the last stands in
+    mixed = [s for s in steps if len(s) >= 2 and all(len(c.tokens) == 1 for c in s[:-1])]
+    counts = sorted(len(s) - 1 for s in mixed if s[-1].start == 0 and len(s[-1].tokens) > 1)
+    assert counts == [1, 2, 4, 5]  # the scratch slot and slots 1-4: slot 0 holds the chunk
+    for s in mixed:
+        slots = [c.slot for c in s]
+        assert len(set(slots)) == len(slots) and s[-1].slot == 0
+    monkeypatch.undo()
+    e.start()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for i, text in enumerate(("def warm():", "x = [1, 2,", "class A:")):
+        ids = loaded.tokenizer.encode(text)
+        c = Collector()
+        e.submit(EngineRequest(f"w{i}", ids, params, 5, c))
+        assert c.done.wait(30) and c.tokens == alone(loaded, ids, params)
+
+
 def test_queued_drafter_features_keep_the_newest_window():
     """Rows queued for the drafter arrive in pieces (a prompt, then one per step); reading them
     gives the newest ``window`` rows and their first position, as one concatenation would."""
