@@ -218,9 +218,9 @@ class ModelRunner:
         """Run each eager path once on the ``scratch`` slot (slot 0 beside it; for several
         decode rows, slots 1, 2, .. too: a stream that starts there overwrites their state)
         so the first request pays no kernel compilation or autotuning: prefill chunks of a few
-        sizes, a continued chunk, decode rows beside a chunk (:meth:`_mixed_rows`), two chunks
-        in one step and, with a drafter, a recorded verify window, its rollback and a draft."""
-        from headstart.engine.cuda_graph import mine  # a compile-ahead shard's only
+        sizes, a continued chunk, 1, 2, 4, .. decode rows beside a chunk, two chunks in one
+        step and, with a drafter, a recorded verify window, its rollback and a draft."""
+        from headstart.engine.cuda_graph import buckets_for, mine  # mine: a shard's only
 
         sizes = sorted(
             {min(n, self.context - 1) for n in (7, 14, 16, 31, 32, 64, 128, self.prefill_chunk)},
@@ -233,8 +233,12 @@ class ModelRunner:
             # snapshot boundary or a cache hit); the varlen kernels (two chunks in one step).
             steps.append([SeqChunk(scratch, short, (0,) * short, 1)])
             if self.num_slots >= 2:
+                # Decode rows beside a chunk at the decode graphs' batch sizes: kernels pick
+                # their launch by the number of rows (the one-row GDN step's value slice, for
+                # one), so a step of many decoding streams beside a new prompt compiled its own
+                # variant on its first use (2B on an H100: a 316 ms gap, BENCHMARKS.md).
                 others = [s for s in range(1, self.num_slots) if s != scratch]
-                for k in self._mixed_rows(1 + len(others)):
+                for k in buckets_for(1 + len(others)):
                     decode = [scratch, *others[: k - 1]]
                     rows = [SeqChunk(slot, 2 * short, (0,), 1) for slot in decode]
                     steps.append([*rows, SeqChunk(0, 0, (0,) * short, 1)])
@@ -251,19 +255,6 @@ class ModelRunner:
             self.spec.warm_up(out.taps)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
-
-    @staticmethod
-    def _mixed_rows(most: int) -> list[int]:
-        """The decode-row counts a step of decode rows beside a new prompt's chunk is warmed at
-        (at most ``most``): 1, powers of two, and ``most``. Why several: kernels pick their
-        launch by the number of rows (the one-row GDN step's value slice, for one), so a mixed
-        step of many decoding streams compiled its own variant on the first such request (2B
-        on an H100: a 316 ms gap, BENCHMARKS.md)."""
-        counts, k = {1, most}, 2
-        while k < most:
-            counts.add(k)
-            k *= 2
-        return sorted(counts)
 
     def _capture(self) -> None:
         from headstart.engine.cuda_graph import ContinuationGraphs, DecodeGraphs, PromptGraphs

@@ -11,6 +11,7 @@ its arena from meta stand-ins and holds the arena plus one layer in flight, neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,42 +33,53 @@ def random_tensor(
 ):
     """One random weight (``bits``: MLX affine with groups of 64 where K allows; matrices in
     ``dtype``); on the meta device, no data."""
-    if device == "meta":
-        return _meta_tensor(shape, bits, dtype, name.endswith("conv1d.weight"))
+
+    def made(make: Callable[[], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype):
+        # On the meta device only ``torch.empty``: a random or arithmetic op there runs Python
+        # meta functions, and its first use imports torch's compiler stack (seconds of every
+        # start-up's arena planning).
+        return torch.empty(shape, dtype=dtype, device="meta") if device == "meta" else make()
+
     if len(shape) == 1:
-        t = (
-            torch.ones(shape, device=device)
-            if "norm" in name
-            else torch.rand(shape, device=device, generator=gen) - 0.5
+        return made(
+            lambda: (
+                torch.ones(shape, device=device)
+                if "norm" in name
+                else torch.rand(shape, device=device, generator=gen) - 0.5
+            ).float(),
+            shape,
+            torch.float32,
         )
-        return t.float()
     if name.endswith("conv1d.weight"):
-        return (torch.randn(shape, device=device, generator=gen) * 0.3).to(dtype)
+        return made(
+            lambda: (torch.randn(shape, device=device, generator=gen) * 0.3).to(dtype),
+            shape,
+            dtype,
+        )
     if bits == 4 and shape[1] % 64 == 0:
         out, inp = shape
-        packed = torch.randint(
-            -(2**31), 2**31 - 1, (out, inp // 8), dtype=torch.int32, device=device, generator=gen
+        words = (out, inp // 8)
+        packed = made(
+            lambda: torch.randint(
+                -(2**31), 2**31 - 1, words, dtype=torch.int32, device=device, generator=gen
+            ),
+            words,
+            torch.int32,
         )
         # Uniform codes 0..15 around 7.5, scaled to a unit-variance output per row.
-        scales = torch.full(
-            (out, inp // 64), 2.0 / 15 / inp**0.5, dtype=torch.bfloat16, device=device
+        groups = (out, inp // 64)
+        scales = made(
+            lambda: torch.full(groups, 2.0 / 15 / inp**0.5, dtype=torch.bfloat16, device=device),
+            groups,
+            torch.bfloat16,
         )
-        return QuantizedTensor(packed, scales, -7.5 * scales, 4, 64)
-    return (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).to(dtype)
-
-
-def _meta_tensor(shape: tuple[int, ...], bits: int | None, dtype: torch.dtype, conv: bool):
-    """:func:`random_tensor`'s result on the meta device, made with ``torch.empty`` alone: a
-    random or arithmetic op there runs Python meta functions, and its first use imports
-    torch's compiler stack (seconds of every start-up's arena planning)."""
-    if len(shape) == 1:
-        return torch.empty(shape, device="meta")
-    if bits == 4 and shape[1] % 64 == 0 and not conv:
-        out, inp = shape
-        scales = torch.empty(out, inp // 64, dtype=torch.bfloat16, device="meta")
-        packed = torch.empty(out, inp // 8, dtype=torch.int32, device="meta")
-        return QuantizedTensor(packed, scales, torch.empty_like(scales), 4, 64)
-    return torch.empty(shape, dtype=dtype, device="meta")
+        biases = made(lambda: -7.5 * scales, groups, torch.bfloat16)
+        return QuantizedTensor(packed, scales, biases, 4, 64)
+    return made(
+        lambda: (torch.randn(shape, device=device, generator=gen) / shape[1] ** 0.5).to(dtype),
+        shape,
+        dtype,
+    )
 
 
 @dataclass(frozen=True)

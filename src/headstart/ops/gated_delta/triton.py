@@ -603,9 +603,10 @@ def fresh_chunk_fits(n: int, rows: int, dk: int, dv: int) -> bool:
 # from a zero state in one chunk, FLA's chunk_h stores every chunk's (zero) initial state,
 # zero-fills the final states and leaves them for a scatter to the slots; at 27B, 16 prompts of
 # 32 rows, FLA's form took 155.5 us a layer and this one 70.3 (H200, BENCHMARKS.md, session 36).
-# Not 64 rows (one whole chunk of FLA's): there the launch (64-row tile, 32 Dv columns a
+# Not 64 rows (one whole chunk of FLA's) yet: there the launch (64-row tile, 32 Dv columns a
 # program) read or wrote out of bounds on an H200 (2 prompts x 64 rows, 27B heads), cause not
-# found; Triton's interpreter ran it correctly. FLA's form takes those.
+# found; at 64 Dv columns it ran clean under compute-sanitizer on an H100 (session 37), not yet
+# checked on an H200 (``benchmarks/gdn_padded.py --max-rows 64 --once``). FLA's form takes those.
 FRESH_PADDED_MAX_ROWS = 32
 
 
