@@ -151,9 +151,8 @@ def gdn_fresh_padded(
     state_pool: torch.Tensor,
 ) -> torch.Tensor:
     """:func:`gdn_padded`'s contract for new prompts of one chunk (at most
-    ``FRESH_PADDED_MAX_ROWS`` padded rows)
-    from a zero state: FLA's L2 norms, cumulative decay and intra-chunk WY solve (its own
-    functions, as its chunked forward calls them), then
+    ``FRESH_PADDED_MAX_ROWS`` padded rows) from a zero state: FLA's L2 norms, cumulative decay
+    and intra-chunk WY solve (its own functions, as its chunked forward calls them), then
     :func:`headstart.ops.gated_delta.triton.fresh_outputs` for the outputs and the final
     states, written to the slots. o [N, L, Hv, Dv] in v's dtype."""
     from fla.modules.norm.l2norm import l2norm_fwd
