@@ -77,7 +77,10 @@ def report_late_compiles(log: logging.Logger, limit: int = 20) -> None:
     """From now on, log a warning for each Triton kernel specialization this process compiles
     or loads (the first ``limit`` of them): once start-up has warmed every shape the scheduler
     makes, one is a shape the warm-up missed, whose first request pays for it (a compile, or a
-    disk-cache load and an autotuning pass). A no-op without Triton's runtime hooks."""
+    disk-cache load and an autotuning pass). Autotuning passes from now on print Triton's own
+    lines to stdout (``TRITON_PRINT_AUTOTUNING``): a kernel already compiled for every config
+    still benchmarks them all at a new autotuning key, which the hook does not see. A no-op
+    without Triton's runtime hooks."""
     knobs = getattr(triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
@@ -93,6 +96,9 @@ def report_late_compiles(log: logging.Logger, limit: int = 20) -> None:
             log.warning("further kernels first used after start-up are not logged")
 
     runtime.jit_cache_hook = hook
+    autotuning = getattr(knobs, "autotuning", None)
+    if autotuning is not None and hasattr(autotuning, "print"):
+        autotuning.print = True
 
 
 def _specialization(kw: dict) -> str:
