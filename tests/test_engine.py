@@ -171,17 +171,17 @@ def test_a_request_that_cannot_start_fails_alone(loaded, engine, monkeypatch):
     assert wait_idle(engine) and engine.stats()["free_slots"] == 4
 
 
+def unstarted_eager_engine(loaded, engines, slots: int):
+    """An engine of ``slots`` slots with no graphs, not started: a warm-up's subject."""
+    config = EngineConfig(slots, 256, graphs=GraphConfig(enabled=False))
+    return engines(loaded.model, loaded.tokenizer, loaded.eos_token_ids, config, start=False)
+
+
 @pytest.mark.slow
 def test_warm_up_paths_run_and_leave_no_trace(loaded, engines):
     """The GPU start-up warm-up (eager paths on a scratch slot) runs on any device, and a
     request afterwards answers exactly as on a fresh engine."""
-    e = engines(
-        loaded.model,
-        loaded.tokenizer,
-        loaded.eos_token_ids,
-        EngineConfig(2, 256, graphs=GraphConfig(enabled=False)),
-        start=False,
-    )
+    e = unstarted_eager_engine(loaded, engines, slots=2)
     e.runner.warm_eager(scratch=1)
     e.start()
     ids = loaded.tokenizer.encode("def warm():")
@@ -197,13 +197,7 @@ def test_warm_up_runs_decode_rows_beside_a_chunk_at_every_count(loaded, engines,
     and every free slot's decode rows, each on its own slot, so a step of many decoding streams
     beside a long prompt compiles nothing on its first use; a request afterwards (on a slot a
     warm-up decode row wrote) answers as on a fresh engine."""
-    e = engines(
-        loaded.model,
-        loaded.tokenizer,
-        loaded.eos_token_ids,
-        EngineConfig(6, 256, graphs=GraphConfig(enabled=False)),
-        start=False,
-    )
+    e = unstarted_eager_engine(loaded, engines, slots=6)
     forward, steps = e.runner._forward, []
 
     def spy(chunks, *a, **kw):
